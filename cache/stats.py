@@ -1,0 +1,80 @@
+"""Cache statistics: mutable counters inside the manager, immutable snapshots outside.
+
+Queries and hits are counted in TOKENS (vLLM's convention): a request with a 1,000-token prompt
+adds 1,000 to ``query_tokens`` and the number of prompt tokens served from cached pages to
+``hit_tokens``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class HitCounter:
+    """Prefix-cache queries/hits for one key (global, a tenant, or an agent)."""
+
+    requests: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+
+    def record(self, query_tokens: int, hit_tokens: int) -> None:
+        self.requests += 1
+        self.query_tokens += query_tokens
+        self.hit_tokens += hit_tokens
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    def frozen(self) -> HitStats:
+        return HitStats(self.requests, self.query_tokens, self.hit_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class HitStats:
+    requests: int
+    query_tokens: int
+    hit_tokens: int  # = prompt tokens saved from compute
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPrefix:
+    """A cached prefix that several live sequences reference right now."""
+
+    token_ids: tuple[int, ...]  # the first tokens of the prefix (for display), at most 32
+    num_tokens: int  # full length of the shared run, in tokens (whole blocks)
+    num_sharers: int  # live sequences holding it
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """Immutable snapshot served by the gateway as JSON and Prometheus metrics.
+
+    Page states partition the pool: ``pages_free + pages_cached_free + pages_used == num_pages``
+    (pinned pages are counted in ``pages_used``; ``pages_pinned`` is a subset).
+    """
+
+    num_pages: int
+    page_size: int
+    pages_used: int  # refcount > 0
+    pages_cached_free: int  # refcount 0 but hash registered: still hittable until reused
+    pages_free: int  # refcount 0, no hash
+    pages_pinned: int
+    fragmentation: float  # allocated-but-unused slots / allocated slots, over live sequences
+    evictions: int  # cached pages whose hash was dropped to reuse the page
+    cow_copies: int
+    num_sequences: int
+    total: HitStats
+    per_tenant: dict[str, HitStats] = field(default_factory=dict)
+    per_agent: dict[str, HitStats] = field(default_factory=dict)
+    top_prefixes: tuple[SharedPrefix, ...] = ()
+
+    @property
+    def usage(self) -> float:
+        """Fraction of pages referenced by live sequences (vLLM's kv_cache_usage_perc)."""
+        return self.pages_used / self.num_pages if self.num_pages else 0.0
