@@ -1,0 +1,42 @@
+"""Paged KV cache core: chained block hashing, refcounted pages, LRU reuse, copy-on-write.
+
+Pure Python (xxhash + stdlib). Knows nothing of torch, HTTP or Redis.
+"""
+
+from cache.block_pool import BlockPool
+from cache.errors import (
+    CacheError,
+    DuplicateSequenceError,
+    IntegrityError,
+    InvalidArgumentError,
+    OutOfPagesError,
+    UnknownSequenceError,
+)
+from cache.events import BlockRemoved, BlockStored, CacheEvent, EventSink
+from cache.hashing import BlockHasher, HashedBlock, make_extra_keys, xxh3_128_hash_fn
+from cache.manager import Allocation, KVCacheManager, PrefixMatch
+from cache.stats import CacheStats, HitStats, SharedPrefix
+
+__all__ = [
+    "Allocation",
+    "BlockHasher",
+    "BlockPool",
+    "BlockRemoved",
+    "BlockStored",
+    "CacheError",
+    "CacheEvent",
+    "CacheStats",
+    "DuplicateSequenceError",
+    "EventSink",
+    "HashedBlock",
+    "HitStats",
+    "IntegrityError",
+    "InvalidArgumentError",
+    "KVCacheManager",
+    "OutOfPagesError",
+    "PrefixMatch",
+    "SharedPrefix",
+    "UnknownSequenceError",
+    "make_extra_keys",
+    "xxh3_128_hash_fn",
+]

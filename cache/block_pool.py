@@ -1,0 +1,174 @@
+"""The physical page pool: refcounts, LRU free queue, hash → page map, pins, lazy eviction."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from cache.errors import InvalidArgumentError, OutOfPagesError
+from cache.events import BlockRemoved, BlockStored, EventSink
+from cache.free_queue import FreePageQueue
+from cache.hashing import BlockHash, HashedBlock
+from cache.page import Page
+
+
+class BlockPool:
+    """Owns every :class:`Page`; hands them out and takes them back.
+
+    Args:
+        num_pages: physical pages in the KV pool.
+        page_size: tokens per page (for event payloads).
+        enable_caching: when False no hash is ever registered (every lookup misses).
+        event_sink: called with BlockStored / BlockRemoved as the hittable set changes.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        *,
+        enable_caching: bool = True,
+        event_sink: EventSink | None = None,
+    ):
+        if num_pages < 1:
+            raise InvalidArgumentError(f"num_pages must be >= 1, got {num_pages}")
+        if page_size < 1:
+            raise InvalidArgumentError(f"page_size must be >= 1, got {page_size}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_caching = enable_caching
+        self.pages = [Page(i) for i in range(num_pages)]
+        self.free_queue = FreePageQueue(self.pages)
+        self.cached: dict[BlockHash, Page] = {}
+        self.event_sink = event_sink
+        self.num_evictions = 0
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages with refcount 0 (free or free-but-cached): what allocation can take."""
+        return len(self.free_queue)
+
+    def allocate(self, count: int) -> list[Page]:
+        """Take ``count`` pages from the front of the free queue, each with refcount 1.
+
+        A page that was free-but-cached loses its hash here (lazy eviction).
+
+        Raises:
+            OutOfPagesError: fewer than ``count`` pages are free (nothing is taken).
+        """
+        if count < 0:
+            raise InvalidArgumentError(f"cannot allocate {count} pages")
+        if count > len(self.free_queue):
+            raise OutOfPagesError(count, len(self.free_queue))
+        out = []
+        for _ in range(count):
+            page = self.free_queue.popleft()
+            if page.block_hash is not None:
+                self._evict(page)
+            page.ref_count = 1
+            out.append(page)
+        return out
+
+    def lookup(self, block: HashedBlock) -> Page | None:
+        """The cached page holding exactly ``block``, or None.
+
+        NOTE: a hash match is never trusted alone; the page's stored parent hash, token ids and
+        extra keys must equal the request's, so even a forced collision cannot serve wrong KV.
+        """
+        page = self.cached.get(block.block_hash)
+        if page is None:
+            return None
+        if (
+            page.parent_hash != block.parent_hash
+            or page.token_bytes != block.token_bytes
+            or page.extra_keys != block.extra_keys
+        ):
+            return None
+        return page
+
+    def touch(self, pages: Iterable[Page]) -> None:
+        """Add one reference to each page (a new block table holds it)."""
+        for page in pages:
+            if page.ref_count == 0:
+                self.free_queue.remove(page)
+            page.ref_count += 1
+
+    def release(self, pages: Iterable[Page]) -> None:
+        """Drop one reference from each page, in the given order.
+
+        Pages reaching refcount 0 join the free queue in that order: cached pages at the back
+        (LRU), hashless pages at the front (reused first, no one can hit them).
+        """
+        for page in pages:
+            if page.ref_count <= 0:
+                raise InvalidArgumentError(f"release of page {page.page_id} with refcount {page.ref_count}")
+            page.ref_count -= 1
+            if page.ref_count == 0:
+                if page.block_hash is not None:
+                    self.free_queue.append(page)
+                else:
+                    self.free_queue.appendleft(page)
+
+    def register(self, page: Page, block: HashedBlock) -> bool:
+        """Make ``page`` hittable under ``block``'s hash.
+
+        Returns False (page stays unhashed) when caching is off or the hash is already held by
+        another page: the same content computed twice keeps one cached copy, and a colliding
+        block never overwrites a verified entry.
+        """
+        if not self.enable_caching or page.block_hash is not None:
+            return False
+        if block.block_hash in self.cached:
+            return False
+        page.block_hash = block.block_hash
+        page.parent_hash = block.parent_hash
+        page.token_bytes = block.token_bytes
+        page.extra_keys = block.extra_keys
+        self.cached[block.block_hash] = page
+        if self.event_sink is not None:
+            self.event_sink(BlockStored(block.block_hash, block.parent_hash, self.page_size))
+        return True
+
+    def pin(self, page: Page) -> bool:
+        """Keep ``page`` resident (+1 refcount). Returns False if it was already pinned."""
+        if page.pinned:
+            return False
+        self.touch((page,))
+        page.pinned = True
+        return True
+
+    def unpin(self, page: Page) -> bool:
+        """Undo :meth:`pin`. Returns False if the page was not pinned."""
+        if not page.pinned:
+            return False
+        page.pinned = False
+        self.release((page,))
+        return True
+
+    def reset(self) -> int:
+        """Drop the hash of every free-but-cached page; returns how many were dropped."""
+        dropped = 0
+        for page in list(self.free_queue):
+            if page.block_hash is not None:
+                self._drop_hash(page)
+                # Hashless now: move it to the front, where unhittable pages belong.
+                self.free_queue.remove(page)
+                self.free_queue.appendleft(page)
+                dropped += 1
+        return dropped
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hittable hash (for a full resync of an external index)."""
+        return list(self.cached)
+
+    def _evict(self, page: Page) -> None:
+        self.num_evictions += 1
+        self._drop_hash(page)
+
+    def _drop_hash(self, page: Page) -> None:
+        block_hash = page.block_hash
+        assert block_hash is not None
+        del self.cached[block_hash]
+        page.block_hash = page.parent_hash = page.token_bytes = None
+        page.extra_keys = b""
+        if self.event_sink is not None:
+            self.event_sink(BlockRemoved(block_hash))

@@ -1,0 +1,472 @@
+"""KVCacheManager: block tables, verified prefix hits, on-demand growth, fork + copy-on-write.
+
+The scheduler drives it once per step, per sequence:
+
+    allocate(seq, prompt)            prefix hit: leading pages shared, num_computed = hit
+    prepare_write(seq, n)            pages for the next n positions exist and are private
+                                     (returns copy-on-write (src, dst) pairs for the runner)
+    ... the runner writes K/V of those n tokens ...
+    commit_computed(seq, n)          full blocks become hittable (BlockStored events)
+    append_tokens(seq, [sampled])    the next decode position now has a token
+    free(seq)                        every page released, tail first
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import NamedTuple
+
+from cache.block_pool import BlockPool
+from cache.errors import (
+    DuplicateSequenceError,
+    IntegrityError,
+    InvalidArgumentError,
+    OutOfPagesError,
+    UnknownSequenceError,
+)
+from cache.events import EventSink
+from cache.hashing import BlockHasher, HashedBlock, HashFn
+from cache.page import Page
+from cache.sequence import SequenceBlocks
+from cache.stats import CacheStats, HitCounter, SharedPrefix
+
+OTHER_LABEL = "other"  # per-agent counters beyond max_tracked_agents are folded into this one
+
+class PrefixMatch(NamedTuple):
+    """Result of a prefix lookup (no side effects)."""
+
+    num_cached_tokens: int  # usable hit, capped so the last prompt token is always computed
+    page_ids: tuple[int, ...]  # pages of the hit, in block order
+    num_pending_tokens: int  # tokens right after the hit that another live sequence is computing
+    num_free_hit_pages: int  # hit pages at refcount 0 (taking them uses free pages)
+
+class Allocation(NamedTuple):
+    num_cached_tokens: int
+    block_table: tuple[int, ...]
+
+class KVCacheManager:
+    """Paged KV cache manager with chained-hash prefix sharing (pure Python, no torch).
+
+    Args:
+        num_pages: physical pages in the pool.
+        page_size: tokens per page.
+        enable_caching: off = no prefix hits (for the uncached baseline).
+        watermark: admission keeps at least this fraction of pages free.
+        hash_seed: fixed seed for block hashes (replicas must agree).
+        hash_fn: override of the digest (tests force collisions).
+        event_sink: receives BlockStored / BlockRemoved.
+        max_tracked_agents: distinct agent labels kept in stats before folding into "other".
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        *,
+        enable_caching: bool = True,
+        watermark: float = 0.10,
+        hash_seed: int = 0,
+        hash_fn: HashFn | None = None,
+        event_sink: EventSink | None = None,
+        max_tracked_agents: int = 1024,
+    ):
+        if not 0 <= watermark < 1:
+            raise InvalidArgumentError(f"watermark must be in [0, 1), got {watermark}")
+        self.pool = BlockPool(num_pages, page_size, enable_caching=enable_caching, event_sink=event_sink)
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.enable_caching = enable_caching
+        self.watermark_pages = int(watermark * num_pages)
+        self.hasher = BlockHasher(page_size, hash_seed, hash_fn)
+        self._seqs: dict[Hashable, SequenceBlocks] = {}
+        # In-flight prefix dedup: hash of a block some live sequence will compute -> that sequence.
+        self._pending: dict[bytes, Hashable] = {}
+        self._max_tracked_agents = max_tracked_agents
+        self._total = HitCounter()
+        self._per_tenant: dict[str, HitCounter] = {}
+        self._per_agent: dict[str, HitCounter] = {}
+        self.num_cow_copies = 0
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.pool.num_free_pages
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def can_allocate(self, num_pages: int) -> bool:
+        """Whether taking ``num_pages`` more pages keeps the free-page watermark."""
+        return self.pool.num_free_pages - num_pages >= self.watermark_pages
+
+    def find_prefix(self, token_ids: Sequence[int], extra_keys: bytes = b"") -> PrefixMatch:
+        """Longest verified full-block prefix of ``token_ids`` held in cached pages.
+
+        NOTE: never the whole prompt: the last token is always computed because its logits
+        are needed, so a hit covering every token is capped at ``len(token_ids) - 1``.
+
+        Returns:
+            PrefixMatch; ``num_pending_tokens`` counts the blocks right after the hit that a
+            live sequence is computing now (the scheduler may wait for them: in-flight dedup).
+        """
+        if not token_ids:
+            raise InvalidArgumentError("empty token list")
+        if not self.enable_caching:
+            return PrefixMatch(0, (), 0, 0)
+        blocks = self.hasher.hash_blocks(token_ids, extra_keys)
+        return self._match(blocks, len(token_ids))
+
+    def pages_needed_for_prompt(self, num_tokens: int, match: PrefixMatch) -> int:
+        """Free pages that allocating and fully computing a prompt would consume."""
+        total_blocks = -(-num_tokens // self.page_size)
+        hit_pages = len(match.page_ids)
+        cow = 1 if match.num_cached_tokens < hit_pages * self.page_size else 0
+        return total_blocks - hit_pages + cow + match.num_free_hit_pages
+
+    def pages_needed(self, seq_id: Hashable, num_new_tokens: int) -> int:
+        """New pages (incl. copy-on-write copies) that ``prepare_write(seq_id, n)`` would take."""
+        seq = self._get(seq_id, "pages_needed")
+        cow_blocks, num_new_pages = self._plan_write(seq, num_new_tokens)
+        return len(cow_blocks) + num_new_pages
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        """The sequence's block table (a copy)."""
+        return list(self._get(seq_id, "block_table").block_table)
+
+    def num_computed_tokens(self, seq_id: Hashable) -> int:
+        return self._get(seq_id, "num_computed_tokens").num_computed
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        return len(self._get(seq_id, "num_tokens").token_ids)
+
+    def ref_count(self, page_id: int) -> int:
+        return self.pool.pages[page_id].ref_count
+
+    # ------------------------------------------------------------------ mutations
+
+    def allocate(
+        self,
+        seq_id: Hashable,
+        token_ids: Sequence[int],
+        *,
+        extra_keys: bytes = b"",
+        tenant: str = "default",
+        agent: str | None = None,
+        count_query: bool = True,
+    ) -> Allocation:
+        """Start a sequence: share the longest verified cached prefix of ``token_ids``.
+
+        No page is allocated for the uncached part yet; :meth:`prepare_write` does that as
+        chunks are scheduled (memory follows what is actually computed).
+
+        Args:
+            seq_id: new, unique id.
+            token_ids: the prompt (or prompt + generated tokens when resuming a preempted one).
+            extra_keys: from ``cache.hashing.make_extra_keys`` (model, tenant salt, cache_salt).
+            tenant, agent: stats labels.
+            count_query: False when re-admitting a preempted sequence (already counted).
+        Returns:
+            Allocation(num_cached_tokens, block_table).
+        """
+        if seq_id in self._seqs:
+            raise DuplicateSequenceError(f"allocate: sequence id {seq_id!r} is already live")
+        if not token_ids:
+            raise InvalidArgumentError(f"allocate({seq_id!r}): empty prompt")
+        blocks = self.hasher.hash_blocks(token_ids, extra_keys)
+        match = self._match(blocks, len(token_ids)) if self.enable_caching else PrefixMatch(0, (), 0, 0)
+        pages = [self.pool.pages[i] for i in match.page_ids]
+        self.pool.touch(pages)
+        seq = SequenceBlocks(
+            seq_id=seq_id,
+            token_ids=list(token_ids),
+            extra_keys=extra_keys,
+            tenant=tenant,
+            agent=agent,
+            block_table=[p.page_id for p in pages],
+            hashed=blocks,
+            num_computed=match.num_cached_tokens,
+            num_registered=match.num_cached_tokens // self.page_size,
+            num_cached_tokens=match.num_cached_tokens,
+        )
+        self._seqs[seq_id] = seq
+        if self.enable_caching:
+            for block in blocks[len(pages) :]:
+                self._pending.setdefault(block.block_hash, seq_id)
+        if count_query:
+            self._record_query(tenant, agent, len(token_ids), match.num_cached_tokens)
+        return Allocation(match.num_cached_tokens, tuple(seq.block_table))
+
+    def append_tokens(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
+        """Extend the sequence's known tokens (sampled ones); their K/V is not computed yet."""
+        seq = self._get(seq_id, "append_tokens")
+        seq.token_ids.extend(token_ids)
+        full = len(seq.token_ids) // self.page_size
+        if full > len(seq.hashed):
+            parent = seq.hashed[-1].block_hash if seq.hashed else None
+            seq.hashed.extend(
+                self.hasher.hash_blocks(
+                    seq.token_ids, seq.extra_keys, start_block=len(seq.hashed), parent=parent
+                )
+            )
+
+    def prepare_write(self, seq_id: Hashable, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Make the pages for positions ``[num_computed, num_computed + n)`` exist and private.
+
+        Allocates a page only when a block starts (on-demand growth). A page that is shared
+        (refcount > 1) or registered in the cache is copied first.
+
+        NOTE: invariant 3 lives here: no write ever lands in a page with refcount > 1, nor in
+        a cached page (its content must stay what its hash says).
+
+        Returns:
+            Copy-on-write ``(src_page, dst_page)`` pairs; the runner must copy them before the
+            forward pass that writes these positions.
+        Raises:
+            OutOfPagesError: not enough free pages (nothing changed).
+        """
+        seq = self._get(seq_id, "prepare_write")
+        if num_new_tokens < 1:
+            raise InvalidArgumentError(f"prepare_write({seq_id!r}): num_new_tokens must be >= 1")
+        if seq.num_computed + num_new_tokens > len(seq.token_ids):
+            raise InvalidArgumentError(
+                f"prepare_write({seq_id!r}): {num_new_tokens} new tokens from position "
+                f"{seq.num_computed} exceed the {len(seq.token_ids)} known tokens"
+            )
+        cow_blocks, num_new_pages = self._plan_write(seq, num_new_tokens)
+        needed = len(cow_blocks) + num_new_pages
+        if needed > self.pool.num_free_pages:
+            raise OutOfPagesError(needed, self.pool.num_free_pages)
+        pairs: list[tuple[int, int]] = []
+        for block_index in cow_blocks:
+            old = self.pool.pages[seq.block_table[block_index]]
+            (new,) = self.pool.allocate(1)
+            seq.block_table[block_index] = new.page_id
+            self.pool.release((old,))
+            pairs.append((old.page_id, new.page_id))
+            self.num_cow_copies += 1
+        for page in self.pool.allocate(num_new_pages):
+            seq.block_table.append(page.page_id)
+        return pairs
+
+    def commit_computed(self, seq_id: Hashable, num_new_tokens: int) -> None:
+        """Record that the K/V of the next ``n`` positions is written; full blocks get cached."""
+        seq = self._get(seq_id, "commit_computed")
+        end = seq.num_computed + num_new_tokens
+        if num_new_tokens < 1 or end > len(seq.block_table) * self.page_size or end > len(seq.token_ids):
+            raise InvalidArgumentError(
+                f"commit_computed({seq_id!r}, {num_new_tokens}): positions up to {end} are not "
+                f"prepared ({len(seq.block_table)} pages, {len(seq.token_ids)} tokens)"
+            )
+        seq.num_computed = end
+        for block_index in range(seq.num_registered, end // self.page_size):
+            block = seq.hashed[block_index]
+            self.pool.register(self.pool.pages[seq.block_table[block_index]], block)
+            if self._pending.get(block.block_hash) == seq_id:
+                del self._pending[block.block_hash]
+        seq.num_registered = max(seq.num_registered, end // self.page_size)
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """Create ``child_id`` sharing every page of ``parent_id`` (partial tail included).
+
+        The first write into a shared page by either side copies it (see prepare_write).
+        """
+        parent = self._get(parent_id, "fork")
+        if child_id in self._seqs:
+            raise DuplicateSequenceError(f"fork: sequence id {child_id!r} is already live")
+        self.pool.touch(self.pool.pages[i] for i in parent.block_table)
+        self._seqs[child_id] = SequenceBlocks(
+            seq_id=child_id,
+            token_ids=list(parent.token_ids),
+            extra_keys=parent.extra_keys,
+            tenant=parent.tenant,
+            agent=parent.agent,
+            block_table=list(parent.block_table),
+            hashed=list(parent.hashed),
+            num_computed=parent.num_computed,
+            num_registered=parent.num_registered,
+            num_cached_tokens=parent.num_cached_tokens,
+        )
+
+    def free(self, seq_id: Hashable) -> None:
+        """Release every page of the sequence, tail first (so tails are evicted before heads)."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            raise UnknownSequenceError(seq_id, "free")
+        self.pool.release(self.pool.pages[i] for i in reversed(seq.block_table))
+        for block in seq.hashed[seq.num_registered :]:
+            if self._pending.get(block.block_hash) == seq_id:
+                del self._pending[block.block_hash]
+
+    def pin(self, token_ids: Sequence[int], extra_keys: bytes = b"") -> int:
+        """Pin the cached full blocks of ``token_ids``'s prefix; returns how many pages are pinned.
+
+        Only blocks already cached are pinned: compute the prompt first to pin all of it.
+        """
+        pages = self._cached_prefix_pages(token_ids, extra_keys)
+        for page in pages:
+            self.pool.pin(page)
+        return len(pages)
+
+    def unpin(self, token_ids: Sequence[int], extra_keys: bytes = b"") -> int:
+        """Unpin the cached full blocks of ``token_ids``'s prefix; returns how many were pinned."""
+        return sum(self.pool.unpin(p) for p in self._cached_prefix_pages(token_ids, extra_keys))
+
+    def reset_cache(self) -> int:
+        """Drop every unreferenced cached page's hash (pinned and in-use pages stay)."""
+        return self.pool.reset()
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self, top_k: int = 5) -> CacheStats:
+        """An immutable snapshot of pool state and hit counters."""
+        pages = self.pool.pages
+        used = sum(1 for p in pages if p.ref_count > 0)
+        cached_free = sum(1 for p in pages if p.ref_count == 0 and p.block_hash is not None)
+        filled: dict[int, int] = {}
+        for seq in self._seqs.values():
+            for b, page_id in enumerate(seq.block_table):
+                n = min(self.page_size, max(0, seq.num_computed - b * self.page_size))
+                if n > filled.get(page_id, -1):
+                    filled[page_id] = n
+        allocated = len(filled) * self.page_size
+        fragmentation = (allocated - sum(filled.values())) / allocated if allocated else 0.0
+        return CacheStats(
+            num_pages=self.num_pages,
+            page_size=self.page_size,
+            pages_used=used,
+            pages_cached_free=cached_free,
+            pages_free=self.num_pages - used - cached_free,
+            pages_pinned=sum(1 for p in pages if p.pinned),
+            fragmentation=fragmentation,
+            evictions=self.pool.num_evictions,
+            cow_copies=self.num_cow_copies,
+            num_sequences=len(self._seqs),
+            total=self._total.frozen(),
+            per_tenant={k: v.frozen() for k, v in self._per_tenant.items()},
+            per_agent={k: v.frozen() for k, v in self._per_agent.items()},
+            top_prefixes=self._top_prefixes(top_k),
+        )
+
+    # ------------------------------------------------------------------ integrity
+
+    def check_integrity(self) -> None:
+        """Verify every invariant of the guide; raises IntegrityError naming the broken one."""
+        pool = self.pool
+        queued = list(pool.free_queue)
+        if len(queued) != len(pool.free_queue) or len({p.page_id for p in queued}) != len(queued):
+            raise IntegrityError("free queue length/uniqueness broken")
+        refs = [0] * self.num_pages
+        for seq in self._seqs.values():
+            for page_id in seq.block_table:
+                refs[page_id] += 1
+            if not seq.num_computed <= len(seq.token_ids):
+                raise IntegrityError(f"{seq.seq_id!r}: computed {seq.num_computed} > tokens {len(seq.token_ids)}")
+            if len(seq.block_table) * self.page_size < seq.num_computed:
+                raise IntegrityError(f"{seq.seq_id!r}: computed tokens beyond its pages")
+            if len(seq.hashed) != len(seq.token_ids) // self.page_size:
+                raise IntegrityError(f"{seq.seq_id!r}: block hashes out of step with tokens")
+        for page in pool.pages:
+            expected = refs[page.page_id] + (1 if page.pinned else 0)
+            if page.ref_count != expected:
+                raise IntegrityError(f"{page}: refcount {page.ref_count} != {expected} table refs + pin")
+            if (page.ref_count == 0) != page.in_free_queue:
+                raise IntegrityError(f"{page}: free-queue membership disagrees with refcount")
+            if page.block_hash is not None:
+                if pool.cached.get(page.block_hash) is not page:
+                    raise IntegrityError(f"{page}: hash not mapped back to it")
+                recomputed = self.hasher.hash_block(page.parent_hash, page.token_bytes, page.extra_keys)
+                if recomputed != page.block_hash:
+                    raise IntegrityError(f"{page}: stored tokens do not match its hash")
+        if len(pool.cached) != sum(1 for p in pool.pages if p.block_hash is not None):
+            raise IntegrityError("hash map holds pages that do not carry the hash")
+        used = sum(1 for p in pool.pages if p.ref_count > 0)
+        if used + len(pool.free_queue) != self.num_pages:
+            raise IntegrityError("pages not conserved: used + free != total")
+        # Every registered block of a live sequence holds exactly the tokens its chain says.
+        for seq in self._seqs.values():
+            for b in range(seq.num_registered):
+                page = pool.pages[seq.block_table[b]]
+                if page.block_hash is not None and page.block_hash != seq.hashed[b].block_hash:
+                    raise IntegrityError(f"{seq.seq_id!r}: block {b} maps to a page of another hash")
+
+    # ------------------------------------------------------------------ internals
+
+    def _get(self, seq_id: Hashable, operation: str) -> SequenceBlocks:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise UnknownSequenceError(seq_id, operation)
+        return seq
+
+    def _match(self, blocks: list[HashedBlock], num_tokens: int) -> PrefixMatch:
+        pages: list[Page] = []
+        for block in blocks:
+            page = self.pool.lookup(block)
+            if page is None:
+                break
+            pages.append(page)
+        num_cached = min(len(pages) * self.page_size, num_tokens - 1)
+        pending = 0
+        for block in blocks[len(pages) :]:
+            if block.block_hash not in self._pending:
+                break
+            pending += 1
+        return PrefixMatch(
+            num_cached_tokens=num_cached,
+            page_ids=tuple(p.page_id for p in pages),
+            num_pending_tokens=pending * self.page_size,
+            num_free_hit_pages=sum(1 for p in pages if p.ref_count == 0),
+        )
+
+    def _plan_write(self, seq: SequenceBlocks, num_new_tokens: int) -> tuple[list[int], int]:
+        """(blocks that need a copy-on-write, number of fresh pages) for the next n positions."""
+        ps = self.page_size
+        first = seq.num_computed // ps
+        last = (seq.num_computed + num_new_tokens - 1) // ps
+        cow = []
+        for b in range(first, min(last + 1, len(seq.block_table))):
+            page = self.pool.pages[seq.block_table[b]]
+            if page.ref_count > 1 or page.block_hash is not None:
+                cow.append(b)
+        return cow, max(0, last + 1 - len(seq.block_table))
+
+    def _cached_prefix_pages(self, token_ids: Sequence[int], extra_keys: bytes) -> list[Page]:
+        pages = []
+        for block in self.hasher.hash_blocks(token_ids, extra_keys):
+            page = self.pool.lookup(block)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def _record_query(self, tenant: str, agent: str | None, query: int, hit: int) -> None:
+        self._total.record(query, hit)
+        self._per_tenant.setdefault(tenant, HitCounter()).record(query, hit)
+        if agent is not None:
+            if agent not in self._per_agent and len(self._per_agent) >= self._max_tracked_agents:
+                agent = OTHER_LABEL
+            self._per_agent.setdefault(agent, HitCounter()).record(query, hit)
+
+    def _top_prefixes(self, top_k: int) -> tuple[SharedPrefix, ...]:
+        groups: dict[int, list[SequenceBlocks]] = {}
+        for seq in self._seqs.values():
+            if seq.num_registered and seq.block_table:
+                groups.setdefault(seq.block_table[0], []).append(seq)
+        found = []
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            length = min(m.num_registered for m in members)
+            head = members[0].block_table
+            shared = 0
+            while shared < length and all(m.block_table[shared] == head[shared] for m in members):
+                shared += 1
+            found.append(
+                SharedPrefix(
+                    token_ids=tuple(members[0].token_ids[: min(32, shared * self.page_size)]),
+                    num_tokens=shared * self.page_size,
+                    num_sharers=len(members),
+                )
+            )
+        found.sort(key=lambda s: (s.num_sharers * s.num_tokens, s.num_sharers), reverse=True)
+        return tuple(found[:top_k])

@@ -1,0 +1,134 @@
+"""Random interleavings of cache operations, replayed on a shadow KV store.
+
+The shadow store plays the runner: it applies copy-on-write pairs and writes each sequence's
+token ids into the slots the manager hands out. After every step, every live sequence must read
+back exactly its own tokens from its pages: sharing, forks, copies and evictions never corrupt
+anyone's KV. check_integrity() must hold after every step too.
+"""
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+
+from cache import KVCacheManager, OutOfPagesError, make_extra_keys
+
+PAGE_SIZE = 3
+NUM_PAGES = 24
+# Prompts are built from a few shared "system prompts" so prefixes really collide.
+SYSTEMS = [[1] * 7, [2, 3] * 4, [1] * 6 + [5, 5]]
+tokens_st = st.lists(st.integers(0, 6), min_size=0, max_size=8)
+
+
+class CacheMachine(RuleBasedStateMachine):
+    seqs = Bundle("seqs")
+
+    def __init__(self):
+        super().__init__()
+        self.m = KVCacheManager(NUM_PAGES, PAGE_SIZE, watermark=0)
+        self.shadow = [[None] * PAGE_SIZE for _ in range(NUM_PAGES)]
+        self.next_id = 0
+        self.pinned_prompts = []
+
+    def _write(self, seq_id, n):
+        start = self.m.num_computed_tokens(seq_id)
+        pairs = self.m.prepare_write(seq_id, n)
+        for src, dst in pairs:
+            self.shadow[dst] = list(self.shadow[src])
+        table = self.m.block_table(seq_id)
+        tokens = self.m._seqs[seq_id].token_ids
+        for pos in range(start, start + n):
+            page = table[pos // PAGE_SIZE]
+            # NOTE: invariant 3 — a write never lands on a shared or cached page
+            assert self.m.ref_count(page) == 1, f"write into shared page {page}"
+            assert self.m.pool.pages[page].block_hash is None, f"write into cached page {page}"
+            self.shadow[page][pos % PAGE_SIZE] = tokens[pos]
+        self.m.commit_computed(seq_id, n)
+
+    @rule(target=seqs, system=st.sampled_from(SYSTEMS), suffix=tokens_st, tenant=st.sampled_from(["a", "b"]),
+          chunk=st.integers(1, 5))
+    def allocate(self, system, suffix, tenant, chunk):
+        prompt = system + suffix
+        seq_id = self.next_id
+        self.next_id += 1
+        self.m.allocate(seq_id, prompt, extra_keys=make_extra_keys("m", tenant), tenant=tenant)
+        try:  # prefill in chunks, like the scheduler
+            while self.m.num_computed_tokens(seq_id) < len(prompt):
+                n = min(chunk, len(prompt) - self.m.num_computed_tokens(seq_id))
+                self._write(seq_id, n)
+        except OutOfPagesError:
+            self.m.free(seq_id)
+            return None
+        return seq_id
+
+    @rule(seq_id=seqs, token=st.integers(0, 6))
+    def decode(self, seq_id, token):
+        if seq_id is None or seq_id not in self.m:
+            return
+        self.m.append_tokens(seq_id, [token])
+        if self.m.pages_needed(seq_id, 1) > self.m.num_free_pages:
+            self.m.free(seq_id)  # preemption by recompute: release everything
+            return
+        self._write(seq_id, 1)
+
+    @rule(target=seqs, parent=seqs)
+    def fork(self, parent):
+        if parent is None or parent not in self.m:
+            return None
+        child = self.next_id
+        self.next_id += 1
+        self.m.fork(parent, child)
+        return child
+
+    @rule(seq_id=consumes(seqs))
+    def free(self, seq_id):
+        if seq_id is not None and seq_id in self.m:
+            self.m.free(seq_id)
+
+    @rule(system=st.sampled_from(SYSTEMS), tenant=st.sampled_from(["a", "b"]))
+    def pin(self, system, tenant):
+        if self.m.pin(system, make_extra_keys("m", tenant)):
+            self.pinned_prompts.append((system, tenant))
+
+    @rule()
+    def unpin_all(self):
+        for system, tenant in self.pinned_prompts:
+            self.m.unpin(system, make_extra_keys("m", tenant))
+        self.pinned_prompts.clear()
+
+    @rule()
+    def reset(self):
+        self.m.reset_cache()
+
+    @invariant()
+    def integrity(self):
+        self.m.check_integrity()
+
+    @invariant()
+    def every_sequence_reads_back_its_own_tokens(self):
+        for seq_id, seq in self.m._seqs.items():
+            for pos in range(seq.num_computed):
+                page = seq.block_table[pos // PAGE_SIZE]
+                assert self.shadow[page][pos % PAGE_SIZE] == seq.token_ids[pos], (seq_id, pos)
+
+    @invariant()
+    def cached_pages_hold_their_tokens(self):
+        for page in self.m.pool.cached.values():
+            assert bytes(self._as_bytes(self.shadow[page.page_id])) == page.token_bytes
+
+    @staticmethod
+    def _as_bytes(slots):
+        from cache.hashing import tokens_to_bytes
+
+        return tokens_to_bytes(slots)
+
+    def teardown(self):
+        for seq_id in list(self.m._seqs):
+            self.m.free(seq_id)
+        self.m.check_integrity()
+        s = self.m.stats()
+        assert s.pages_used == s.pages_pinned
+        assert s.pages_free + s.pages_cached_free + s.pages_used == NUM_PAGES
+
+
+TestCacheMachine = CacheMachine.TestCase
+TestCacheMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
