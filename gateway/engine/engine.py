@@ -1,0 +1,252 @@
+"""The async engine the gateway talks to (implements gateway.engine.api.EngineLike).
+
+One background thread owns the LLMEngine and drives its steps; the HTTP event loop only
+enqueues commands and awaits deltas, so a forward pass never blocks it. Deltas cross back with
+``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from cache.stats import CacheStats
+from gateway.engine.api import (
+    Delta,
+    EngineError,
+    EngineStats,
+    GenerationRequest,
+    OverloadedError,
+    PinResult,
+    SamplingParams,
+    new_request_id,
+)
+from gateway.engine.config import EngineConfig
+from gateway.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger("prefixgate.engine")
+
+
+class AsyncEngine:
+    """Thread-driven front of :class:`LLMEngine`.
+
+    Args:
+        core: the synchronous engine (owned by the engine thread from ``start()`` on).
+        model_name: served model name.
+        device, kernel_backend: reported in stats.
+    """
+
+    def __init__(self, core: LLMEngine, *, model_name: str, device: str = "cpu", kernel_backend: str = "torch"):
+        self.core = core
+        self.model_name = model_name
+        self.max_model_len = core.max_model_len
+        self.tokenizer = core.tokenizer
+        self.device = device
+        self.kernel_backend = kernel_backend
+        # Guards the core: the engine thread holds it for a step; stats/pin calls take it briefly.
+        self._lock = threading.Lock()
+        self._inbox: deque[Callable[[], None]] = deque()
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._num_queued = 0  # submitted but not yet handed to the core (for the overload check)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        self.start_sync()
+
+    def start_sync(self) -> None:
+        if self._thread is not None:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="prefixgate-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        self.shutdown_sync()
+
+    def shutdown_sync(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def _post(self, command: Callable[[], None]) -> None:
+        with self._wake:
+            self._inbox.append(command)
+            self._wake.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._inbox and not self._stopping and not self.core.has_work():
+                    self._wake.wait()
+                if self._stopping:
+                    break
+                commands = list(self._inbox)
+                self._inbox.clear()
+            with self._lock:
+                for command in commands:
+                    command()
+                if self.core.has_work():
+                    try:
+                        self.core.step()
+                    except Exception:  # a runner failure must not kill the server
+                        logger.exception("engine step failed; failing in-flight requests")
+                        self.core.fail_all(EngineError("internal error in the engine step"))
+        with self._lock:
+            self.core.fail_all(EngineError("the engine is shutting down", code="shutdown"))
+
+    # ------------------------------------------------------------------ requests
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        """Stream deltas. Errors known up front raise before the first delta."""
+        self.core.validate(request)
+        if self._num_queued + self.core.scheduler.num_waiting >= self.core.config.max_waiting:
+            raise OverloadedError(
+                f"the waiting queue is full ({self.core.config.max_waiting} requests); retry shortly",
+                retry_after=1.0,
+            )
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Delta | EngineError] = asyncio.Queue()
+
+        def sink(item: Delta | EngineError) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        def add() -> None:
+            with self._wake:
+                self._num_queued -= 1
+            try:
+                self.core.add_request(request, sink)
+            except EngineError as exc:
+                sink(exc)
+
+        with self._wake:
+            self._num_queued += 1
+        self._post(add)
+        done = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, EngineError):
+                    done = True
+                    raise item
+                if item.usage is not None:
+                    done = True
+                yield item
+                if done:
+                    return
+        finally:
+            if not done:  # client gone or cancelled: free the pages now
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._post(lambda: self.core.abort(request_id))
+
+    async def complete(self, request: GenerationRequest) -> list[Delta]:
+        """Collect every delta of a request (non-streaming callers)."""
+        return [d async for d in self.generate(request)]
+
+    # ------------------------------------------------------------------ cache control
+
+    async def pin(self, token_ids: Sequence[int], tenant: str, cache_salt: str | None = None) -> PinResult:
+        """Compute the prompt's full blocks if needed and keep them resident."""
+        ids = tuple(token_ids)
+        # Computing the prompt caches its full blocks; they are pinned as the request finishes,
+        # before its pages are released (same engine thread, so nothing can evict in between).
+        request = GenerationRequest(ids, SamplingParams(max_tokens=1, temperature=0),
+                                    tenant=tenant, cache_salt=cache_salt, request_id=new_request_id("pin"))
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def sink(item: Delta | EngineError) -> None:
+            if isinstance(item, EngineError):
+                loop.call_soon_threadsafe(_settle, done, item)
+            elif item.usage is not None:
+                loop.call_soon_threadsafe(_settle, done, None)
+
+        def add() -> None:
+            try:
+                self.core.add_request(request, sink, pin_when_done=True)
+            except EngineError as exc:
+                sink(exc)
+
+        self._post(add)
+        await done
+        return self._pin_result(ids, tenant, cache_salt, pinned_only=True)
+
+    async def unpin(self, token_ids: Sequence[int], tenant: str, cache_salt: str | None = None) -> PinResult:
+        ids = tuple(token_ids)
+        with self._lock:
+            pages = self.core.cache.unpin(ids, self.core.extra_keys_for(tenant, cache_salt))
+        return PinResult(num_tokens=pages * self.core.page_size, num_pages=pages)
+
+    def _pin_result(self, ids: tuple[int, ...], tenant: str, cache_salt: str | None, pinned_only: bool) -> PinResult:
+        with self._lock:
+            cache = self.core.cache
+            pages = cache._cached_prefix_pages(ids, self.core.extra_keys_for(tenant, cache_salt))
+            n = sum(1 for p in pages if p.pinned or not pinned_only)
+        return PinResult(num_tokens=n * self.core.page_size, num_pages=n)
+
+    def reset_cache(self) -> int:
+        with self._lock:
+            return self.core.cache.reset_cache()
+
+    # ------------------------------------------------------------------ stats
+
+    def cache_stats(self) -> CacheStats:
+        with self._lock:
+            return self.core.cache.stats()
+
+    def engine_stats(self) -> EngineStats:
+        with self._lock:
+            core = self.core
+            return EngineStats(
+                num_running=core.scheduler.num_running,
+                num_waiting=core.scheduler.num_waiting + self._num_queued,
+                max_waiting=core.config.max_waiting,
+                prefill_tokens_computed=core.prefill_tokens_computed,
+                decode_tokens=core.decode_tokens,
+                num_preemptions=core.scheduler.num_preemptions,
+                kernel_backend=self.kernel_backend,
+                device=self.device,
+            )
+
+    def wait_idle(self, timeout: float = 60.0) -> bool:
+        """Block until no request is in flight (tests and benchmarks)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self.core.has_work() and not self._inbox and self.core.num_requests == 0:
+                    return True
+            time.sleep(0.01)
+        return False
+
+
+def _settle(future: asyncio.Future[Any], error: EngineError | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+def build_engine(config: EngineConfig | None = None, *, event_sink=None) -> AsyncEngine:
+    """Load the model (progress bar), size the KV pool, and return a started-ready engine."""
+    from gateway.engine.factory import create_llm_engine
+
+    config = config or EngineConfig()
+    core, info = create_llm_engine(config, event_sink=event_sink)
+    logger.info("engine ready: model=%s device=%s kernels=%s pages=%d x %d tokens",
+                info["model_name"], info["device"], info["kernel_backend"], core.cache.num_pages, core.page_size)
+    return AsyncEngine(core, model_name=info["model_name"], device=info["device"],
+                       kernel_backend=info["kernel_backend"])

@@ -1,0 +1,322 @@
+"""The synchronous engine core: requests in, one step at a time, deltas out.
+
+Single-threaded by design: the async front (engine.py) owns the only thread that calls
+``step()``. The scheduler decides, the runner computes, the sampler picks, and this file turns
+tokens into per-choice deltas (incremental text, stop strings, finish reasons, usage).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from cache import KVCacheManager, make_extra_keys
+from cache.events import EventSink
+from gateway.engine.api import (
+    ContextLengthError,
+    Delta,
+    EngineError,
+    GenerationRequest,
+    InvalidRequestError,
+    OverloadedError,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from gateway.engine.config import EngineConfig
+from gateway.engine.sampler import SampleRow, make_generator, sample
+from gateway.engine.scheduler import Scheduler, SchedulerOutput
+from gateway.engine.sequence import SeqStatus, Sequence
+from gateway.engine.stop_strings import StopStringMatcher
+
+logger = logging.getLogger("prefixgate.engine")
+
+Sink = Callable[[Delta | EngineError], None]
+
+
+class RunnerLike(Protocol):
+    num_pages: int
+    page_size: int
+    max_model_len: int
+    vocab_size: int
+
+    def execute(self, chunks: list[Any], copy_pairs: list[tuple[int, int]] = ...) -> torch.Tensor: ...
+
+
+class DecoderLike(Protocol):
+    def feed(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+@dataclass(slots=True)
+class _ChoiceState:
+    decoder: DecoderLike
+    stops: StopStringMatcher
+    generator: torch.Generator | None
+
+
+@dataclass(slots=True)
+class _RequestState:
+    request: GenerationRequest
+    sink: Sink
+    extra_keys: bytes
+    seqs: list[Sequence] = field(default_factory=list)
+    num_finished: int = 0
+    pin_when_done: bool = False
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache.
+
+    Args:
+        runner: computes logits for scheduled chunks (gateway.engine.runner.ModelRunner).
+        tokenizer: encode/decode + ``incremental_decoder()`` + ``eos_token_ids``.
+        config: EngineConfig (page size, budgets, watermark, caching on/off, hash seed).
+        model_id: enters the block hash (a cache never serves another model's KV).
+        chunk_factory: builds the runner's chunk record from (token_ids, start_pos,
+            block_table, need_logits); defaults to gateway.engine.runner.SeqChunk.
+        event_sink: BlockStored / BlockRemoved (the Redis index mirror).
+    """
+
+    def __init__(
+        self,
+        runner: RunnerLike,
+        tokenizer: Any,
+        config: EngineConfig,
+        *,
+        model_id: str = "",
+        chunk_factory: Callable[..., Any] | None = None,
+        event_sink: EventSink | None = None,
+    ):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config
+        self.model_id = model_id
+        self.page_size = runner.page_size
+        self.max_model_len = min(config.max_model_len or runner.max_model_len, runner.max_model_len)
+        self.cache = KVCacheManager(
+            runner.num_pages,
+            runner.page_size,
+            enable_caching=config.enable_prefix_caching,
+            watermark=config.watermark,
+            hash_seed=config.hash_seed,
+            event_sink=event_sink,
+        )
+        self.scheduler = Scheduler(
+            self.cache,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            enable_dedup=config.enable_prefix_caching,
+        )
+        if chunk_factory is None:
+            from gateway.engine.runner import SeqChunk
+
+            chunk_factory = SeqChunk
+        self._make_chunk = chunk_factory
+        self._requests: dict[str, _RequestState] = {}
+        self.eos_token_ids = frozenset(getattr(tokenizer, "eos_token_ids", ()))
+        self.prefill_tokens_computed = 0
+        self.decode_tokens = 0
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def extra_keys_for(self, tenant: str, cache_salt: str | None) -> bytes:
+        return make_extra_keys(self.model_id, tenant, cache_salt)
+
+    def validate(self, request: GenerationRequest) -> None:
+        """Raise the error a request would hit, before it is queued."""
+        prompt = request.prompt_token_ids
+        sp = request.sampling
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty", param="messages")
+        vocab = self.runner.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+        if len(prompt) + sp.max_tokens > self.max_model_len:
+            raise ContextLengthError(len(prompt), sp.max_tokens, self.max_model_len)
+        pages = -(-(len(prompt) + sp.max_tokens) // self.page_size) + (sp.n - 1) * (
+            -(-sp.max_tokens // self.page_size) + 1
+        )
+        if pages > self.cache.num_pages:
+            raise ContextLengthError(
+                len(prompt), sp.max_tokens, self.cache.num_pages * self.page_size // max(1, sp.n),
+                what="KV cache capacity (all pages)",
+            )
+
+    def add_request(self, request: GenerationRequest, sink: Sink, *, pin_when_done: bool = False) -> None:
+        """Queue a request; deltas (or an EngineError) go to ``sink`` from the engine thread."""
+        self.validate(request)
+        if request.request_id in self._requests:
+            raise InvalidRequestError(f"duplicate request id {request.request_id}")
+        if self.scheduler.num_waiting >= self.config.max_waiting:
+            raise OverloadedError(
+                f"the waiting queue is full ({self.config.max_waiting} requests); retry shortly",
+                retry_after=1.0,
+            )
+        state = _RequestState(request, sink, self.extra_keys_for(request.tenant, request.cache_salt),
+                              pin_when_done=pin_when_done)
+        seq = self._new_sequence(state, 0, list(request.prompt_token_ids))
+        seq.num_choices_to_fork = request.sampling.n - 1
+        self._requests[request.request_id] = state
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request now (client gone); its pages are released. False if unknown."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return False
+        self.scheduler.remove_request(request_id)
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self) -> SchedulerOutput:
+        out = self.scheduler.schedule()
+        for seq in out.unschedulable:
+            self._fail(seq.request_id, EngineError(
+                "the request does not fit in the free KV pages (pinned pages hold the rest)",
+                code="kv_cache_full"))
+        if out.is_empty:
+            return out
+        self.num_steps += 1
+        chunks = [self._make_chunk(c.token_ids, c.start_pos, list(c.block_table), c.need_logits)
+                  for c in out.chunks]
+        logits = self.runner.execute(chunks, list(out.copy_pairs))
+        self.scheduler.commit(out)
+        for c in out.chunks:
+            if c.seq.num_prompt_tokens > c.start_pos:
+                self.prefill_tokens_computed += min(c.num_tokens, c.seq.num_prompt_tokens - c.start_pos)
+            self.decode_tokens += max(0, c.start_pos + c.num_tokens - max(c.start_pos, c.seq.num_prompt_tokens))
+
+        rows: list[SampleRow] = []
+        row_seqs: list[Sequence] = []
+        row_logits: list[int] = []
+        logit_row = 0
+        for c in out.chunks:
+            if not c.need_logits:
+                continue
+            seq, index = c.seq, logit_row
+            logit_row += 1
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            family = [seq]
+            if seq.num_choices_to_fork:
+                family += self._fork_choices(seq)
+            for member in family:
+                rows.append(SampleRow(member.sampling, member.token_ids[: member.num_prompt_tokens],
+                                      member.output_token_ids, member.state.generator))
+                row_seqs.append(member)
+                row_logits.append(index)
+        if rows:
+            picked = logits.index_select(0, torch.tensor(row_logits, device=logits.device))
+            result = sample(picked.float(), rows)
+            for i, seq in enumerate(row_seqs):
+                logprob = None
+                if result.logprobs is not None and seq.sampling.logprobs:
+                    logprob = self._logprob(result.token_ids[i], result.logprobs[i],
+                                            result.top_ids[i][: seq.sampling.top_logprobs],
+                                            result.top_logprobs[i][: seq.sampling.top_logprobs])
+                self._on_token(seq, result.token_ids[i], logprob)
+        return out
+
+    # ------------------------------------------------------------------ internals
+
+    def _new_sequence(self, state: _RequestState, choice: int, token_ids: list[int]) -> Sequence:
+        req = state.request
+        seq = Sequence(
+            request_id=req.request_id,
+            choice=choice,
+            token_ids=token_ids,
+            num_prompt_tokens=len(req.prompt_token_ids),
+            sampling=req.sampling,
+            extra_keys=state.extra_keys,
+            tenant=req.tenant,
+            agent=req.agent,
+        )
+        seq.state = _ChoiceState(
+            decoder=self.tokenizer.incremental_decoder(),
+            stops=StopStringMatcher(req.sampling.stop),
+            generator=make_generator(req.sampling.seed, choice),
+        )
+        state.seqs.append(seq)
+        return seq
+
+    def _fork_choices(self, parent: Sequence) -> list[Sequence]:
+        """n > 1: the prompt is computed once; choices 1..n-1 share its pages (copy-on-write)."""
+        state = self._requests[parent.request_id]
+        children = []
+        for choice in range(1, parent.num_choices_to_fork + 1):
+            child = self._new_sequence(state, choice, list(parent.token_ids))
+            self.scheduler.fork(parent, child)
+            children.append(child)
+        parent.num_choices_to_fork = 0
+        return children
+
+    def _logprob(self, token_id: int, logprob: float, top_ids: list[int], top_lps: list[float]) -> TokenLogprob:
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        top = tuple(TopLogprob(t, self.tokenizer.decode([t], skip_special_tokens=False), lp)
+                    for t, lp in zip(top_ids, top_lps, strict=True))
+        return TokenLogprob(token_id, text, logprob, top)
+
+    def _on_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> None:
+        sp = seq.sampling
+        st: _ChoiceState = seq.state
+        self.scheduler.append_token(seq, token_id)
+        finish = None
+        text = ""
+        if token_id in sp.stop_token_ids or (not sp.ignore_eos and token_id in self.eos_token_ids):
+            finish = "stop"  # the stop token itself is not shown
+        else:
+            text, matched = st.stops.feed(st.decoder.feed(token_id))
+            if matched:
+                finish = "stop"
+        if finish is None and (seq.num_output_tokens >= sp.max_tokens or len(seq.token_ids) >= self.max_model_len):
+            finish = "length"
+        if finish == "length":
+            text += st.stops.feed(st.decoder.flush())[0] + st.stops.flush()
+        self._emit(seq, (token_id,), text, finish, (logprob,) if logprob is not None else None)
+
+    def _emit(self, seq: Sequence, token_ids, text: str, finish, logprobs) -> None:
+        state = self._requests.get(seq.request_id)
+        if state is None:
+            return
+        usage = None
+        if finish is not None:
+            seq.finish_reason = finish
+            if state.pin_when_done and seq.choice == 0:
+                self.cache.pin(seq.token_ids[: seq.num_prompt_tokens], seq.extra_keys)
+            self.scheduler.finish(seq)
+            state.num_finished += 1
+            if state.num_finished == state.request.sampling.n:
+                usage = Usage(
+                    prompt_tokens=len(state.request.prompt_token_ids),
+                    completion_tokens=sum(s.num_output_tokens for s in state.seqs),
+                    cached_tokens=state.seqs[0].num_cached_tokens or 0,
+                )
+                del self._requests[seq.request_id]
+        state.sink(Delta(seq.choice, tuple(token_ids), text, finish, logprobs, usage))
+
+    def _fail(self, request_id: str, error: EngineError) -> None:
+        state = self._requests.pop(request_id, None)
+        if state is not None:
+            self.scheduler.remove_request(request_id)
+            state.sink(error)
+
+    def fail_all(self, error: EngineError) -> None:
+        """After an unexpected runner failure: fail every request, release every page."""
+        for request_id in list(self._requests):
+            self._fail(request_id, error)

@@ -1,0 +1,119 @@
+"""Batched sampling in torch: penalties, temperature, top-k / top-p / min-p, seeds, logprobs.
+
+One row per sequence that needs a token this step. Rows with temperature 0 are greedy. A
+per-request ``seed`` gives the row its own torch.Generator (created once per sequence), so the
+same request with the same seed reproduces its output whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from gateway.engine.api import SamplingParams
+
+
+@dataclass(slots=True)
+class SampleRow:
+    params: SamplingParams
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    generator: torch.Generator | None
+
+
+@dataclass(frozen=True, slots=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float] | None  # logprob of each chosen token (raw model distribution)
+    top_ids: list[list[int]] | None
+    top_logprobs: list[list[float]] | None
+
+
+def make_generator(seed: int | None, choice: int) -> torch.Generator | None:
+    if seed is None:
+        return None
+    g = torch.Generator(device="cpu")
+    g.manual_seed((seed + 1_000_003 * choice) % 2**63)
+    return g
+
+
+def _apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
+    """In place. Repetition (prompt + output, CTRL-style), presence and frequency (output)."""
+    vocab = logits.shape[-1]
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(list(row.prompt_ids) + list(row.output_ids), dtype=torch.long,
+                                device=logits.device)
+            seen = seen[seen < vocab].unique()
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and row.output_ids:
+            out = torch.tensor(list(row.output_ids), dtype=torch.long, device=logits.device)
+            counts = torch.bincount(out[out < vocab], minlength=vocab).to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _filter(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """Mask tokens outside top-k / top-p / min-p with -inf (rows already temperature-scaled)."""
+    dev = logits.device
+    top_k = torch.tensor([r.params.top_k for r in rows], device=dev)
+    top_p = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype, device=dev)
+    min_p = torch.tensor([r.params.min_p for r in rows], dtype=logits.dtype, device=dev)
+    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        vocab = logits.shape[-1]
+        ranks = torch.arange(vocab, device=dev).expand_as(sorted_logits)
+        k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
+        drop = ranks >= k
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        # keep the smallest set whose mass reaches top_p (always at least the best token)
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop |= mass_before >= top_p.unsqueeze(1)
+        drop[:, 0] = False
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(dim=-1)
+        threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
+    """Pick one token per row. ``logits``: [B, V] float32 (consumed)."""
+    assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
+    logits = logits.float()
+    want_logprobs = any(r.params.logprobs for r in rows)
+    raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
+    if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
+           for r in rows):
+        logits = logits.clone()
+        _apply_penalties(logits, rows)
+
+    dev = logits.device
+    greedy = torch.tensor([r.params.temperature == 0 for r in rows], device=dev)
+    chosen = logits.argmax(dim=-1)
+    if not bool(greedy.all()):
+        temps = torch.tensor([r.params.temperature or 1.0 for r in rows], dtype=logits.dtype, device=dev)
+        scaled = _filter(logits / temps.unsqueeze(1), rows)
+        probs = scaled.softmax(dim=-1)
+        # Exponential-race sampling: argmax(p / E), E ~ Exp(1), equals a categorical draw and
+        # batches; seeded rows draw their noise from their own generator.
+        noise = torch.empty_like(probs).exponential_()
+        for i, row in enumerate(rows):
+            if row.generator is not None and not bool(greedy[i]):
+                noise[i] = torch.empty(probs.shape[1]).exponential_(generator=row.generator).to(dev)
+        sampled = (probs / noise).argmax(dim=-1)
+        chosen = torch.where(greedy, chosen, sampled)
+
+    token_ids = chosen.tolist()
+    if raw_logprobs is None:
+        return SampleResult(token_ids, None, None, None)
+    chosen_lp = raw_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+    k = max(r.params.top_logprobs for r in rows)
+    if k > 0:
+        top_vals, top_idx = raw_logprobs.topk(k, dim=-1)
+        return SampleResult(token_ids, chosen_lp, top_idx.tolist(), top_vals.tolist())
+    return SampleResult(token_ids, chosen_lp, [[] for _ in rows], [[] for _ in rows])

@@ -1,0 +1,242 @@
+"""Continuous-batching scheduler: chunked prefill, in-flight prefix dedup, admission on free
+pages, preemption by recompute. Pure scheduling logic: no torch.
+
+One step = ``schedule()`` → runner forward → ``commit()`` → the engine samples and calls
+``append_token`` / ``finish``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from cache import KVCacheManager
+from gateway.engine.sequence import SeqStatus, Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """Compute positions ``[start_pos, start_pos + num_tokens)`` of ``seq`` this step."""
+
+    seq: Sequence
+    start_pos: int
+    num_tokens: int
+    need_logits: bool  # the chunk ends at the sequence's last known token: sample after it
+    block_table: tuple[int, ...]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start_pos : self.start_pos + self.num_tokens]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    chunks: tuple[ScheduledChunk, ...]
+    copy_pairs: tuple[tuple[int, int], ...]  # copy-on-write, to run before the forward
+    preempted: tuple[Sequence, ...]
+    unschedulable: tuple[Sequence, ...]  # can never fit the pool as it is now: fail them
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    """Decides, every step, which tokens of which sequences the model computes.
+
+    Args:
+        cache: the KV cache manager (prefix hits, pages, copy-on-write).
+        max_num_batched_tokens: token budget of one step; prefills are chunked to fit it.
+        max_num_seqs: running sequences at most.
+        enable_dedup: hold back a request whose next uncached blocks another running
+            sequence is computing right now; it is admitted once they are cached (in-flight
+            prefix dedup: a burst sharing a cold prompt computes it once).
+    """
+
+    def __init__(
+        self,
+        cache: KVCacheManager,
+        *,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 64,
+        enable_dedup: bool = True,
+    ):
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        self.cache = cache
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.enable_dedup = enable_dedup
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: preemption takes from the end
+        self._admission = itertools.count()
+        self.num_preemptions = 0
+        self.num_dedup_waits = 0  # admissions deferred because the prefix was in flight
+
+    # ------------------------------------------------------------------ queue management
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def remove_request(self, request_id: str) -> list[Sequence]:
+        """Abort: drop every sequence of the request, releasing its pages now."""
+        removed = [s for s in self.waiting if s.request_id == request_id]
+        if removed:
+            self.waiting = deque(s for s in self.waiting if s.request_id != request_id)
+        for seq in [s for s in self.running if s.request_id == request_id]:
+            self._release(seq)
+            removed.append(seq)
+        for seq in removed:
+            seq.status = SeqStatus.FINISHED
+        return removed
+
+    def finish(self, seq: Sequence) -> None:
+        """A running sequence is done: free its pages (tail first)."""
+        self._release(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` shares ``parent``'s pages (n > 1); writes copy on demand."""
+        self.cache.fork(parent.seq_id, child.seq_id)
+        child.num_computed = parent.num_computed
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.status = SeqStatus.RUNNING
+        child.admitted_order = next(self._admission)
+        self.running.append(child)
+
+    def append_token(self, seq: Sequence, token_id: int) -> None:
+        seq.token_ids.append(token_id)
+        self.cache.append_tokens(seq.seq_id, (token_id,))
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        pairs: list[tuple[int, int]] = []
+        preempted: list[Sequence] = []
+
+        # 1. Running sequences, oldest first: decodes (1 token) and unfinished prefill chunks.
+        for seq in list(self.running):
+            if seq.status is not SeqStatus.RUNNING or budget == 0:
+                continue
+            n = min(seq.num_uncomputed, budget)
+            if n == 0:
+                continue
+            while self.cache.pages_needed(seq.seq_id, n) > self.cache.num_free_pages:
+                victim = self.running[-1]  # latest admitted; never one already scheduled
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            pairs += self.cache.prepare_write(seq.seq_id, n)
+            chunks.append(self._chunk(seq, n))
+            budget -= n
+
+        # 2. Admit waiting sequences while pages (above the watermark) and budget allow.
+        unschedulable: list[Sequence] = []
+        deferred: list[Sequence] = []
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting.popleft()
+            match = self.cache.find_prefix(seq.token_ids, seq.extra_keys)
+            if self.enable_dedup and match.num_pending_tokens > 0:
+                # NOTE: another running sequence is computing our next blocks right now;
+                # admitting us would compute them twice. Wait a step, hit them after.
+                deferred.append(seq)
+                self.num_dedup_waits += 1
+                continue
+            needed = self.cache.pages_needed_for_prompt(len(seq.token_ids), match)
+            if not self.cache.can_allocate(needed):
+                idle = not self.running and not chunks
+                if idle and needed > self.cache.num_free_pages:
+                    unschedulable.append(seq)  # even an empty engine cannot hold it
+                    continue
+                if not idle:
+                    self.waiting.appendleft(seq)
+                    break
+            self.cache.allocate(
+                seq.seq_id,
+                seq.token_ids,
+                extra_keys=seq.extra_keys,
+                tenant=seq.tenant,
+                agent=seq.agent,
+                count_query=seq.num_cached_tokens is None,
+            )
+            computed = self.cache.num_computed_tokens(seq.seq_id)
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = computed
+            seq.num_computed = computed
+            seq.status = SeqStatus.RUNNING
+            seq.admitted_order = next(self._admission)
+            self.running.append(seq)
+            n = min(seq.num_uncomputed, budget)
+            pairs += self.cache.prepare_write(seq.seq_id, n)
+            chunks.append(self._chunk(seq, n))
+            budget -= n
+        self.waiting.extendleft(reversed(deferred))
+        for seq in unschedulable:
+            seq.status = SeqStatus.FINISHED
+        return SchedulerOutput(tuple(chunks), tuple(pairs), tuple(preempted), tuple(unschedulable))
+
+    def commit(self, output: SchedulerOutput) -> None:
+        """After the forward pass: the chunks' K/V is in the pages; full blocks become cached."""
+        for chunk in output.chunks:
+            seq = chunk.seq
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # aborted while the forward ran
+            self.cache.commit_computed(seq.seq_id, chunk.num_tokens)
+            seq.num_computed += chunk.num_tokens
+
+    # ------------------------------------------------------------------ internals
+
+    def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
+        start = seq.num_computed
+        return ScheduledChunk(
+            seq=seq,
+            start_pos=start,
+            num_tokens=n,
+            need_logits=start + n == len(seq.token_ids),
+            block_table=tuple(self.cache.block_table(seq.seq_id)),
+        )
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute-style preemption: free the pages, requeue at the front.
+
+        Its cached prefix usually survives (freed pages stay hittable until reused), so the
+        recompute is mostly hits.
+        """
+        self._release(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_computed = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _release(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq.seq_id in self.cache:
+            self.cache.free(seq.seq_id)
+
+    def iter_live(self) -> Iterable[Sequence]:
+        yield from self.running
+        yield from self.waiting

@@ -1,0 +1,61 @@
+"""One generation stream (a request's choice) as the scheduler sees it. No torch."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.engine.api import FinishReason, SamplingParams
+
+_seq_counter = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """Token state of one choice of one request.
+
+    ``token_ids`` = prompt + generated tokens. The KV of the first ``num_computed`` tokens is in
+    the cache (the manager is the source of truth; this mirrors it for the runner).
+    """
+
+    request_id: str
+    choice: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    extra_keys: bytes
+    tenant: str
+    agent: str | None
+    seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0
+    num_cached_tokens: int | None = None  # prefix hit at first admission (usage.cached_tokens)
+    admitted_order: int = -1  # admission counter: preemption takes the latest first
+    num_choices_to_fork: int = 0  # n - 1 children forked once the prompt is computed
+    finish_reason: FinishReason | None = None
+    # Engine-side per-sequence state (sampler generator, detokenizer, stop matcher).
+    state: Any = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id}#{self.choice}, {self.status.value}, "
+                f"tokens={len(self.token_ids)}, computed={self.num_computed})")

@@ -1,0 +1,139 @@
+"""Scheduler logic with no model: the 'runner' is just commit + a fixed next token."""
+
+import pytest
+
+from cache import KVCacheManager
+from gateway.engine.api import SamplingParams
+from gateway.engine.scheduler import Scheduler
+from gateway.engine.sequence import Sequence, SeqStatus
+
+
+def seq(tokens, rid=None):
+    return Sequence(request_id=rid or f"r{id(tokens)}", choice=0, token_ids=list(tokens),
+                    num_prompt_tokens=len(tokens), sampling=SamplingParams(), extra_keys=b"",
+                    tenant="t", agent=None)
+
+
+def step(s: Scheduler, next_token=1):
+    out = s.schedule()
+    s.commit(out)
+    for c in out.chunks:
+        if c.need_logits and c.seq.status is SeqStatus.RUNNING:
+            s.append_token(c.seq, next_token)
+    s.cache.check_integrity()
+    return out
+
+
+def test_chunked_prefill_respects_the_budget():
+    s = Scheduler(KVCacheManager(64, 4, watermark=0), max_num_batched_tokens=32)
+    a = seq(range(100))
+    s.add(a)
+    sizes = []
+    for _ in range(4):
+        out = step(s)
+        sizes.append([(c.num_tokens, c.need_logits) for c in out.chunks])
+    assert sizes == [[(32, False)], [(32, False)], [(32, False)], [(4, True)]]
+    assert len(a.token_ids) == 101  # sampled once, after the last chunk
+
+
+def test_decodes_are_packed_before_prefill_chunks():
+    s = Scheduler(KVCacheManager(128, 4, watermark=0), max_num_batched_tokens=20)
+    short = [seq([i] * 5, rid=f"s{i}") for i in range(3)]
+    for x in short:
+        s.add(x)
+    step(s)  # three 5-token prefills
+    long = seq(range(1000, 1100), rid="long")
+    s.add(long)
+    out = step(s)
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [
+        ("s0", 1), ("s1", 1), ("s2", 1), ("long", 17)]
+    assert out.num_tokens == 20
+
+
+def test_watermark_holds_admission():
+    s = Scheduler(KVCacheManager(10, 4, watermark=0.2), max_num_batched_tokens=1000)
+    a, b = seq(range(16), "a"), seq(range(100, 120), "b")  # 4 and 5 pages
+    s.add(a)
+    s.add(b)
+    out = step(s)
+    assert [c.seq.request_id for c in out.chunks] == ["a"]  # b would leave 1 < 2 free
+    assert s.num_waiting == 1
+
+
+def test_idle_engine_admits_below_the_watermark_but_never_beyond_the_pool():
+    s = Scheduler(KVCacheManager(10, 4, watermark=0.5), max_num_batched_tokens=1000)
+    big, huge = seq(range(36), "big"), seq(range(100, 150), "huge")
+    s.add(huge)
+    s.add(big)
+    out = step(s)
+    assert [x.request_id for x in out.unschedulable] == ["huge"]
+    assert [c.seq.request_id for c in out.chunks] == ["big"]
+
+
+def test_preemption_takes_the_latest_admitted_and_requeues_it_first():
+    cache = KVCacheManager(6, 2, watermark=0)
+    s = Scheduler(cache, max_num_batched_tokens=100)
+    a, b = seq([1, 2, 3], "a"), seq([4, 5, 6], "b")
+    s.add(a)
+    s.add(b)
+    step(s)  # a: pages for 3 tokens (2), b: 2 -> 4 used
+    step(s)  # each decodes 1 token: position 3 in page 2 of each -> still 4 pages
+    assert cache.num_free_pages == 2
+    step(s)  # each needs a 3rd page: 2 free -> fine
+    assert cache.num_free_pages == 0
+    step(s)
+    out = step(s)  # positions 6: a needs a 4th page; b (latest) is preempted
+    assert s.num_preemptions >= 1 and b.status is SeqStatus.WAITING and s.waiting[0] is b
+    assert all(c.seq is a for c in out.chunks)
+    s.finish(a)
+    for _ in range(3):
+        step(s)
+    assert b.status is SeqStatus.RUNNING and b.num_computed == len(b.token_ids) - 1
+    assert b.num_cached_tokens == 0  # usage keeps the first admission's hit
+
+
+def test_abort_releases_pages_at_once():
+    cache = KVCacheManager(16, 4, watermark=0)
+    s = Scheduler(cache)
+    a, w = seq(range(10), "a"), seq(range(50, 60), "w")
+    s.add(a)
+    step(s)
+    s.add(w)
+    assert cache.stats().pages_used == 3
+    assert [x.request_id for x in s.remove_request("a")] == ["a"]
+    assert cache.stats().pages_used == 0 and s.num_running == 0
+    assert [x.request_id for x in s.remove_request("w")] == ["w"] and s.num_waiting == 0
+    cache.check_integrity()
+
+
+def test_burst_with_a_cold_shared_prefix_computes_it_once():
+    cache = KVCacheManager(256, 4, watermark=0)
+    s = Scheduler(cache, max_num_batched_tokens=4096)
+    system = list(range(400))
+    burst = [seq(system + [1000 + i] * 5, f"a{i}") for i in range(8)]
+    for x in burst:
+        s.add(x)
+    computed = 0
+    while any(x.status is not SeqStatus.RUNNING or x.num_computed < x.num_prompt_tokens for x in burst):
+        out = step(s)
+        computed += sum(c.num_tokens for c in out.chunks if c.start_pos < c.seq.num_prompt_tokens)
+    # the 400-token prefix once + each agent's 5-token suffix
+    assert computed == 400 + 8 * 5
+    assert [x.num_cached_tokens for x in burst] == [0] + [400] * 7
+    assert s.num_dedup_waits >= 7
+
+
+def test_dedup_off_computes_the_prefix_for_everyone():
+    cache = KVCacheManager(1024, 4, watermark=0)
+    s = Scheduler(cache, max_num_batched_tokens=4096, enable_dedup=False)
+    burst = [seq(list(range(400)) + [1000 + i] * 5, f"a{i}") for i in range(4)]
+    for x in burst:
+        s.add(x)
+    out = step(s)
+    assert out.num_tokens == 4 * 405
+
+
+@pytest.mark.parametrize("bad", [dict(max_num_batched_tokens=0), dict(max_num_seqs=0)])
+def test_bad_config(bad):
+    with pytest.raises(ValueError):
+        Scheduler(KVCacheManager(4, 4), **bad)
