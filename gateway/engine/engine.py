@@ -119,7 +119,7 @@ class AsyncEngine:
         queue: asyncio.Queue[Delta | EngineError] = asyncio.Queue()
 
         def sink(item: Delta | EngineError) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            _deliver(loop, queue.put_nowait, item)
 
         def add() -> None:
             with self._wake:
@@ -169,9 +169,9 @@ class AsyncEngine:
 
         def sink(item: Delta | EngineError) -> None:
             if isinstance(item, EngineError):
-                loop.call_soon_threadsafe(_settle, done, item)
+                _deliver(loop, lambda e: _settle(done, e), item)
             elif item.usage is not None:
-                loop.call_soon_threadsafe(_settle, done, None)
+                _deliver(loop, lambda e: _settle(done, e), None)
 
         def add() -> None:
             try:
@@ -229,6 +229,19 @@ class AsyncEngine:
                     return True
             time.sleep(0.01)
         return False
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, callback: Callable[[Any], None], item: Any) -> None:
+    """Hand ``item`` to an event loop from the engine thread.
+
+    The caller's loop may be gone (client process shutting down, a test's asyncio.run ended);
+    the request's abort is already queued then, so the item is dropped — it must not take the
+    engine thread down with it.
+    """
+    try:
+        loop.call_soon_threadsafe(callback, item)
+    except RuntimeError:  # "Event loop is closed"
+        logger.debug("dropped a delta for a closed event loop")
 
 
 def _settle(future: asyncio.Future[Any], error: EngineError | None) -> None:

@@ -1,0 +1,54 @@
+"""Build an engine from an EngineConfig: load weights, size the KV pool, wire the parts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cache.events import EventSink
+from gateway.engine.config import EngineConfig
+from gateway.engine.llm_engine import LLMEngine
+from gateway.engine.loader import LoadedModel, load_model
+from gateway.engine.runner import ModelRunner, SeqChunk
+
+
+def create_llm_engine(
+    config: EngineConfig,
+    *,
+    loaded: LoadedModel | None = None,
+    event_sink: EventSink | None = None,
+    progress: bool | None = None,
+) -> tuple[LLMEngine, dict[str, Any]]:
+    """Load the model (unless ``loaded`` is given) and return the sync engine plus facts about it.
+
+    Returns:
+        (engine, info) with info keys model_name, device, dtype, kernel_backend, num_pages.
+    """
+    if loaded is None:
+        loaded = load_model(config.model, progress=progress)
+    runner = ModelRunner.from_loaded(
+        loaded,
+        num_pages=config.num_pages,
+        kv_memory_gb=config.kv_memory_gb,
+        page_size=config.page_size,
+        device=config.device,
+        dtype=config.dtype,
+        max_model_len=config.max_model_len,
+        kernel_backend=config.kernel_backend,
+    )
+    engine = LLMEngine(
+        runner,
+        loaded.tokenizer,
+        config,
+        model_id=loaded.name,
+        chunk_factory=SeqChunk,
+        event_sink=event_sink,
+    )
+    info = {
+        "model_name": config.served_model_name or loaded.name,
+        "model_id": loaded.name,
+        "device": str(runner.device),
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "kernel_backend": runner.kernel_backend,
+        "num_pages": runner.num_pages,
+    }
+    return engine, info

@@ -1,0 +1,223 @@
+"""The engine on the real default model: batching, dedup, preemption, abort, n > 1."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.engine.api import (
+    ContextLengthError,
+    Delta,
+    GenerationRequest,
+    InvalidRequestError,
+    OverloadedError,
+    SamplingParams,
+)
+from gateway.engine.config import EngineConfig
+from gateway.engine.engine import AsyncEngine
+from gateway.engine.factory import create_llm_engine
+
+SYSTEM = (
+    "You are a meticulous research assistant in a team of software agents. You can call tools to "
+    "search the codebase, read files and run tests. Always explain your reasoning briefly, cite "
+    "file paths, and never invent APIs that do not exist. Prefer small, verifiable steps."
+)
+TASKS = [
+    "Find where the HTTP retries are configured.", "Summarise the caching layer in two sentences.",
+    "List three risks of the new scheduler.", "What does the tokenizer do with emojis?",
+    "Name a test that covers preemption.", "Explain copy-on-write to a new engineer.",
+    "Which module owns the block tables?", "Draft a commit message for the kernel fix.",
+    "How many pages does a 100-token prompt take?", "Why hash token ids and not text?",
+    "Give one reason to pin a system prompt.", "What is a watermark in admission control?",
+    "Suggest a benchmark for the router.", "Write a haiku about KV caches.",
+    "What happens when Redis is down?", "Describe chunked prefill in one line.",
+]
+
+
+@pytest.fixture(scope="module")
+def make_engine(loaded_model):
+    def make(**overrides) -> object:
+        cfg = EngineConfig(**{"num_pages": 256, "page_size": 16, "device": "cpu", **overrides})
+        engine, _ = create_llm_engine(cfg, loaded=loaded_model)
+        return engine
+
+    return make
+
+
+def chat(tokenizer, task: str) -> tuple[int, ...]:
+    return tuple(tokenizer.apply_chat_template(
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task}]))
+
+
+def run(engine, requests: list[GenerationRequest]) -> dict[str, list[Delta]]:
+    """Submit all, step until all finished; deltas per request id."""
+    out: dict[str, list[Delta]] = {r.request_id: [] for r in requests}
+    for r in requests:
+        engine.add_request(r, out[r.request_id].append)
+    while engine.has_work():
+        engine.step()
+    engine.cache.check_integrity()
+    return out
+
+
+def tokens(deltas: list[Delta], choice: int = 0) -> list[int]:
+    return [t for d in deltas if d.index == choice for t in d.token_ids]
+
+
+def ideal_prefill_tokens(prompts) -> int:
+    """Tokens an infinite, instantly shared cache would compute: each distinct prefix once."""
+    total = 0
+    for i, p in enumerate(prompts):
+        lcp = 0
+        for q in prompts[:i]:
+            n = 0
+            while n < min(len(p), len(q)) and p[n] == q[n]:
+                n += 1
+            lcp = max(lcp, n)
+        total += len(p) - min(lcp, len(p) - 1)
+    return total
+
+
+def greedy(max_tokens=12, **kw):
+    return SamplingParams(max_tokens=max_tokens, temperature=0, **kw)
+
+
+def test_sixteen_concurrent_equal_one_at_a_time(make_engine, tokenizer):
+    engine = make_engine(num_pages=512)
+    prompts = [chat(tokenizer, t) for t in TASKS]
+    alone = [tokens(run(engine, [GenerationRequest(p, greedy(), request_id=f"s{i}")])[f"s{i}"])
+             for i, p in enumerate(prompts)]
+    engine.cache.reset_cache()
+    together = run(engine, [GenerationRequest(p, greedy(), request_id=f"c{i}") for i, p in enumerate(prompts)])
+    assert [tokens(together[f"c{i}"]) for i in range(16)] == alone
+    last = [d for d in together["c3"] if d.usage][0]
+    assert last.usage.prompt_tokens == len(prompts[3]) and last.usage.completion_tokens == 12
+    # the shared system prompt's full blocks were hit by all but the first admitted
+    shared_blocks = len(chat(tokenizer, "")) // 16 - 1
+    hits = sorted(d.usage.cached_tokens for v in together.values() for d in v if d.usage)
+    assert hits[-1] >= shared_blocks * 16 and hits.count(0) <= 1
+    assert engine.cache.stats().pages_used == 0
+
+
+def test_burst_computes_a_cold_shared_prefix_once(make_engine, tokenizer):
+    engine = make_engine(num_pages=512, max_num_batched_tokens=4096)
+    prefix = tokenizer.encode(" ".join(["The agent reads the design document carefully."] * 120))[:1000]
+    suffixes = [tokenizer.encode(f" Question {i}: what is step {i}?") for i in range(8)]
+    requests = [GenerationRequest(tuple(prefix + s), greedy(2), request_id=f"b{i}") for i, s in enumerate(suffixes)]
+    run(engine, requests)
+    ideal = ideal_prefill_tokens([r.prompt_token_ids for r in requests])  # each prefix once
+    assert ideal < 1000 + 8 * 20
+    # a follower also recomputes the partial block where it departs from the others (< 16 tokens)
+    assert ideal <= engine.prefill_tokens_computed <= ideal + 7 * 15
+    assert engine.scheduler.num_dedup_waits >= 7
+
+
+def test_tiny_page_budget_preempts_without_changing_outputs(make_engine, tokenizer):
+    prompts = [chat(tokenizer, t) for t in TASKS[:6]]
+    requests = lambda tag: [GenerationRequest(p, greedy(24), request_id=f"{tag}{i}")  # noqa: E731
+                            for i, p in enumerate(prompts)]
+    roomy = make_engine(num_pages=512)
+    expected = run(roomy, requests("r"))
+    pages_per_seq = -(-(max(map(len, prompts)) + 24) // 16)
+    tight = make_engine(num_pages=pages_per_seq * 3, watermark=0.0)
+    got = run(tight, requests("t"))
+    assert tight.scheduler.num_preemptions > 0
+    assert [tokens(got[f"t{i}"]) for i in range(6)] == [tokens(expected[f"r{i}"]) for i in range(6)]
+    stats = tight.cache.stats()
+    assert stats.pages_used == 0 and stats.pages_free + stats.pages_cached_free == tight.cache.num_pages
+
+
+def test_abort_mid_decode_frees_pages(make_engine, tokenizer):
+    engine = make_engine()
+    seen: list[Delta] = []
+    engine.add_request(GenerationRequest(chat(tokenizer, TASKS[0]), greedy(64), request_id="ab"), seen.append)
+    while len(seen) < 3:
+        engine.step()
+    assert engine.cache.stats().pages_used > 0
+    assert engine.abort("ab") and not engine.abort("ab")
+    assert engine.cache.stats().pages_used == 0 and not engine.has_work()
+    engine.cache.check_integrity()
+
+
+def test_n4_forks_share_the_prompt_pages(make_engine, tokenizer):
+    engine = make_engine()
+    prompt = chat(tokenizer, TASKS[5])
+    seen: list[Delta] = []
+    req = GenerationRequest(prompt, SamplingParams(max_tokens=8, temperature=0.8, seed=3, n=4), request_id="n4")
+    engine.add_request(req, seen.append)
+    while not seen:
+        engine.step()
+    full_prompt_pages = len(prompt) // 16
+    table = engine.cache.block_table(engine.scheduler.running[0].seq_id)
+    assert all(engine.cache.ref_count(p) == 4 for p in table[:full_prompt_pages])
+    assert engine.cache.stats().pages_used < 2 * -(-len(prompt) // 16)
+    while engine.has_work():
+        engine.step()
+    assert {d.index for d in seen} == {0, 1, 2, 3}
+    usage = [d.usage for d in seen if d.usage][0]
+    assert usage.completion_tokens == 32
+    assert engine.cache.stats().pages_used == 0
+
+
+def test_seeded_sampling_is_reproducible(make_engine, tokenizer):
+    engine = make_engine()
+    prompt = chat(tokenizer, TASKS[13])
+    sp = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=1234)
+    a = run(engine, [GenerationRequest(prompt, sp, request_id="x1")])["x1"]
+    b = run(engine, [GenerationRequest(prompt, sp, request_id="x2"),
+                     GenerationRequest(chat(tokenizer, TASKS[1]), greedy(), request_id="x3")])["x2"]
+    assert tokens(a) == tokens(b)
+
+
+def test_stop_strings_and_text_stream(make_engine, tokenizer):
+    engine = make_engine()
+    prompt = chat(tokenizer, "Count from 1 to 20, separated by commas.")
+    free = run(engine, [GenerationRequest(prompt, greedy(40), request_id="f")])["f"]
+    text = "".join(d.text for d in free)
+    assert text == tokenizer.decode(tokens(free))
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    cut = run(engine, [GenerationRequest(prompt, greedy(40, stop=(stop,)), request_id="s")])["s"]
+    assert "".join(d.text for d in cut) == text[: text.index(stop)]
+    assert cut[-1].finish_reason == "stop"
+
+
+def test_validation_errors_name_the_problem(make_engine):
+    engine = make_engine(max_waiting=1)
+    with pytest.raises(ContextLengthError, match="8192"):
+        engine.add_request(GenerationRequest((1,) * 8000, greedy(500)), lambda d: None)
+    with pytest.raises(ContextLengthError, match="KV cache"):
+        engine.add_request(GenerationRequest((1,) * 4000, greedy(500)), lambda d: None)
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        engine.add_request(GenerationRequest((1, 10**7)), lambda d: None)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.add_request(GenerationRequest(()), lambda d: None)
+    engine.add_request(GenerationRequest((1, 2, 3), request_id="q1"), lambda d: None)
+    with pytest.raises(OverloadedError):
+        engine.add_request(GenerationRequest((1, 2, 3), request_id="q2"), lambda d: None)
+    engine.abort("q1")
+
+
+def test_async_engine_streams_and_cancel_frees_pages(make_engine, tokenizer):
+    engine = AsyncEngine(make_engine(), model_name="m")
+    engine.start_sync()
+    prompt = chat(tokenizer, TASKS[2])
+
+    async def main():
+        full = [d async for d in engine.generate(GenerationRequest(prompt, greedy(6)))]
+        assert full[-1].usage is not None and full[-1].finish_reason == "length"
+        stream = engine.generate(GenerationRequest(prompt, greedy(200)))
+        first = await stream.__anext__()
+        assert first.token_ids
+        await stream.aclose()  # the client went away
+        return full
+
+    try:
+        full = asyncio.run(main())
+        assert len([t for d in full for t in d.token_ids]) == 6
+        assert engine.wait_idle(30)
+        assert engine.cache_stats().pages_used == 0
+        stats = engine.engine_stats()
+        assert stats.prefill_tokens_computed > 0 and stats.num_running == 0
+    finally:
+        engine.shutdown_sync()
