@@ -1,23 +1,20 @@
 """Paged-attention kernels: Triton on CUDA, plain torch on CPU. Knows nothing of the gateway.
 
-Public API (layout in kernels/layout.py):
-    write_kv(key, value, k_cache, v_cache, slot_mapping)
-    paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
-    copy_pages(kv_pool, src, dst)
-    backend_name(device) -> "triton" | "torch"
+Public API (layout in kernels/layout.py; backend choice in kernels/dispatch.py):
+    write_kv(key, value, k_cache, v_cache, slot_mapping, *, backend=None)
+    paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                    *, max_query_len=None, backend=None) -> [T, Hq, D]
+    copy_pages(kv_pool, src, dst, *, backend=None)
+    backend_name(device, backend=None) -> "triton" | "torch"
+
+``triton`` is optional: it is imported only when the Triton backend is first used.
 """
 
+from kernels.dispatch import BACKEND_ENV, backend_name, copy_pages, paged_attention, write_kv
 from kernels.layout import allocate_kv_pool, page_bytes
-from kernels.reference import copy_pages_ref as copy_pages
-from kernels.reference import paged_attention_ref as paged_attention
-from kernels.reference import write_kv_ref as write_kv
-
-
-def backend_name(device) -> str:  # replaced by kernels/dispatch.py
-    return "torch"
-
 
 __all__ = [
+    "BACKEND_ENV",
     "allocate_kv_pool",
     "backend_name",
     "copy_pages",

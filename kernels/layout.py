@@ -50,7 +50,9 @@ def allocate_kv_pool(
     )
 
 
-def page_bytes(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+def page_bytes(
+    num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
     """Bytes one physical page occupies across all layers, K and V."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     return num_layers * 2 * page_size * num_kv_heads * head_dim * itemsize

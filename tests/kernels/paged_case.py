@@ -1,0 +1,134 @@
+"""Builders for paged-attention test batches and a naive per-token oracle.
+
+A batch is described by, per sequence, its context length after this step and how many of
+those positions are new query rows (1 = decode, >1 = prefill chunk after a cached prefix,
+== context = prefill from scratch). Pages are handed out from a shuffled permutation, so
+block tables are non-contiguous and out of order, and every slot NOT holding a sequence's
+context is filled with large garbage (or NaN) that must never reach an output.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]  # where Triton kernels run
+ALL_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@dataclass(frozen=True, slots=True)
+class PagedBatch:
+    """One flat attention batch over a paged cache (tensors as ``paged_attention`` takes them)."""
+
+    query: torch.Tensor  # [T, Hq, D]
+    k_cache: torch.Tensor  # [num_pages, page_size, Hkv, D]
+    v_cache: torch.Tensor  # [num_pages, page_size, Hkv, D]
+    block_tables: torch.Tensor  # [S, max_pages] int32
+    seq_lens: torch.Tensor  # [S] int32
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    scale: float
+
+    def args(self) -> tuple:
+        """Positional arguments of ``paged_attention``."""
+        return (
+            self.query,
+            self.k_cache,
+            self.v_cache,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            self.scale,
+        )
+
+
+def make_paged_batch(
+    ctx_lens: list[int],
+    new_lens: list[int],
+    *,
+    num_kv_heads: int = 2,
+    group_size: int = 1,
+    head_dim: int = 32,
+    page_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    seed: int = 0,
+    spare_pages: int = 3,
+    spare_table_cols: int = 2,
+    garbage: float = 1e3,
+) -> PagedBatch:
+    """A random batch whose context K/V already sits in shuffled pages.
+
+    ``garbage`` fills every slot outside the contexts and the block table columns past each
+    sequence's last page (``nan`` makes any stray read poison the output).
+    """
+    assert len(ctx_lens) == len(new_lens)
+    gen = torch.Generator().manual_seed(seed)
+    pages_per_seq = [math.ceil(c / page_size) for c in ctx_lens]
+    num_pages = sum(pages_per_seq) + spare_pages
+    perm = torch.randperm(num_pages, generator=gen).tolist()
+    max_pages = max(pages_per_seq, default=0) + spare_table_cols
+    # columns past a sequence's pages point at arbitrary (even out-of-range) ids
+    block_tables = torch.full((len(ctx_lens), max_pages), -1, dtype=torch.int32)
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, garbage, dtype=torch.float32)
+    v_cache = torch.full(shape, -garbage, dtype=torch.float32)
+    next_page = 0
+    for s, ctx in enumerate(ctx_lens):
+        pages = perm[next_page : next_page + pages_per_seq[s]]
+        next_page += pages_per_seq[s]
+        block_tables[s, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        block_tables[s, len(pages) :] = torch.randint(
+            num_pages, 10 * num_pages + 10, (max_pages - len(pages),), generator=gen
+        ).to(torch.int32)
+        for pos in range(ctx):
+            page, off = pages[pos // page_size], pos % page_size
+            k_cache[page, off] = torch.randn(num_kv_heads, head_dim, generator=gen)
+            v_cache[page, off] = torch.randn(num_kv_heads, head_dim, generator=gen)
+    total = sum(new_lens)
+    query = torch.randn(total, num_kv_heads * group_size, head_dim, generator=gen)
+    starts = [0]
+    for n in new_lens:
+        starts.append(starts[-1] + n)
+    return PagedBatch(
+        query=query.to(dtype=dtype, device=device),
+        k_cache=k_cache.to(dtype=dtype, device=device),
+        v_cache=v_cache.to(dtype=dtype, device=device),
+        block_tables=block_tables.to(device),
+        seq_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        scale=head_dim**-0.5,
+    )
+
+
+def naive_paged_attention(batch: PagedBatch) -> torch.Tensor:  # [T, Hq, D] float64
+    """Per query token, per head: gather its visible keys slot by slot, softmax in float64."""
+    q_all = batch.query.double().cpu()
+    k_flat = batch.k_cache.double().cpu().flatten(0, 1)  # [num_slots, Hkv, D]
+    v_flat = batch.v_cache.double().cpu().flatten(0, 1)
+    page_size = batch.k_cache.shape[1]
+    num_q_heads, num_kv_heads = q_all.shape[1], k_flat.shape[1]
+    group = num_q_heads // num_kv_heads
+    tables = batch.block_tables.cpu().tolist()
+    starts = batch.query_start_loc.cpu().tolist()
+    out = torch.zeros_like(q_all)
+    for s, ctx in enumerate(batch.seq_lens.cpu().tolist()):
+        n_new = starts[s + 1] - starts[s]
+        for j in range(n_new):
+            pos = ctx - n_new + j
+            slots = [tables[s][p // page_size] * page_size + p % page_size for p in range(pos + 1)]
+            k = k_flat[slots].repeat_interleave(group, dim=1)  # [pos + 1, Hq, D]
+            v = v_flat[slots].repeat_interleave(group, dim=1)
+            q = q_all[starts[s] + j]  # [Hq, D]
+            probs = torch.softmax(torch.einsum("hd,chd->hc", q, k) * batch.scale, dim=-1)
+            out[starts[s] + j] = torch.einsum("hc,chd->hd", probs, v)
+    return out
+
+
+# Comparison tolerances per dtype (outputs are convex combinations of unit-scale values).
+TOLERANCES = {
+    torch.float32: {"atol": 2e-5, "rtol": 1e-5},
+    torch.float16: {"atol": 4e-3, "rtol": 4e-3},
+    torch.bfloat16: {"atol": 3e-2, "rtol": 2e-2},
+}
