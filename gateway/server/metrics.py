@@ -1,0 +1,334 @@
+"""Prometheus metrics on the server's own registry, named like vLLM's (``prefixgate:`` for ``vllm:``).
+
+Two sources:
+
+* request timings and token counts, observed by the gateway as deltas stream out
+  (:class:`RequestTimer`);
+* cache and scheduler state, read from the engine's snapshot at scrape time
+  (:class:`EngineCollector`), so there is one source of truth for hits and pages.
+
+Per-agent label values are BOUNDED: the first ``max_agent_labels`` agents seen (the busiest
+first when several appear in one scrape) keep their own label for the life of the process; every
+later agent is summed into ``__other__``. The decision is sticky so every series stays monotonic.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from cache.stats import HitStats
+from gateway.engine.api import Delta, EngineLike, Usage
+
+PREFIX = "prefixgate:"
+OTHER_LABEL = "__other__"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+)
+_ITL_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_E2E_BUCKETS = (
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+
+
+class StickyLabeler:
+    """Maps an unbounded set of keys onto at most ``max_labels`` label values plus ``__other__``."""
+
+    def __init__(self, max_labels: int):
+        self.max_labels = max_labels
+        self._labelled: set[str] = set()
+        self._overflow: set[str] = set()
+
+    def admit(self, keys_busiest_first: Iterable[str]) -> None:
+        for key in keys_busiest_first:
+            if key in self._labelled or key in self._overflow:
+                continue
+            if len(self._labelled) < self.max_labels and key != OTHER_LABEL:
+                self._labelled.add(key)
+            else:
+                self._overflow.add(key)
+
+    def label(self, key: str) -> str:
+        return key if key in self._labelled else OTHER_LABEL
+
+    def fold(self, per_key: Mapping[str, HitStats]) -> dict[str, tuple[int, int]]:
+        """``{key: stats}`` → ``{label: (query_tokens, hit_tokens)}`` with overflow summed."""
+        self.admit(sorted(per_key, key=lambda k: -per_key[k].query_tokens))
+        folded: dict[str, tuple[int, int]] = {}
+        for key, stats in per_key.items():
+            label = self.label(key)
+            queries, hits = folded.get(label, (0, 0))
+            folded[label] = (queries + stats.query_tokens, hits + stats.hit_tokens)
+        return folded
+
+
+class EngineCollector(Collector):
+    """Reads ``engine.cache_stats()`` / ``engine.engine_stats()`` at each scrape."""
+
+    def __init__(self, engine: EngineLike, model_name: str, max_agent_labels: int):
+        self.engine = engine
+        self.model_name = model_name
+        self.agents = StickyLabeler(max_agent_labels)
+        # Tenants are bounded by the key table already; the cap only guards a misconfiguration.
+        self.tenants = StickyLabeler(max(64, max_agent_labels))
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # families are only known at collect time
+
+    def collect(self) -> Iterator[Metric]:
+        cache = self.engine.cache_stats()
+        engine = self.engine.engine_stats()
+        model = [self.model_name]
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric(model, value)
+            return family
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric(model, value)
+            return family
+
+        yield counter(
+            "prefix_cache_queries",
+            "Prefix cache queries, in prompt tokens.",
+            cache.total.query_tokens,
+        )
+        yield counter(
+            "prefix_cache_hits", "Prefix cache hits, in prompt tokens.", cache.total.hit_tokens
+        )
+        yield gauge(
+            "kv_cache_usage_perc", "Fraction of KV pages referenced (1 = full).", cache.usage
+        )
+        yield gauge("num_requests_running", "Requests in the running batch.", engine.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", engine.num_waiting)
+        yield gauge(
+            "num_requests_waiting_max", "Waiting-queue bound (then HTTP 429).", engine.max_waiting
+        )
+        pages = GaugeMetricFamily(
+            PREFIX + "kv_pages",
+            "KV pages by state (used + cached_free + free = total).",
+            labels=["model_name", "state"],
+        )
+        pages.add_metric([self.model_name, "used"], cache.pages_used)
+        pages.add_metric([self.model_name, "cached_free"], cache.pages_cached_free)
+        pages.add_metric([self.model_name, "free"], cache.pages_free)
+        yield pages
+        yield gauge("kv_pages_total", "KV pages in the pool.", cache.num_pages)
+        yield gauge("kv_pages_pinned", "KV pages pinned (never evicted).", cache.pages_pinned)
+        yield gauge(
+            "kv_fragmentation", "Allocated but unused slots / allocated slots.", cache.fragmentation
+        )
+        yield counter(
+            "kv_evictions",
+            "Cached pages whose hash was dropped to reuse the page.",
+            cache.evictions,
+        )
+        yield counter("kv_cow_copies", "Copy-on-write page copies.", cache.cow_copies)
+        yield counter(
+            "num_preemptions", "Sequences preempted to free pages.", engine.num_preemptions
+        )
+        yield counter(
+            "prefill_tokens_computed",
+            "Prompt tokens that went through the model (not cached).",
+            engine.prefill_tokens_computed,
+        )
+        for what, labeler, per_key in (
+            ("tenant", self.tenants, cache.per_tenant),
+            ("agent", self.agents, cache.per_agent),
+        ):
+            folded = labeler.fold(per_key)
+            queries = CounterMetricFamily(
+                f"{PREFIX}{what}_prefix_cache_queries",
+                f"Prefix cache queries per {what}, in prompt tokens.",
+                labels=["model_name", what],
+            )
+            hits = CounterMetricFamily(
+                f"{PREFIX}{what}_prefix_cache_hits",
+                f"Prefix cache hits per {what}, in prompt tokens.",
+                labels=["model_name", what],
+            )
+            for label, (q, h) in sorted(folded.items()):
+                queries.add_metric([self.model_name, label], q)
+                hits.add_metric([self.model_name, label], h)
+            yield queries
+            yield hits
+
+
+class GatewayMetrics:
+    """The server's registry: gateway-observed request metrics + the engine collector."""
+
+    def __init__(self, engine: EngineLike, model_name: str, max_agent_labels: int):
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=False)
+        labels = ["model_name"]
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time from request arrival to the first token.",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between successive output deltas of a choice.",
+            labels,
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Time from request arrival to its last token.",
+            labels,
+            buckets=_E2E_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens",
+            "Prompt tokens of finished requests.",
+            labels,
+            registry=self.registry,
+        ).labels(model_name)
+        self.cached_prompt_tokens = Counter(
+            PREFIX + "prompt_tokens_cached",
+            "Prompt tokens of finished requests served from cache.",
+            labels,
+            registry=self.registry,
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens",
+            "Generated tokens of finished requests.",
+            labels,
+            registry=self.registry,
+        ).labels(model_name)
+        self.request_success = Counter(
+            PREFIX + "request_success",
+            "Finished requests by finish reason.",
+            [*labels, "finished_reason"],
+            registry=self.registry,
+        )
+        self.request_aborted = Counter(
+            PREFIX + "request_aborted",
+            "Requests aborted because the client went away.",
+            labels,
+            registry=self.registry,
+        ).labels(model_name)
+        self.registry.register(EngineCollector(engine, model_name, max_agent_labels))
+
+    def timer(self, arrival: float | None = None) -> RequestTimer:
+        return RequestTimer(self, time.perf_counter() if arrival is None else arrival)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Observes one request's deltas: TTFT once, inter-token gaps per choice, totals at the end."""
+
+    __slots__ = ("metrics", "arrival", "first_token_at", "last_at", "done")
+
+    def __init__(self, metrics: GatewayMetrics, arrival: float):
+        self.metrics = metrics
+        self.arrival = arrival
+        self.first_token_at: float | None = None
+        self.last_at: dict[int, float] = {}
+        self.done = False
+
+    def on_delta(self, delta: Delta, index: int | None = None) -> None:
+        if not delta.token_ids:
+            return
+        now = time.perf_counter()
+        key = delta.index if index is None else index
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self.metrics.ttft.observe(now - self.arrival)
+        previous = self.last_at.get(key)
+        if previous is not None:
+            self.metrics.itl.observe(now - previous)
+        self.last_at[key] = now
+
+    def on_finish(self, usage: Usage, finish_reasons: Iterable[str | None]) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.metrics.e2e.observe(time.perf_counter() - self.arrival)
+        self.metrics.prompt_tokens.inc(usage.prompt_tokens)
+        self.metrics.cached_prompt_tokens.inc(usage.cached_tokens)
+        self.metrics.generation_tokens.inc(usage.completion_tokens)
+        for reason in finish_reasons:
+            self.metrics.request_success.labels(self.metrics.model_name, reason or "unknown").inc()
+
+    def on_abort(self) -> None:
+        if not self.done:
+            self.done = True
+            self.metrics.request_aborted.inc()

@@ -1,0 +1,140 @@
+"""Cache endpoints: JSON stats (global, per tenant, per agent, pages, top shared prefixes, engine),
+and admin actions pin / unpin / reset (admin key required when auth is on)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+
+from cache.stats import HitStats
+from gateway.server.auth import Principal, authenticate, require_admin
+from gateway.server.metrics import OTHER_LABEL
+from gateway.server.protocol import PinRequest, PinResponse, ResetResponse
+from gateway.server.routes_openai import tokens_of
+from gateway.server.state import ServerState, server_state
+
+router = APIRouter()
+
+PREFIX_PREVIEW_WORDS = 12
+
+
+def hit_json(stats: HitStats) -> dict[str, Any]:
+    return {
+        "requests": stats.requests,
+        "query_tokens": stats.query_tokens,
+        "hit_tokens": stats.hit_tokens,
+        "hit_rate": round(stats.hit_rate, 6),
+        "tokens_saved": stats.hit_tokens,  # a hit token is a prompt token not recomputed
+    }
+
+
+def busiest(per_key: Mapping[str, HitStats], limit: int) -> dict[str, dict[str, Any]]:
+    """The ``limit`` keys with most query tokens; the rest summed under ``__other__``."""
+    ranked = sorted(per_key.items(), key=lambda kv: (-kv[1].query_tokens, kv[0]))
+    out = {key: hit_json(stats) for key, stats in ranked[:limit]}
+    rest = [stats for _, stats in ranked[limit:]]
+    if rest:
+        folded = HitStats(
+            requests=sum(s.requests for s in rest),
+            query_tokens=sum(s.query_tokens for s in rest),
+            hit_tokens=sum(s.hit_tokens for s in rest),
+        )
+        out[OTHER_LABEL] = {**hit_json(folded), "num_agents": len(rest)}
+    return out
+
+
+def preview(text: str) -> str:
+    words = text.split()
+    head = " ".join(words[:PREFIX_PREVIEW_WORDS])
+    return head + (" …" if len(words) > PREFIX_PREVIEW_WORDS else "")
+
+
+async def stats_json(state: ServerState) -> dict[str, Any]:
+    cache = await state.cache_stats()
+    engine = await state.engine_stats()
+    prefixes = []
+    for prefix in cache.top_prefixes:
+        text = await state.tokenization.decode(prefix.token_ids)
+        prefixes.append(
+            {
+                "text": preview(text),
+                "num_tokens": prefix.num_tokens,
+                "num_sharers": prefix.num_sharers,
+            }
+        )
+    return {
+        "object": "cache.stats",
+        "model": state.model_name,
+        "global": hit_json(cache.total),
+        "per_tenant": busiest(cache.per_tenant, max(len(cache.per_tenant), 1)),
+        "per_agent": busiest(cache.per_agent, state.settings.max_stats_agents),
+        "num_pages": cache.num_pages,
+        "page_size": cache.page_size,
+        "pages_used": cache.pages_used,
+        "pages_cached_free": cache.pages_cached_free,
+        "pages_free": cache.pages_free,
+        "pages_pinned": cache.pages_pinned,
+        "kv_cache_usage": round(cache.usage, 6),
+        "fragmentation": round(cache.fragmentation, 6),
+        "evictions": cache.evictions,
+        "cow_copies": cache.cow_copies,
+        "num_sequences": cache.num_sequences,
+        "top_prefixes": prefixes,
+        "engine": {
+            "num_running": engine.num_running,
+            "num_waiting": engine.num_waiting,
+            "max_waiting": engine.max_waiting,
+            "prefill_tokens_computed": engine.prefill_tokens_computed,
+            "decode_tokens": engine.decode_tokens,
+            "num_preemptions": engine.num_preemptions,
+            "kernel_backend": engine.kernel_backend,
+            "device": engine.device,
+        },
+    }
+
+
+@router.get("/v1/cache/stats")
+async def cache_stats(request: Request, _: Principal = Depends(authenticate)) -> dict[str, Any]:
+    return await stats_json(server_state(request))
+
+
+async def _pin_or_unpin(
+    request: Request, body: PinRequest, principal: Principal, pin: bool
+) -> PinResponse:
+    state = server_state(request)
+    state.check_model(body.model)
+    tenant = body.tenant or principal.tenant
+    tokens = await tokens_of(state, body)
+    if pin:
+        result = await state.engine.pin(tokens, tenant, body.cache_salt)
+    else:
+        result = await state.engine.unpin(tokens, tenant, body.cache_salt)
+    return PinResponse(
+        pinned=pin, num_tokens=result.num_tokens, num_pages=result.num_pages, tenant=tenant
+    )
+
+
+@router.post("/v1/cache/pin")
+async def pin(
+    body: PinRequest, request: Request, principal: Principal = Depends(require_admin)
+) -> PinResponse:
+    """Keep the full blocks of a prompt (e.g. an agent's system prompt) from ever being evicted."""
+    return await _pin_or_unpin(request, body, principal, pin=True)
+
+
+@router.post("/v1/cache/unpin")
+async def unpin(
+    body: PinRequest, request: Request, principal: Principal = Depends(require_admin)
+) -> PinResponse:
+    return await _pin_or_unpin(request, body, principal, pin=False)
+
+
+@router.post("/v1/cache/reset")
+async def reset(request: Request, _: Principal = Depends(require_admin)) -> ResetResponse:
+    """Drop every unreferenced cached page (pinned pages stay)."""
+    engine = server_state(request).engine
+    # Takes the engine lock (held during a step): off the event loop.
+    return ResetResponse(num_pages_dropped=await asyncio.to_thread(engine.reset_cache))

@@ -1,0 +1,455 @@
+"""OpenAI-compatible endpoints: chat and text completions, models, tokenize / detokenize.
+
+Routes stay thin: validate (pydantic), authenticate (tenant), tokenise, open the engine
+streams (errors surface here, before any byte is sent), then either stream SSE chunks or
+collect one JSON response.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+
+from fastapi import APIRouter, Depends, Request, Response
+from pydantic import BaseModel
+
+from gateway.engine.api import Delta, EngineError, GenerationRequest, TokenLogprob, Usage
+from gateway.server.auth import Principal, authenticate
+from gateway.server.errors import engine_error_body, error_body, request_id_of
+from gateway.server.generation import (
+    ClientDisconnected,
+    DeltaStream,
+    merge_streams,
+    open_streams,
+    sampling_params,
+    sum_usage,
+    until_disconnect,
+)
+from gateway.server.metrics import RequestTimer
+from gateway.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    LogprobEntry,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    TokenizeRequest,
+    TokenizeResponse,
+    TopLogprobEntry,
+    UsageInfo,
+    template_tools,
+)
+from gateway.server.sse import SSE_DONE, SSEResponse, sse_event
+from gateway.server.state import ServerState, agent_of, engine_request_id, server_state
+
+logger = logging.getLogger("prefixgate.server")
+router = APIRouter()
+
+# 499 (nginx's "client closed request"): logged, never seen by the client, who is gone.
+CLIENT_CLOSED_REQUEST = 499
+
+
+def usage_info(usage: Usage) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        total_tokens=usage.total_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
+    )
+
+
+def chat_logprobs(logprobs: Sequence[TokenLogprob]) -> ChatLogprobs:
+    return ChatLogprobs(
+        content=[
+            LogprobEntry(
+                token=lp.token,
+                logprob=lp.logprob,
+                bytes=list(lp.token.encode()),
+                top_logprobs=[
+                    TopLogprobEntry(token=t.token, logprob=t.logprob, bytes=list(t.token.encode()))
+                    for t in lp.top
+                ],
+            )
+            for lp in logprobs
+        ]
+    )
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """What one choice has produced so far (non-streaming responses and legacy logprobs)."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_chars: int = 0  # text offset for completion logprobs
+
+    def add(self, delta: Delta) -> None:
+        self.text.append(delta.text)
+        if delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+
+
+def completion_logprobs(logprobs: Sequence[TokenLogprob], text_offset: int) -> CompletionLogprobs:
+    """The legacy completions format; ``text_offset`` is where these tokens start in the text."""
+    out = CompletionLogprobs()
+    for lp in logprobs:
+        out.tokens.append(lp.token)
+        out.token_logprobs.append(lp.logprob)
+        out.top_logprobs.append({t.token: t.logprob for t in lp.top})
+        out.text_offset.append(text_offset)
+        text_offset += len(lp.token)
+    return out
+
+
+async def collect(
+    streams: Sequence[DeltaStream], timer: RequestTimer, choices_per_stream: int
+) -> tuple[dict[int, ChoiceState], Usage]:
+    """Drain every stream into per-choice state; returns the choices and the summed usage."""
+    choices: dict[int, ChoiceState] = {}
+    merged = merge_streams(streams)
+    try:
+        async for stream_index, delta in merged:
+            index = stream_index * choices_per_stream + delta.index
+            timer.on_delta(delta, index)
+            choices.setdefault(index, ChoiceState()).add(delta)
+    finally:
+        await merged.aclose()
+    usages = [s.usage for s in streams]
+    if any(u is None for u in usages):
+        raise RuntimeError("an engine stream ended without its final usage delta")
+    usage = sum_usage(usages)  # type: ignore[arg-type]
+    timer.on_finish(usage, (c.finish_reason for c in choices.values()))
+    return choices, usage
+
+
+class _EventMaker:
+    """Builds the SSE events of one streamed response (chat and completions differ)."""
+
+    def __init__(self, response_id: str, model: str, include_usage: bool):
+        self.response_id = response_id
+        self.model = model
+        self.created = int(time.time())
+        self.exclude = None if include_usage else {"usage"}
+
+    def __call__(self, index: int, delta: Delta, state: ChoiceState) -> bytes:
+        raise NotImplementedError
+
+    def usage_event(self, usage: Usage) -> bytes:
+        raise NotImplementedError
+
+
+class _ChatEvents(_EventMaker):
+    def chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> bytes:
+        return sse_event(
+            ChatCompletionChunk(
+                id=self.response_id,
+                created=self.created,
+                model=self.model,
+                choices=choices,
+                usage=usage,
+            ),
+            self.exclude,
+        )
+
+    def role(self, index: int) -> bytes:
+        return self.chunk(
+            [ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))]
+        )
+
+    def __call__(self, index: int, delta: Delta, state: ChoiceState) -> bytes:
+        return self.chunk(
+            [
+                ChatChunkChoice(
+                    index=index,
+                    delta=ChatDelta(content=delta.text or None),
+                    logprobs=chat_logprobs(delta.logprobs) if delta.logprobs else None,
+                    finish_reason=delta.finish_reason,
+                )
+            ]
+        )
+
+    def usage_event(self, usage: Usage) -> bytes:
+        return self.chunk([], usage_info(usage))
+
+
+class _CompletionEvents(_EventMaker):
+    def chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> bytes:
+        response = CompletionResponse(
+            id=self.response_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+        )
+        return sse_event(response, self.exclude)
+
+    def __call__(self, index: int, delta: Delta, state: ChoiceState) -> bytes:
+        logprobs = completion_logprobs(delta.logprobs, state.num_chars) if delta.logprobs else None
+        return self.chunk(
+            [
+                CompletionChoice(
+                    index=index,
+                    text=delta.text,
+                    logprobs=logprobs,
+                    finish_reason=delta.finish_reason,
+                )
+            ]
+        )
+
+    def usage_event(self, usage: Usage) -> bytes:
+        return self.chunk([], usage_info(usage))
+
+
+async def stream_events(
+    streams: Sequence[DeltaStream],
+    timer: RequestTimer,
+    choices_per_stream: int,
+    include_usage: bool,
+    request_id: str,
+    opening: Sequence[bytes],
+    events: _EventMaker,
+) -> AsyncIterator[bytes]:
+    """Shared SSE loop: opening events, one event per delta, the usage event, ``[DONE]``.
+
+    Errors after the first byte cannot change the status code: they are sent as an
+    ``{"error": ...}`` event before ``[DONE]``, as vLLM and OpenAI do.
+    """
+    merged = merge_streams(streams)
+    choices: dict[int, ChoiceState] = {}
+    try:
+        for event in opening:
+            yield event
+        async for stream_index, delta in merged:
+            index = stream_index * choices_per_stream + delta.index
+            timer.on_delta(delta, index)
+            state = choices.setdefault(index, ChoiceState())
+            # A delta whose bytes do not yet form a character carries no text: skip it.
+            if delta.text or delta.finish_reason is not None or delta.logprobs:
+                yield events(index, delta, state)
+            state.add(delta)
+            state.num_chars += len(delta.text)
+        usages = [s.usage for s in streams]
+        if any(u is None for u in usages):
+            raise RuntimeError("an engine stream ended without its final usage delta")
+        usage = sum_usage(usages)  # type: ignore[arg-type]
+        timer.on_finish(usage, (c.finish_reason for c in choices.values()))
+        if include_usage:
+            yield events.usage_event(usage)
+        yield SSE_DONE
+    except EngineError as exc:
+        logger.warning("request %s failed mid-stream: %s", request_id, exc.message)
+        yield sse_event(engine_error_body(exc))
+        yield SSE_DONE
+    except Exception:
+        logger.exception("request %s: internal error mid-stream", request_id)
+        yield sse_event(
+            error_body(f"Internal server error (request id {request_id}).", "internal_error")
+        )
+        yield SSE_DONE
+    finally:
+        timer.on_abort()  # no-op when it finished
+        await merged.aclose()
+        for stream in streams:  # the merge may never have started; close (abort) directly too
+            await stream.aclose()
+
+
+async def _respond(
+    request: Request,
+    streams: list[DeltaStream],
+    timer: RequestTimer,
+    n: int,
+    build: Callable[[dict[int, ChoiceState], Usage], BaseModel],
+) -> Response | BaseModel:
+    """Collect a non-streaming response, giving up (and aborting) if the client disconnects."""
+    try:
+        choices, usage = await until_disconnect(request, collect(streams, timer, n))
+    except ClientDisconnected:
+        timer.on_abort()
+        logger.info("request %s: client disconnected before the response", request_id_of(request))
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    finally:
+        for stream in streams:
+            await stream.aclose()
+    return build(choices, usage)
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, principal: Principal = Depends(authenticate)
+):
+    state = server_state(request)
+    timer = state.metrics.timer()
+    state.check_model(body.model)
+    agent = agent_of(request, body.user)
+    prompt = await state.tokenization.chat(body.template_messages(), body.template_tools(), True)
+    params = sampling_params(
+        body,
+        len(prompt),
+        state.capacity,
+        state.page_size,
+        body.requested_max_tokens,
+        body.logprobs,
+        body.top_logprobs or 0,
+    )
+    request_id = request.state.request_id
+    engine_id = engine_request_id(request)
+    generation = GenerationRequest(
+        tuple(prompt),
+        params,
+        tenant=principal.tenant,
+        agent=agent,
+        cache_salt=body.cache_salt,
+        request_id=engine_id,
+    )
+    streams = await open_streams(state.engine, [generation])
+    response_id = f"chatcmpl-{request_id}"
+    if body.stream:
+        events = _ChatEvents(response_id, state.model_name, body.include_usage)
+        opening = [events.role(i) for i in range(body.n)]
+        return SSEResponse(
+            stream_events(streams, timer, body.n, body.include_usage, request_id, opening, events)
+        )
+
+    def build(choices: dict[int, ChoiceState], usage: Usage) -> ChatCompletionResponse:
+        return ChatCompletionResponse(
+            id=response_id,
+            model=state.model_name,
+            choices=[
+                ChatChoice(
+                    index=i,
+                    message=AssistantMessage(content="".join(c.text)),
+                    logprobs=chat_logprobs(c.logprobs) if body.logprobs else None,
+                    finish_reason=c.finish_reason,
+                )
+                for i, c in sorted(choices.items())
+            ],
+            usage=usage_info(usage),
+        )
+
+    return await _respond(request, streams, timer, body.n, build)
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(
+    body: CompletionRequest, request: Request, principal: Principal = Depends(authenticate)
+):
+    state = server_state(request)
+    timer = state.metrics.timer()
+    state.check_model(body.model)
+    agent = agent_of(request, body.user)
+    capacity = state.capacity
+    request_id = request.state.request_id
+    engine_id = engine_request_id(request)
+    generations = []
+    for i, prompt in enumerate(body.prompt):
+        if isinstance(prompt, list):
+            state.tokenization.check_token_ids(prompt, "prompt")
+            token_ids = prompt
+        else:
+            token_ids = await state.tokenization.text(prompt, True)
+        params = sampling_params(
+            body,
+            len(token_ids),
+            capacity,
+            state.page_size,
+            body.max_tokens,
+            body.logprobs is not None,
+            body.logprobs or 0,
+        )
+        generations.append(
+            GenerationRequest(
+                tuple(token_ids),
+                params,
+                tenant=principal.tenant,
+                agent=agent,
+                cache_salt=body.cache_salt,
+                request_id=engine_id if len(body.prompt) == 1 else f"{engine_id}-{i}",
+            )
+        )
+    streams = await open_streams(state.engine, generations)
+    response_id = f"cmpl-{request_id}"
+    if body.stream:
+        events = _CompletionEvents(response_id, state.model_name, body.include_usage)
+        return SSEResponse(
+            stream_events(streams, timer, body.n, body.include_usage, request_id, (), events)
+        )
+
+    def build(choices: dict[int, ChoiceState], usage: Usage) -> CompletionResponse:
+        return CompletionResponse(
+            id=response_id,
+            model=state.model_name,
+            choices=[
+                CompletionChoice(
+                    index=i,
+                    text="".join(c.text),
+                    logprobs=completion_logprobs(c.logprobs, 0)
+                    if body.logprobs is not None
+                    else None,
+                    finish_reason=c.finish_reason,
+                )
+                for i, c in sorted(choices.items())
+            ],
+            usage=usage_info(usage),
+        )
+
+    return await _respond(request, streams, timer, body.n, build)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request, _: Principal = Depends(authenticate)) -> ModelList:
+    state: ServerState = server_state(request)
+    return ModelList(
+        data=[
+            ModelCard(
+                id=state.model_name, created=state.created, max_model_len=state.engine.max_model_len
+            )
+        ]
+    )
+
+
+@router.post("/tokenize")
+async def tokenize(
+    body: TokenizeRequest, request: Request, _: Principal = Depends(authenticate)
+) -> TokenizeResponse:
+    """Token ids exactly as the completion endpoints would compute them (chat template included)."""
+    state = server_state(request)
+    state.check_model(body.model)
+    tokens = await tokens_of(state, body)
+    return TokenizeResponse(
+        tokens=tokens, count=len(tokens), max_model_len=state.engine.max_model_len
+    )
+
+
+async def tokens_of(state: ServerState, body: TokenizeRequest) -> list[int]:
+    if body.messages is not None:
+        messages = [m.template_dict() for m in body.messages]
+        tools = template_tools(body.tools, body.tool_choice)
+        return await state.tokenization.chat(messages, tools, body.add_generation_prompt)
+    assert body.prompt is not None  # guaranteed by TokenizeRequest's validator
+    return await state.tokenization.text(body.prompt, body.add_special_tokens)
+
+
+@router.post("/detokenize")
+async def detokenize(
+    body: DetokenizeRequest, request: Request, _: Principal = Depends(authenticate)
+) -> DetokenizeResponse:
+    state = server_state(request)
+    state.check_model(body.model)
+    return DetokenizeResponse(prompt=await state.tokenization.decode(body.tokens))

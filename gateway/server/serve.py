@@ -1,0 +1,77 @@
+"""Run the gateway under uvicorn: build the engine (loads the model), serve, log one ready line."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import uvicorn
+
+from gateway.engine.api import EngineLike
+from gateway.engine.config import EngineConfig
+from gateway.server.app import create_app
+from gateway.server.settings import ServerSettings
+
+logger = logging.getLogger("prefixgate.server")
+
+
+class GatewayServer(uvicorn.Server):
+    """A uvicorn server that logs where it listens once the socket is bound and the app started."""
+
+    def __init__(self, config: uvicorn.Config, engine: EngineLike, settings: ServerSettings):
+        super().__init__(config)
+        self.engine = engine
+        self.settings = settings
+
+    @property
+    def bound_port(self) -> int:
+        """The port actually bound (differs from the configured one when that was 0)."""
+        for server in self.servers:
+            for sock in server.sockets:
+                return sock.getsockname()[1]
+        raise RuntimeError("the server has not bound a socket yet")
+
+    @property
+    def base_url(self) -> str:
+        host = self.config.host
+        shown = f"[{host}]" if ":" in host else host
+        return f"http://{shown}:{self.bound_port}"
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.should_exit:
+            return
+        cache = self.engine.cache_stats()
+        engine = self.engine.engine_stats()
+        logger.info(
+            "prefixgate ready: %s at %s/v1 (auth %s; %d KV pages x %d tokens; %s on %s)",
+            self.config.app.state.server.model_name,
+            self.base_url,
+            "on" if self.settings.auth_enabled else "off",
+            cache.num_pages,
+            cache.page_size,
+            engine.kernel_backend,
+            engine.device,
+        )
+
+
+def uvicorn_config(app: Any, settings: ServerSettings) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        lifespan="on",
+        # Streams end when the engine stops; do not wait minutes for slow clients on shutdown.
+        timeout_graceful_shutdown=5,
+        access_log=settings.log_level == "debug",
+    )
+
+
+def serve(engine_config: EngineConfig, settings: ServerSettings) -> None:
+    """Load the model, then serve until interrupted (the app starts and stops the engine)."""
+    from gateway.engine.engine import build_engine  # heavy: torch, the model
+
+    engine = build_engine(engine_config)
+    app = create_app(engine, settings)
+    GatewayServer(uvicorn_config(app, settings), engine, settings).run()

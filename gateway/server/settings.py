@@ -1,0 +1,164 @@
+"""Server settings in one typed place (HTTP, auth, metrics); engine settings live in EngineConfig.
+
+Every knob has one name: the CLI flag ``--api-keys-file`` is the environment variable
+``PREFIXGATE_API_KEYS_FILE`` (see :func:`env_var`). API keys map to tenants: pages are shared
+only within a tenant, because the engine salts every block hash with it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+
+DEFAULT_TENANT = "default"
+ENV_PREFIX = "PREFIXGATE_"
+
+# Tenants and keys travel in headers, logs and metric labels: keep them printable and short.
+_TOKEN_RE = re.compile(r"^[A-Za-z0-9._~+/=@-]{1,256}$")
+
+
+def env_var(flag: str) -> str:
+    """The environment variable that mirrors a CLI flag: ``--kv-memory`` → ``PREFIXGATE_KV_MEMORY``."""
+    return ENV_PREFIX + flag.lstrip("-").upper().replace("-", "_")
+
+
+def _check_token(value: str, what: str, source: str) -> str:
+    if not _TOKEN_RE.match(value):
+        raise ValueError(
+            f"{source}: invalid {what} {value!r} (1-256 characters from A-Z a-z 0-9 . _ ~ + / = @ -)"
+        )
+    return value
+
+
+def parse_api_key(spec: str, source: str = "--api-key") -> tuple[str, str]:
+    """Parse ``KEY`` or ``KEY:TENANT``; a bare key belongs to the ``default`` tenant.
+
+    The key ends at the first ``:`` (a key containing ``:`` must come from a keys file).
+    """
+    key, sep, tenant = spec.strip().partition(":")
+    if sep and not tenant:
+        raise ValueError(f"{source}: empty tenant in {spec!r} (use KEY or KEY:TENANT)")
+    return _check_token(key, "API key", source), _check_token(
+        tenant or DEFAULT_TENANT, "tenant", source
+    )
+
+
+def load_api_keys_file(path: str | Path) -> dict[str, str]:
+    """Read an API-keys file into ``{key: tenant}``.
+
+    Accepted formats (chosen by the first non-blank character):
+
+    * JSON object ``{"KEY": "TENANT", ...}``;
+    * JSON list of ``{"key": "KEY", "tenant": "TENANT"}`` objects or ``"KEY[:TENANT]"`` strings;
+    * text, one ``KEY [TENANT]`` per line (whitespace-separated; ``#`` starts a comment).
+
+    Raises:
+        ValueError: naming the file (and line) on any malformed entry or duplicate key.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"--api-keys-file: cannot read {path}: {exc.strerror or exc}") from exc
+    keys: dict[str, str] = {}
+
+    def add(key: str, tenant: str, where: str) -> None:
+        source = f"{path}{where}"
+        key = _check_token(key, "API key", source)
+        tenant = _check_token(tenant, "tenant", source)
+        if key in keys:
+            raise ValueError(f"{source}: duplicate API key")
+        keys[key] = tenant
+
+    stripped = text.lstrip()
+    if stripped.startswith(("{", "[")):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from exc
+        if isinstance(data, dict):
+            for key, tenant in data.items():
+                if not isinstance(tenant, str):
+                    raise ValueError(f"{path}: tenant of key {key!r} must be a string")
+                add(key, tenant, "")
+        else:
+            for i, item in enumerate(data):
+                where = f" [entry {i}]"
+                if isinstance(item, str):
+                    add(*parse_api_key(item, f"{path}{where}"), where)
+                elif isinstance(item, dict) and isinstance(item.get("key"), str):
+                    tenant = item.get("tenant", DEFAULT_TENANT)
+                    if not isinstance(tenant, str):
+                        raise ValueError(f"{path}{where}: 'tenant' must be a string")
+                    add(item["key"], tenant, where)
+                else:
+                    raise ValueError(
+                        f'{path}{where}: expected "KEY[:TENANT]" or {{"key": ..., "tenant": ...}}'
+                    )
+    else:
+        for lineno, line in enumerate(text.splitlines(), start=1):
+            fields = line.split("#", 1)[0].split()
+            if not fields:
+                continue
+            if len(fields) > 2:
+                raise ValueError(
+                    f"{path}:{lineno}: expected 'KEY [TENANT]', got {len(fields)} fields"
+                )
+            add(fields[0], fields[1] if len(fields) == 2 else DEFAULT_TENANT, f":{lineno}")
+    return keys
+
+
+def merge_api_keys(specs: Iterable[str], keys_file: str | Path | None) -> dict[str, str]:
+    """Combine ``--api-key`` specs and an ``--api-keys-file`` into one ``{key: tenant}`` map."""
+    keys = load_api_keys_file(keys_file) if keys_file else {}
+    for spec in specs:
+        key, tenant = parse_api_key(spec)
+        if keys.get(key, tenant) != tenant:
+            raise ValueError(
+                f"--api-key: key given twice with different tenants ({keys[key]!r}, {tenant!r})"
+            )
+        keys[key] = tenant
+    return keys
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """HTTP-side settings (the engine's live in :class:`gateway.engine.config.EngineConfig`).
+
+    Auth is on when any API key or an admin key is configured: every endpoint except
+    ``/health`` and ``/metrics`` then needs ``Authorization: Bearer <key>``, and the cache
+    admin endpoints (pin, unpin, reset) need the admin key.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: Mapping[str, str] = field(default_factory=dict)  # key -> tenant
+    admin_key: str | None = None
+    served_model_name: str | None = None  # None = the engine's model name
+    allowed_origins: tuple[str, ...] = ()  # CORS stays off unless origins are given
+    max_agent_labels: int = 32  # distinct agent label values in /metrics; the rest are "__other__"
+    max_stats_agents: int = 200  # agents listed in /v1/cache/stats; the rest are folded together
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for key, tenant in self.api_keys.items():
+            _check_token(key, "API key", "api_keys")
+            _check_token(tenant, "tenant", "api_keys")
+        if self.admin_key is not None:
+            _check_token(self.admin_key, "admin key", "admin_key")
+            if self.admin_key in self.api_keys:
+                raise ValueError("the admin key must differ from every tenant API key")
+        if self.max_agent_labels < 0 or self.max_stats_agents < 0:
+            raise ValueError("max_agent_labels and max_stats_agents must be >= 0")
+        # Frozen means frozen: nobody adds a key to a running server by mutating the dict.
+        object.__setattr__(self, "api_keys", MappingProxyType(dict(self.api_keys)))
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.api_keys) or self.admin_key is not None

@@ -1,0 +1,51 @@
+"""Server-sent events framing (``data: <json>\\n\\n`` ... ``data: [DONE]\\n\\n``).
+
+:class:`SSEResponse` guarantees its body generator is closed however the response ends
+(finished, client gone, server shutting down), so the generator's ``finally`` can abort the
+engine request and free its pages. Starlette alone only cancels the send loop on disconnect,
+which can leave a generator parked at ``yield`` until garbage collection.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anyio
+from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_event(payload: BaseModel | dict[str, Any], exclude: set[str] | None = None) -> bytes:
+    """Frame one JSON payload as an SSE ``data:`` event."""
+    if isinstance(payload, BaseModel):
+        text = payload.model_dump_json(exclude=exclude)
+    else:
+        text = json.dumps(payload, separators=(",", ":"))
+    return b"data: " + text.encode() + b"\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A ``text/event-stream`` response that always closes its body iterator."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: Any, headers: dict[str, str] | None = None):
+        # no-cache: proxies must not buffer or replay a stream; X-Accel-Buffering: nginx likewise.
+        super().__init__(
+            content,
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                # Shielded: we may be here because our task was cancelled; cleanup must still run.
+                with anyio.CancelScope(shield=True):
+                    await aclose()

@@ -1,0 +1,108 @@
+"""/metrics is valid Prometheus text with the vLLM-style names, and the counters move."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = pytest.mark.slow
+
+
+def scrape(client) -> dict[str, list]:
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    return {f.name: f.samples for f in text_string_to_metric_families(response.text)}
+
+
+def value(families, family: str, sample: str, **labels) -> float:
+    matches = [
+        s.value
+        for s in families[family]
+        if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
+    assert len(matches) == 1, (family, sample, labels, families.get(family))
+    return matches[0]
+
+
+def test_metrics_parse_and_count(client, gateway):
+    before = scrape(client)
+    for name in (
+        "prefixgate:prefix_cache_queries",
+        "prefixgate:prefix_cache_hits",
+        "prefixgate:kv_cache_usage_perc",
+        "prefixgate:num_requests_running",
+        "prefixgate:num_requests_waiting",
+        "prefixgate:time_to_first_token_seconds",
+        "prefixgate:inter_token_latency_seconds",
+        "prefixgate:e2e_request_latency_seconds",
+        "prefixgate:prompt_tokens",
+        "prefixgate:generation_tokens",
+        "prefixgate:kv_pages",
+        "prefixgate:agent_prefix_cache_hits",
+        "prefixgate:tenant_prefix_cache_hits",
+    ):
+        assert name in before, name
+
+    agent = f"metrics-{uuid.uuid4().hex[:6]}"
+    system = f"[{uuid.uuid4().hex}] " + "Summarise logs for the on-call engineer. " * 10
+    results = []
+    for question in ("first", "second"):
+        response = client.post(
+            "/v1/chat/completions",
+            headers={"X-Agent-Id": agent},
+            json={
+                "model": gateway.model,
+                "max_tokens": 3,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "messages": [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": question},
+                ],
+            },
+        )
+        results.append(response)
+    after = scrape(client)
+
+    q = "prefixgate:prefix_cache_queries"
+    assert value(after, q, q + "_total", model_name=gateway.model) > value(
+        before, q, q + "_total", model_name=gateway.model
+    )
+    h = "prefixgate:prefix_cache_hits"
+    assert value(after, h, h + "_total") > value(before, h, h + "_total")
+    ttft = "prefixgate:time_to_first_token_seconds"
+    assert value(after, ttft, ttft + "_count") >= value(before, ttft, ttft + "_count") + 2
+    e2e = "prefixgate:e2e_request_latency_seconds"
+    assert value(after, e2e, e2e + "_count") >= value(before, e2e, e2e + "_count") + 2
+    gen = "prefixgate:generation_tokens"
+    assert value(after, gen, gen + "_total") >= value(before, gen, gen + "_total") + 2
+    ah = "prefixgate:agent_prefix_cache_hits"
+    agent_labels = {s.labels["agent"] for s in after[ah]}
+    # bounded: either the agent has its own series or it was folded into __other__
+    label = agent if agent in agent_labels else "__other__"
+    assert value(after, ah, ah + "_total", agent=label) > 0
+    usage = value(after, "prefixgate:kv_cache_usage_perc", "prefixgate:kv_cache_usage_perc")
+    assert 0.0 <= usage <= 1.0
+    pages = {s.labels["state"]: s.value for s in after["prefixgate:kv_pages"]}
+    assert sum(pages.values()) == value(
+        after, "prefixgate:kv_pages_total", "prefixgate:kv_pages_total"
+    )
+
+
+def test_agent_labels_are_bounded_and_sticky():
+    from cache.stats import HitStats
+    from gateway.server.metrics import OTHER_LABEL, StickyLabeler
+
+    labeler = StickyLabeler(max_labels=2)
+    first = {"a": HitStats(1, 100, 10), "b": HitStats(1, 300, 30), "c": HitStats(1, 200, 20)}
+    folded = labeler.fold(first)
+    # the two busiest at first sight keep their own label; the rest share one
+    assert folded == {"b": (300, 30), "c": (200, 20), OTHER_LABEL: (100, 10)}
+    later = {**first, "a": HitStats(9, 9000, 900), "d": HitStats(1, 50, 5)}
+    folded = labeler.fold(later)
+    # "a" became the busiest but stays folded: series never move between labels (monotonic)
+    assert folded == {"b": (300, 30), "c": (200, 20), OTHER_LABEL: (9050, 905)}
+    assert len(folded) <= 3

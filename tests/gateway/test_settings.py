@@ -1,0 +1,148 @@
+"""API keys parsing, ServerSettings validation, and the CLI's flag ↔ environment mirroring."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway import cli
+from gateway.server.settings import (
+    ServerSettings,
+    env_var,
+    load_api_keys_file,
+    merge_api_keys,
+    parse_api_key,
+)
+
+
+def test_env_var_names():
+    assert env_var("--kv-memory") == "PREFIXGATE_KV_MEMORY"
+    assert env_var("--api-keys-file") == "PREFIXGATE_API_KEYS_FILE"
+
+
+def test_parse_api_key():
+    assert parse_api_key("sk-1") == ("sk-1", "default")
+    assert parse_api_key("sk-1:team-a") == ("sk-1", "team-a")
+    with pytest.raises(ValueError, match="empty tenant"):
+        parse_api_key("sk-1:")
+    with pytest.raises(ValueError, match="invalid API key"):
+        parse_api_key("has space")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        json.dumps({"k1": "a", "k2": "b"}),
+        json.dumps([{"key": "k1", "tenant": "a"}, "k2:b"]),
+        "# keys\nk1 a\n\nk2   b  # trailing comment\n",
+    ],
+)
+def test_keys_file_formats(tmp_path, text):
+    path = tmp_path / "keys"
+    path.write_text(text)
+    assert load_api_keys_file(path) == {"k1": "a", "k2": "b"}
+
+
+def test_keys_file_errors_name_the_place(tmp_path):
+    path = tmp_path / "keys.txt"
+    path.write_text("k1 a\nk2 b c\n")
+    with pytest.raises(ValueError, match=r"keys\.txt:2"):
+        load_api_keys_file(path)
+    path.write_text("k1 a\nk1 b\n")
+    with pytest.raises(ValueError, match="duplicate"):
+        load_api_keys_file(path)
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="invalid JSON"):
+        load_api_keys_file(path)
+    with pytest.raises(ValueError, match="cannot read"):
+        load_api_keys_file(tmp_path / "missing")
+
+
+def test_merge_conflicting_tenants(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("k1 a\n")
+    assert merge_api_keys(["k2:b"], path) == {"k1": "a", "k2": "b"}
+    with pytest.raises(ValueError, match="different tenants"):
+        merge_api_keys(["k1:z"], path)
+
+
+def test_settings_validation_and_auth_switch():
+    assert not ServerSettings().auth_enabled
+    assert ServerSettings(admin_key="adm").auth_enabled
+    assert ServerSettings(api_keys={"k": "t"}).auth_enabled
+    with pytest.raises(ValueError, match="port"):
+        ServerSettings(port=70000)
+    with pytest.raises(ValueError, match="admin key must differ"):
+        ServerSettings(api_keys={"k": "t"}, admin_key="k")
+    keys = {"k": "t"}
+    settings = ServerSettings(api_keys=keys)
+    keys["other"] = "x"  # the settings took a copy
+    assert dict(settings.api_keys) == {"k": "t"}
+    with pytest.raises(TypeError):
+        settings.api_keys["z"] = "y"  # type: ignore[index]
+
+
+def resolve(argv: list[str], env: dict[str, str]):
+    parser = cli.build_parser()
+    args = parser.parse_args(argv)
+    return cli.configs(cli.resolve(args, parser, env))
+
+
+def test_cli_defaults():
+    engine, settings = resolve(["serve"], {})
+    assert engine.model is None and engine.page_size == 16 and engine.num_pages is None
+    assert (settings.host, settings.port) == ("127.0.0.1", 8000)
+    assert not settings.auth_enabled and settings.allowed_origins == ()
+
+
+def test_env_mirrors_every_flag_and_cli_wins(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("fk ftenant\n")
+    env = {
+        "PREFIXGATE_KV_MEMORY": "2.5",
+        "PREFIXGATE_PORT": "9001",
+        "PREFIXGATE_PAGE_SIZE": "32",
+        "PREFIXGATE_MAX_NUM_BATCHED_TOKENS": "512",
+        "PREFIXGATE_MAX_WAITING": "7",
+        "PREFIXGATE_API_KEY": "k1:a, k2",
+        "PREFIXGATE_API_KEYS_FILE": str(keys),
+        "PREFIXGATE_ADMIN_KEY": "adm",
+        "PREFIXGATE_SERVED_MODEL_NAME": "smol",
+        "PREFIXGATE_HASH_SEED": "42",
+    }
+    engine, settings = resolve(["serve"], env)
+    assert engine.kv_memory_gb == 2.5 and engine.page_size == 32
+    assert (
+        engine.max_num_batched_tokens == 512 and engine.max_waiting == 7 and engine.hash_seed == 42
+    )
+    assert engine.served_model_name == settings.served_model_name == "smol"
+    assert settings.port == 9001 and settings.admin_key == "adm"
+    assert dict(settings.api_keys) == {"k1": "a", "k2": "default", "fk": "ftenant"}
+    engine, settings = resolve(["serve", "--port", "9002", "--api-key", "only"], env)
+    assert settings.port == 9002
+    assert dict(settings.api_keys) == {
+        "only": "default",
+        "fk": "ftenant",
+    }  # the flag replaces the env list
+
+
+def test_every_serve_flag_has_a_default_entry():
+    parser = cli.build_parser()
+    dests = {a.dest for a in cli._serve_actions(parser)}
+    assert dests == set(cli.DEFAULTS)
+
+
+def test_bad_env_value_names_the_variable(capsys):
+    with pytest.raises(SystemExit):
+        resolve(["serve"], {"PREFIXGATE_PORT": "eighty"})
+    assert "PREFIXGATE_PORT" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        resolve(["serve"], {"PREFIXGATE_KV_MEMORY": "1", "PREFIXGATE_NUM_PAGES": "10"})
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--kv-memory", "1", "--num-pages", "10"])
+
+
+def test_route_is_not_yet_available(capsys):
+    assert cli.main(["route"]) == 2
+    assert "not yet available" in capsys.readouterr().err
