@@ -181,12 +181,16 @@ class AsyncEngine:
 
         self._post(add)
         await done
-        return self._pin_result(ids, tenant, cache_salt, pinned_only=True)
+        return await asyncio.to_thread(self._pin_result, ids, tenant, cache_salt, True)
 
     async def unpin(self, token_ids: Sequence[int], tenant: str, cache_salt: str | None = None) -> PinResult:
         ids = tuple(token_ids)
-        with self._lock:
-            pages = self.core.cache.unpin(ids, self.core.extra_keys_for(tenant, cache_salt))
+
+        def unpin_locked() -> int:  # waits for the engine lock: off the event loop
+            with self._lock:
+                return self.core.cache.unpin(ids, self.core.extra_keys_for(tenant, cache_salt))
+
+        pages = await asyncio.to_thread(unpin_locked)
         return PinResult(num_tokens=pages * self.core.page_size, num_pages=pages)
 
     def _pin_result(self, ids: tuple[int, ...], tenant: str, cache_salt: str | None, pinned_only: bool) -> PinResult:

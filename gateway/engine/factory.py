@@ -44,7 +44,7 @@ def create_llm_engine(
         event_sink=event_sink,
     )
     info = {
-        "model_name": config.served_model_name or loaded.name,
+        "model_name": config.served_model_name or default_served_name(loaded),
         "model_id": loaded.name,
         "device": str(runner.device),
         "dtype": str(runner.dtype).removeprefix("torch."),
@@ -52,3 +52,13 @@ def create_llm_engine(
         "num_pages": runner.num_pages,
     }
     return engine, info
+
+
+def default_served_name(loaded: LoadedModel) -> str:
+    """What clients pass as ``model``: the file's stem without its quant suffix
+    (``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct``), or the directory name.
+    GGUF ``general.name`` values are often prose ("Smollm2 135M 8k Lc100K Mix1 Ep2")."""
+    path = loaded.path
+    if path.is_dir():
+        return path.name
+    return path.name.split(".")[0] or loaded.name

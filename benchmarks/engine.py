@@ -1,0 +1,226 @@
+"""Offline engine benchmark on the default model: an agent swarm with a shared system prompt.
+
+Workload (deterministic, seed 0): one ~2,000-token system prompt (role, rules, JSON tool
+schemas, policies from agents.texts), 16 agents, 3 turns each, exactly 32 output tokens per
+turn (greedy, ignore_eos). Turn 1 = system + the agent's task (~60 tokens); each later turn
+re-sends the whole conversation: + the assistant's reply + a ~40-token follow-up. All 16 agents
+start together (a burst); an agent sends its next turn as soon as its previous one finishes.
+
+Measured in one run, same machine, same weights:
+  * prefixgate with prefix caching (wall_cached_s) and with caching off (wall_uncached_s);
+  * transformers ``generate`` one request at a time (fp32, its own KV cache). It is slow here,
+    so it runs a subset of requests covering every turn (--hf-agents agents x 3 turns, >= 8
+    requests) and ``wall_transformers_s`` extrapolates the per-turn means to all 48 requests
+    (``transformers_estimated: true``); --hf-agents 16 measures everything;
+  * the floor: for each warm request (any cached prefix), the time of a forward pass over its
+    uncached suffix alone with its prefix already in the pages (median of 3);
+    ``warm_ttft_over_floor`` = median over warm requests of (TTFT in the swarm run / floor).
+    TTFT in the swarm run includes sharing each step with other agents' decodes, which is what a
+    client sees; ``warm_ttft_isolated_over_floor`` replays warm requests one at a time.
+  * ``prefill_tokens_ideal`` counts every distinct prefix once (token-level longest common
+    prefix against all earlier requests); ``prefill_tokens_computed`` is what the engine ran.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from agents import texts
+from benchmarks.common import base_parser, print_table, write_json
+from gateway.engine.api import Delta, GenerationRequest, SamplingParams
+from gateway.engine.config import EngineConfig
+from gateway.engine.factory import create_llm_engine
+from gateway.engine.loader import load_model
+from gateway.engine.runner import ModelRunner, SeqChunk
+
+NUM_AGENTS, NUM_TURNS, MAX_TOKENS = 16, 3, 32
+SYSTEM_TOKENS, TASK_TOKENS, FOLLOWUP_TOKENS = 1700, 50, 35  # approx budgets -> ~2,000 real tokens
+
+
+@dataclass
+class Agent:
+    messages: list[dict]
+    followups: list[str]
+    turn: int = 0
+    records: list[dict] = field(default_factory=list)
+
+
+def build_agents(seed: int = 0) -> list[Agent]:
+    rng = random.Random(seed)
+    system = texts.render_system(*texts.system_prompt(rng, SYSTEM_TOKENS))
+    agents = []
+    for _ in range(NUM_AGENTS):
+        agents.append(Agent(
+            messages=[{"role": "system", "content": system},
+                      {"role": "user", "content": texts.task(rng, TASK_TOKENS)}],
+            followups=[texts.followup(rng, FOLLOWUP_TOKENS) for _ in range(NUM_TURNS - 1)],
+        ))
+    return agents
+
+
+def ideal_prefill(prompts: list[list[int]]) -> int:
+    """Each distinct prefix once: sum of (len - longest common prefix with an earlier prompt)."""
+    seen: list[list[int]] = []
+    total = 0
+    for p in prompts:
+        lcp = 0
+        for q in seen:
+            n, m = 0, min(len(p), len(q))
+            while n < m and p[n] == q[n]:
+                n += 1
+            lcp = max(lcp, n)
+        total += len(p) - min(lcp, len(p) - 1)
+        seen.append(p)
+    return total
+
+
+def run_swarm(engine, tokenizer) -> dict:
+    """Drive the agents through the sync engine; return per-request records and wall time."""
+    agents = build_agents()
+    submitted: dict[str, tuple[Agent, float, list[int]]] = {}
+    outputs: dict[str, list[Delta]] = {}
+    order: list[list[int]] = []
+
+    def submit(i: int, agent: Agent) -> None:
+        prompt = tokenizer.apply_chat_template(agent.messages)
+        rid = f"a{i}t{agent.turn}"
+        outputs[rid] = []
+        engine.add_request(
+            GenerationRequest(tuple(prompt), SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
+                              request_id=rid, agent=f"agent-{i}"),
+            outputs[rid].append)
+        submitted[rid] = (agent, time.perf_counter(), prompt)
+        order.append(prompt)
+
+    t0 = time.perf_counter()
+    for i, agent in enumerate(agents):
+        submit(i, agent)
+    first_token: dict[str, float] = {}
+    while engine.has_work():
+        engine.step()
+        now = time.perf_counter()
+        for rid, deltas in list(outputs.items()):
+            if deltas and rid not in first_token:
+                first_token[rid] = now
+            if deltas and deltas[-1].usage is not None and rid in submitted:
+                agent, start, prompt = submitted.pop(rid)
+                usage = deltas[-1].usage
+                agent.records.append({"request": rid, "prompt_tokens": usage.prompt_tokens,
+                                      "cached_tokens": usage.cached_tokens, "ttft_s": first_token[rid] - start,
+                                      "e2e_s": now - start, "prompt": prompt})
+                agent.turn += 1
+                if agent.turn < NUM_TURNS:
+                    reply = "".join(d.text for d in deltas)
+                    agent.messages += [{"role": "assistant", "content": reply},
+                                       {"role": "user", "content": agent.followups[agent.turn - 1]}]
+                    submit(int(rid[1:rid.index("t")]), agent)
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "agents": agents, "order": order,
+            "prefill_tokens_computed": engine.prefill_tokens_computed}
+
+
+def suffix_floor(runner: ModelRunner, prompt: list[int], cached: int) -> float:
+    """Forward time of the uncached suffix alone, its prefix already written in the pages."""
+    ps = runner.page_size
+    table = list(range(-(-len(prompt) // ps)))
+    if cached:
+        runner.execute([SeqChunk(prompt[:cached], 0, table, False)])
+    samples = []
+    for _ in range(3):
+        t = time.perf_counter()
+        runner.execute([SeqChunk(prompt[cached:], cached, table, True)])
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples)
+
+
+def transformers_subset(loaded, agents: list[Agent], hf_agents: int) -> tuple[float, dict[int, float]]:
+    from transformers import AutoModelForCausalLM
+
+    path = loaded.path
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    per_turn: dict[int, list[float]] = {t: [] for t in range(NUM_TURNS)}
+    with torch.inference_mode():
+        for agent in agents[:hf_agents]:
+            for turn, rec in enumerate(agent.records):
+                ids = torch.tensor([rec["prompt"]])
+                t = time.perf_counter()
+                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                               min_new_tokens=MAX_TOKENS, do_sample=False)
+                per_turn[turn].append(time.perf_counter() - t)
+    means = {t: statistics.mean(v) for t, v in per_turn.items()}
+    return sum(means[t] * NUM_AGENTS for t in range(NUM_TURNS)), means
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--hf-agents", type=int, default=3, help="agents replayed through transformers (x3 turns)")
+    parser.add_argument("--num-pages", type=int, default=4096)
+    args = parser.parse_args()
+    loaded = load_model(None)
+    tok = loaded.tokenizer
+    common = dict(num_pages=args.num_pages, page_size=16, device="cpu", max_num_batched_tokens=2048)
+
+    cached_engine, info = create_llm_engine(EngineConfig(**common), loaded=loaded)
+    cached = run_swarm(cached_engine, tok)
+    uncached_engine, _ = create_llm_engine(EngineConfig(**common, enable_prefix_caching=False), loaded=loaded)
+    uncached = run_swarm(uncached_engine, tok)
+    del uncached_engine
+
+    # The floor and isolated TTFT, per warm request (any cached prefix) of the cached run.
+    runner = cached_engine.runner
+    warm = [r for a in cached["agents"] for r in a.records if r["cached_tokens"] > 0]
+    ratios, isolated = [], []
+    for rec in warm:
+        floor = suffix_floor(runner, rec["prompt"], rec["cached_tokens"])
+        ratios.append(rec["ttft_s"] / floor)
+    cached_engine.cache.reset_cache()
+    for rec in warm[:: max(1, len(warm) // 8)]:  # isolated replay: warm its prefix, then time it
+        prompt = rec["prompt"]
+        warmup = GenerationRequest(tuple(prompt[: rec["cached_tokens"]] + [0]), SamplingParams(max_tokens=1))
+        cached_engine.add_request(warmup, lambda d: None)
+        while cached_engine.has_work():
+            cached_engine.step()
+        seen: list[Delta] = []
+        t = time.perf_counter()
+        cached_engine.add_request(GenerationRequest(tuple(prompt), SamplingParams(max_tokens=1, temperature=0)),
+                                  seen.append)
+        while not seen:
+            cached_engine.step()
+        ttft = time.perf_counter() - t
+        while cached_engine.has_work():
+            cached_engine.step()
+        isolated.append(ttft / suffix_floor(runner, prompt, rec["cached_tokens"]))
+
+    hf_agents = max(3, args.hf_agents)
+    wall_hf, hf_means = transformers_subset(loaded, cached["agents"], hf_agents)
+    results = {
+        "workload": f"{NUM_AGENTS} agents x {NUM_TURNS} turns, ~2k shared system prompt, {MAX_TOKENS} output tokens",
+        "system_prompt_tokens": len(tok.apply_chat_template(cached["agents"][0].messages[:1], add_generation_prompt=False)),
+        "num_requests": len(cached["order"]),
+        "wall_cached_s": cached["wall_s"],
+        "wall_uncached_s": uncached["wall_s"],
+        "wall_transformers_s": wall_hf,
+        "transformers_estimated": hf_agents < NUM_AGENTS,
+        "transformers_requests_measured": hf_agents * NUM_TURNS,
+        "transformers_mean_s_per_turn": hf_means,
+        "prefill_tokens_computed": cached["prefill_tokens_computed"],
+        "prefill_tokens_uncached_run": uncached["prefill_tokens_computed"],
+        "prefill_tokens_ideal": ideal_prefill(cached["order"]),
+        "warm_ttft_over_floor": statistics.median(ratios),
+        "warm_ttft_isolated_over_floor": statistics.median(isolated),
+        "cached_over_transformers": cached["wall_s"] / wall_hf,
+        "uncached_over_cached": uncached["wall_s"] / cached["wall_s"],
+        "device": info["device"],
+        "kernel_backend": info["kernel_backend"],
+    }
+    print_table("engine (benchmarks.engine)", [(k, v) for k, v in results.items() if not isinstance(v, dict)])
+    write_json(args.json, results)
+
+
+if __name__ == "__main__":
+    main()
