@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from gateway.engine.api import EngineLike
-from gateway.server import routes_cache, routes_openai, routes_ops
+from gateway.server import dashboard, routes_cache, routes_openai, routes_ops
 from gateway.server.auth import KeyTable
 from gateway.server.errors import REQUEST_ID_HEADER, install_exception_handlers
 from gateway.server.metrics import GatewayMetrics
@@ -51,13 +51,24 @@ def create_app(
         page_size=pool.page_size,
     )
 
+    # Scale-out: built now so a bad --replica-id / --advertise-url fails before serving.
+    publisher = None
+    if settings.redis_url:
+        from gateway.scaleout.publisher import publisher_from_settings
+
+        publisher = publisher_from_settings(engine, settings, model_name)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if manage_engine:
             await engine.start()
+        if publisher is not None:
+            await publisher.start()
         try:
             yield
         finally:
+            if publisher is not None:
+                await publisher.stop()
             if manage_engine:
                 await engine.shutdown()
             state.tokenization.close()
@@ -70,11 +81,13 @@ def create_app(
         redoc_url=None,
     )
     app.state.server = state
+    app.state.publisher = publisher  # None unless --redis-url
     app.state.keys = keys  # read by the auth dependencies
     install_exception_handlers(app)
     app.include_router(routes_openai.router)
     app.include_router(routes_cache.router)
     app.include_router(routes_ops.router)
+    app.include_router(dashboard.router)
     if settings.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
