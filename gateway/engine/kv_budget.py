@@ -1,0 +1,109 @@
+"""How big the KV pool is: pages from ``--num-pages`` or from a memory budget ``--kv-memory``.
+
+Also the device/dtype defaults the runner uses: CUDA when available else CPU; fp32 on CPU
+(fidelity, and CPUs have no fast bf16 attention path here), bf16 on GPU.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+import kernels
+from gateway.engine.model_config import ModelConfig
+
+GIB = 1 << 30
+# without a budget: CPU takes this much for KV; a GPU takes this share of its free memory
+DEFAULT_CPU_KV_MEMORY_GB = 1.0
+DEFAULT_GPU_KV_MEMORY_FRACTION = 0.85
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+class KVBudget(NamedTuple):
+    num_pages: int
+    page_size: int
+    page_bytes: int  # one page, all layers, K and V
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``None`` = CUDA when available, else CPU."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    return resolved
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """``None`` = fp32 on CPU, bf16 on GPU; names: float32/fp32, bfloat16/bf16, float16/fp16."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    try:
+        return _DTYPES[dtype.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)}") from None
+
+
+def kv_page_bytes(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one physical page (every layer, K and V)."""
+    return kernels.page_bytes(
+        config.num_layers, page_size, config.num_kv_heads, config.head_dim, dtype
+    )
+
+
+def plan_kv_budget(
+    config: ModelConfig,
+    *,
+    page_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    num_pages: int | None = None,
+    kv_memory_gb: float | None = None,
+) -> KVBudget:
+    """Pool size: ``num_pages`` if given, else as many pages as ``kv_memory_gb`` GiB hold.
+
+    With neither: 1 GiB on CPU; 85% of the free memory on a GPU (call after loading weights).
+
+    Raises:
+        ValueError: non-positive inputs, or a budget smaller than one page.
+    """
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    page_bytes = kv_page_bytes(config, page_size, dtype)
+    if num_pages is not None:
+        if num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        return KVBudget(num_pages, page_size, page_bytes)
+    if kv_memory_gb is not None:
+        if kv_memory_gb <= 0:
+            raise ValueError(f"kv_memory_gb must be > 0, got {kv_memory_gb}")
+        budget = kv_memory_gb * GIB
+    elif device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = free * DEFAULT_GPU_KV_MEMORY_FRACTION
+    else:
+        budget = DEFAULT_CPU_KV_MEMORY_GB * GIB
+    pages = int(budget // page_bytes)
+    if pages < 1:
+        raise ValueError(
+            f"KV memory budget of {budget / GIB:.4f} GiB holds no page of {page_bytes} bytes "
+            f"({config.num_layers} layers x {page_size} tokens); raise --kv-memory"
+        )
+    return KVBudget(pages, page_size, page_bytes)

@@ -1,0 +1,273 @@
+"""Load a GGUF file (llama.cpp's format): config, dequantised weights, tokenizer.
+
+Weights are dequantised to fp32 with ``gguf.quants`` and renamed to Hugging Face parameter
+names. llama.cpp's converter permutes the rows of Q and K of llama-arch models (it interleaves
+the two rotary halves of every head); we undo that so the model code uses HF's rotate-half RoPE.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf.quants import dequantize
+from tqdm import tqdm
+
+from gateway.engine.loader.loaded_model import LoadedModel
+from gateway.engine.model_config import (
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+    RopeScaling,
+    UnsupportedModelError,
+    check_weights,
+)
+from gateway.engine.tokenizer import GGUFVocab, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_Q = GGMLQuantizationType
+SUPPORTED_TENSOR_TYPES: tuple[GGMLQuantizationType, ...] = (
+    _Q.F32, _Q.F16, _Q.BF16,
+    _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0,
+    _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K,
+)  # fmt: skip
+
+# llama.cpp stores Q/K of these architectures with rows permuted for its rotary kernel
+_PERMUTED_QK_ARCHS = frozenset({"llama", "mistral", "smollm2"})
+
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
+_ROPE_FREQS = "rope_freqs.weight"
+
+
+def _field_value(reader: GGUFReader, key: str) -> Any:
+    """Metadata value as a Python object (str, int, float, bool, or list), None when absent."""
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    main = field.types[0]
+    if main == GGUFValueType.STRING:
+        return bytes(field.parts[field.data[0]]).decode("utf-8")
+    if main == GGUFValueType.ARRAY:
+        sub = field.types[-1]
+        if sub == GGUFValueType.STRING:
+            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+        if not field.data:
+            return []
+        return np.concatenate([field.parts[i] for i in field.data]).tolist()
+    value = field.parts[field.data[0]][0]
+    return bool(value) if main == GGUFValueType.BOOL else value.item()
+
+
+def _read_config(
+    reader: GGUFReader, path: Path, tensor_shapes: dict[str, list[int]]
+) -> ModelConfig:
+    arch = _field_value(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{path.name}: GGUF architecture {arch!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+    def meta(suffix: str, default: Any = None) -> Any:
+        value = _field_value(reader, f"{arch}.{suffix}")
+        return default if value is None else value
+
+    hidden = meta("embedding_length")
+    num_heads = meta("attention.head_count")
+    if hidden is None or num_heads is None or meta("block_count") is None:
+        raise UnsupportedModelError(f"{path.name}: GGUF metadata lacks the {arch} model shape")
+    if isinstance(num_heads, list) or isinstance(meta("attention.head_count_kv"), list):
+        raise UnsupportedModelError(f"{path.name}: per-layer head counts are not supported")
+    embed_shape = tensor_shapes.get("token_embd.weight")
+    vocab = meta("vocab_size") or (embed_shape[1] if embed_shape else None)
+    if vocab is None:
+        vocab = len(_field_value(reader, "tokenizer.ggml.tokens") or ())
+    rope_factors = None
+    if _ROPE_FREQS in tensor_shapes:
+        tensor = next(t for t in reader.tensors if t.name == _ROPE_FREQS)
+        values = dequantize(tensor.data, tensor.tensor_type).reshape(-1)
+        rope_factors = tuple(float(x) for x in values)
+    return ModelConfig(
+        architecture=arch,
+        name=_field_value(reader, "general.name") or path.stem,
+        vocab_size=int(vocab),
+        hidden_size=int(hidden),
+        intermediate_size=int(meta("feed_forward_length", 0)),
+        num_layers=int(meta("block_count")),
+        num_heads=int(num_heads),
+        num_kv_heads=int(meta("attention.head_count_kv", num_heads)),
+        head_dim=int(meta("attention.key_length", hidden // num_heads)),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(meta("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensor_shapes,
+        attention_bias=SUPPORTED_ARCHITECTURES[arch] or "blk.0.attn_q.bias" in tensor_shapes,
+        attention_out_bias="blk.0.attn_output.bias" in tensor_shapes,
+        rope_scaling=_read_rope_scaling(meta),
+        rope_freq_factors=rope_factors,
+    )
+
+
+def _read_rope_scaling(meta: Any) -> RopeScaling | None:
+    kind = meta("rope.scaling.type")
+    factor = meta("rope.scaling.factor")
+    if kind is None and meta("rope.scale_linear") is not None:  # pre-2024 files
+        kind, factor = "linear", meta("rope.scale_linear")
+    if kind in (None, "none"):
+        return None
+    if factor is None:
+        raise UnsupportedModelError(f"RoPE scaling {kind!r} without rope.scaling.factor")
+    if kind == "linear" and factor == 1.0:
+        return None
+    original = meta("rope.scaling.original_context_length")
+    return RopeScaling(
+        kind=kind,
+        factor=float(factor),
+        original_max_position_embeddings=int(original) if original else None,
+        beta_fast=float(meta("rope.scaling.yarn_beta_fast", 32.0)),
+        beta_slow=float(meta("rope.scaling.yarn_beta_slow", 1.0)),
+    )
+
+
+def _read_vocab(reader: GGUFReader, path: Path) -> GGUFVocab:
+    def meta(key: str) -> Any:
+        return _field_value(reader, f"tokenizer.{key}")
+
+    model = meta("ggml.model")
+    tokens = meta("ggml.tokens")
+    if model is None or not tokens:
+        raise UnsupportedModelError(f"{path.name}: the GGUF file carries no tokenizer")
+    add_space = meta("ggml.add_space_prefix")
+    return GGUFVocab(
+        model=model,
+        tokens=tokens,
+        pre=meta("ggml.pre"),
+        token_types=meta("ggml.token_type"),
+        merges=meta("ggml.merges"),
+        scores=meta("ggml.scores"),
+        bos_token_id=meta("ggml.bos_token_id"),
+        eos_token_id=meta("ggml.eos_token_id"),
+        unk_token_id=meta("ggml.unknown_token_id"),
+        pad_token_id=meta("ggml.padding_token_id"),
+        eot_token_id=meta("ggml.eot_token_id"),
+        eom_token_id=meta("ggml.eom_token_id"),
+        # llama.cpp's default: sentencepiece vocabularies add BOS unless told otherwise
+        add_bos=bool(
+            meta("ggml.add_bos_token")
+            if meta("ggml.add_bos_token") is not None
+            else model == "llama"
+        ),
+        add_eos=bool(meta("ggml.add_eos_token") or False),
+        add_space_prefix=True if add_space is None else bool(add_space),
+        chat_template=meta("chat_template"),
+    )
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    match = _LAYER_NAME.match(gguf_name)
+    if match and match.group(2) in _LAYER_TENSORS:
+        return f"model.layers.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}"
+    return None
+
+
+def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's ``permute``: per head, rows were reordered [pairs, 2] -> [2, pairs]."""
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    return (
+        weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
+
+
+def load_gguf(path: str | Path, *, progress: bool | None = None) -> LoadedModel:
+    """Read a GGUF model file.
+
+    Args:
+        path: the ``.gguf`` file.
+        progress: show a tqdm bar on stderr (None = only when stderr is a terminal).
+
+    Returns:
+        The config, fp32 weights by HF name, and the tokenizer built from the file's metadata.
+
+    Raises:
+        FileNotFoundError: no such file.
+        UnsupportedModelError: unsupported architecture, tensor type or unknown tensor.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    reader = GGUFReader(path)
+    # ggml lists dims fastest-first; numpy/torch order is the reverse
+    shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
+    config = _read_config(reader, path, shapes)
+    unsupported = [
+        f"{t.name} ({t.tensor_type.name})"
+        for t in reader.tensors
+        if t.tensor_type not in SUPPORTED_TENSOR_TYPES
+    ]
+    if unsupported:
+        raise UnsupportedModelError(
+            f"{path.name}: tensor type not supported: {', '.join(unsupported[:5])}"
+            f"{' ...' if len(unsupported) > 5 else ''}; supported: "
+            f"{', '.join(t.name for t in SUPPORTED_TENSOR_TYPES)}"
+        )
+    unknown = [t.name for t in reader.tensors if t.name != _ROPE_FREQS and _hf_name(t.name) is None]
+    if unknown:
+        raise UnsupportedModelError(
+            f"{path.name}: tensors this {config.architecture} loader does not know: "
+            f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}"
+        )
+    tokenizer = Tokenizer.from_gguf_vocab(_read_vocab(reader, path))
+
+    permute = config.architecture in _PERMUTED_QK_ARCHS
+    weights: dict[str, torch.Tensor] = {}
+    bar = tqdm(
+        reader.tensors,
+        desc=f"loading {path.name}",
+        unit="tensor",
+        file=sys.stderr,
+        disable=(not sys.stderr.isatty()) if progress is None else not progress,
+    )
+    for tensor in bar:
+        name = _hf_name(tensor.name)
+        if name is None:  # rope_freqs: already folded into the config
+            continue
+        array = dequantize(tensor.data, tensor.tensor_type)
+        array = array.reshape(tuple(reversed(shapes[tensor.name])))
+        if permute and tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
+            array = _unpermute_rows(array, config.num_heads)
+        elif permute and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
+            array = _unpermute_rows(array, config.num_kv_heads)
+        # NOTE: F32 tensors are read-only views of the memory-mapped file; copy them out
+        weights[name] = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+    bar.close()
+    check_weights(config, weights, source=path.name)
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, path=path)

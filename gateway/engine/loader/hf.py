@@ -1,0 +1,195 @@
+"""Load a Hugging Face model directory: config.json, safetensors (one file or sharded), tokenizer.
+
+Needs ``config.json``, ``model.safetensors`` or ``model.safetensors.index.json`` + shards, and
+``tokenizer.json``; reads ``tokenizer_config.json`` (special tokens, chat template),
+``chat_template.jinja`` and ``generation_config.json`` (EOS ids) when present.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from gateway.engine.loader.loaded_model import LoadedModel
+from gateway.engine.model_config import (
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+    RopeScaling,
+    UnsupportedModelError,
+    check_weights,
+    expected_weight_shapes,
+)
+from gateway.engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_SINGLE_FILE = "model.safetensors"
+_INDEX_FILE = "model.safetensors.index.json"
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise UnsupportedModelError(f"{path}: not valid JSON ({exc})") from exc
+
+
+def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:
+    if not raw:
+        return None
+    kind = raw.get("rope_type", raw.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind == "linear" and raw.get("factor", 1.0) == 1.0:
+        return None
+    if kind not in ("linear", "llama3", "yarn"):
+        # let RopeScaling name the supported kinds
+        return RopeScaling(kind=kind, factor=float(raw.get("factor") or 1.0))
+    return RopeScaling(
+        kind=kind,
+        factor=float(raw["factor"]),
+        original_max_position_embeddings=raw.get("original_max_position_embeddings"),
+        low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
+        beta_fast=float(raw.get("beta_fast") or 32.0),
+        beta_slow=float(raw.get("beta_slow") or 1.0),
+        attention_factor=raw.get("attention_factor"),
+        mscale=raw.get("mscale"),
+        mscale_all_dim=raw.get("mscale_all_dim"),
+        truncate=bool(raw.get("truncate", True)),
+    )
+
+
+def config_from_hf(raw: dict[str, Any], name: str) -> ModelConfig:
+    """Translate a HF ``config.json`` dict (llama / mistral / qwen2) to a :class:`ModelConfig`."""
+    arch = raw.get("model_type")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{name}: model_type {arch!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    activation = raw.get("hidden_act", "silu")
+    if activation != "silu":
+        raise UnsupportedModelError(f"{name}: hidden_act {activation!r} is not supported (silu)")
+    if raw.get("mlp_bias"):
+        raise UnsupportedModelError(f"{name}: mlp_bias is not supported")
+    hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+    # transformers 5 folds rope_theta and the scaling into "rope_parameters"
+    rope = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or (
+        rope if rope.get("rope_type") not in (None, "default") else None
+    )
+    context = int(raw.get("max_position_embeddings", 2048))
+    window = raw.get("sliding_window")
+    windowed = window is not None and (arch == "mistral" or raw.get("use_sliding_window"))
+    if windowed and int(window) < context:
+        # NOTE: no sliding-window attention here; capping the context keeps outputs exact
+        logger.warning(
+            "%s: sliding window %s < context %s; capping the context length", name, window, context
+        )
+        context = int(window)
+    return ModelConfig(
+        architecture=arch,
+        name=name,
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        max_position_embeddings=context,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=SUPPORTED_ARCHITECTURES[arch] or bool(raw.get("attention_bias", False)),
+        # llama's attention_bias covers o_proj too; qwen2's built-in q/k/v bias does not
+        attention_out_bias=arch != "qwen2" and bool(raw.get("attention_bias", False)),
+        rope_scaling=_rope_scaling(scaling),
+    )
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    if (directory / _INDEX_FILE).is_file():
+        weight_map = _read_json(directory / _INDEX_FILE).get("weight_map", {})
+        files = sorted({directory / f for f in weight_map.values()})
+    elif (directory / _SINGLE_FILE).is_file():
+        files = [directory / _SINGLE_FILE]
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise UnsupportedModelError(
+            f"{directory}: no safetensors weights ({_SINGLE_FILE} or {_INDEX_FILE}); "
+            "PyTorch .bin checkpoints are not supported"
+        )
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise UnsupportedModelError(f"{directory}: missing weight shards {', '.join(missing)}")
+    return files
+
+
+def _load_tokenizer(directory: Path) -> Tokenizer:
+    tokenizer_json = directory / "tokenizer.json"
+    if not tokenizer_json.is_file():
+        raise UnsupportedModelError(
+            f"{directory}: no tokenizer.json (a sentencepiece tokenizer.model alone is not "
+            "supported; save the tokenizer with a fast tokenizer to get tokenizer.json)"
+        )
+    config_path = directory / "tokenizer_config.json"
+    tokenizer_config = _read_json(config_path) if config_path.is_file() else {}
+    template_path = directory / "chat_template.jinja"
+    template = template_path.read_text(encoding="utf-8") if template_path.is_file() else None
+    if template is None and (directory / "chat_template.json").is_file():
+        template = _read_json(directory / "chat_template.json").get("chat_template")
+    eos_ids: list[int] = []
+    generation_path = directory / "generation_config.json"
+    if generation_path.is_file():
+        eos = _read_json(generation_path).get("eos_token_id")
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    return Tokenizer.from_hf_files(
+        str(tokenizer_json),
+        tokenizer_config=tokenizer_config,
+        generation_eos_ids=eos_ids,
+        chat_template=template,
+    )
+
+
+def load_hf(directory: str | Path, *, progress: bool | None = None) -> LoadedModel:
+    """Read a HF model directory (safetensors weights).
+
+    Args:
+        directory: folder with ``config.json``, safetensors weights and ``tokenizer.json``.
+        progress: show a tqdm bar on stderr (None = only when stderr is a terminal).
+
+    Raises:
+        FileNotFoundError: no such directory or no config.json.
+        UnsupportedModelError: unsupported model type, missing or mis-shaped tensors...
+    """
+    directory = Path(directory)
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"not a Hugging Face model directory (no config.json): {directory}")
+    raw = _read_json(directory / "config.json")
+    config = config_from_hf(raw, raw.get("_name_or_path") or directory.name)
+    tokenizer = _load_tokenizer(directory)
+    needed = expected_weight_shapes(config)
+    weights: dict[str, torch.Tensor] = {}
+    files = _weight_files(directory)
+    disable = (not sys.stderr.isatty()) if progress is None else not progress
+    for file in tqdm(
+        files, desc=f"loading {directory.name}", unit="shard", file=sys.stderr, disable=disable
+    ):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open is not a dict
+                if key in needed:
+                    weights[key] = handle.get_tensor(key)
+                elif not key.endswith("rotary_emb.inv_freq") and key != "lm_head.weight":
+                    logger.warning("%s: ignoring unknown tensor %s", directory.name, key)
+    check_weights(config, weights, source=str(directory))
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, path=directory)

@@ -1,0 +1,178 @@
+"""What the engine needs to know about a model's shape, in one frozen record.
+
+Both loaders (GGUF metadata, HF ``config.json``) produce a :class:`ModelConfig`; the model code
+and the runner read only this, never the file formats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# Architectures the Llama-family model code runs. Values: does the file store q/k/v biases.
+# GGUF and HF spell them the same way; "smollm2" is plain llama.
+SUPPORTED_ARCHITECTURES: dict[str, bool] = {
+    "llama": False,
+    "mistral": False,
+    "smollm2": False,
+    "qwen2": True,
+}
+
+# RoPE scaling variants the model applies (besides none). "dynamic" (NTK) is not supported:
+# it changes the rotation of already-cached keys as the sequence grows, which a shared paged
+# cache cannot honour.
+SUPPORTED_ROPE_SCALING = ("linear", "llama3", "yarn")
+
+
+class UnsupportedModelError(ValueError):
+    """The file describes something this engine does not run (architecture, quant type...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Parameters of a RoPE scaling variant (HF ``rope_scaling`` / GGUF ``rope.scaling.*``)."""
+
+    kind: str  # one of SUPPORTED_ROPE_SCALING
+    factor: float
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn; None = derived from factor (and mscales)
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    truncate: bool = True  # yarn: round the correction range to whole dims
+
+    def __post_init__(self) -> None:
+        if self.kind not in SUPPORTED_ROPE_SCALING:
+            raise UnsupportedModelError(
+                f"RoPE scaling {self.kind!r} is not supported; supported: "
+                f"{', '.join(SUPPORTED_ROPE_SCALING)} (or none)"
+            )
+        if self.factor <= 0:
+            raise UnsupportedModelError(f"RoPE scaling factor must be > 0, got {self.factor}")
+        if self.kind in ("llama3", "yarn") and not self.original_max_position_embeddings:
+            raise UnsupportedModelError(
+                f"RoPE scaling {self.kind!r} needs original_max_position_embeddings"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family decoder (llama, mistral, qwen2, smollm2)."""
+
+    architecture: str
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int  # the model's context length
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (qwen2; llama with attention_bias)
+    rope_scaling: RopeScaling | None = None
+    attention_out_bias: bool = False  # o_proj carries a bias (llama with attention_bias)
+    # llama.cpp's per-dimension frequency divisors (GGUF ``rope_freqs.weight``), [head_dim / 2]
+    rope_freq_factors: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"architecture {self.architecture!r} is not supported; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for field_name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, field_name)
+            if value <= 0:
+                raise UnsupportedModelError(f"{field_name} must be positive, got {value}")
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise UnsupportedModelError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise UnsupportedModelError(
+                f"rope_freq_factors has {len(self.rope_freq_factors)} entries, expected "
+                f"head_dim / 2 = {self.head_dim // 2}"
+            )
+
+    @property
+    def q_size(self) -> int:
+        """Width of the query projection output (all heads)."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Width of the key (or value) projection output (all KV heads)."""
+        return self.num_kv_heads * self.head_dim
+
+
+def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF parameter name -> shape, for every tensor a Llama-family model of ``config`` needs."""
+    h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    for layer in range(config.num_layers):
+        prefix = f"model.layers.{layer}."
+        shapes |= {
+            prefix + "input_layernorm.weight": (h,),
+            prefix + "post_attention_layernorm.weight": (h,),
+            prefix + "self_attn.q_proj.weight": (q, h),
+            prefix + "self_attn.k_proj.weight": (kv, h),
+            prefix + "self_attn.v_proj.weight": (kv, h),
+            prefix + "self_attn.o_proj.weight": (h, q),
+            prefix + "mlp.gate_proj.weight": (inter, h),
+            prefix + "mlp.up_proj.weight": (inter, h),
+            prefix + "mlp.down_proj.weight": (h, inter),
+        }
+        if config.attention_bias:
+            shapes |= {
+                prefix + "self_attn.q_proj.bias": (q,),
+                prefix + "self_attn.k_proj.bias": (kv,),
+                prefix + "self_attn.v_proj.bias": (kv,),
+            }
+        if config.attention_out_bias:
+            shapes[prefix + "self_attn.o_proj.bias"] = (h,)
+    return shapes
+
+
+def check_weights(config: ModelConfig, weights: Mapping[str, Any], *, source: str) -> None:
+    """Raise :class:`UnsupportedModelError` unless every needed tensor is there, shaped right.
+
+    ``source`` names the file/directory in the message.
+    """
+    expected = expected_weight_shapes(config)
+    missing = [name for name in expected if name not in weights]
+    if missing:
+        raise UnsupportedModelError(
+            f"{source}: missing tensors {', '.join(missing[:5])}"
+            f"{' ...' if len(missing) > 5 else ''}"
+        )
+    for name, shape in expected.items():
+        if tuple(weights[name].shape) != shape:
+            raise UnsupportedModelError(
+                f"{source}: tensor {name} has shape {tuple(weights[name].shape)}, "
+                f"the config implies {shape}"
+            )

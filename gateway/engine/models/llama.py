@@ -1,0 +1,154 @@
+"""Llama-family decoder (llama, mistral, qwen2, smollm2) over the paged KV cache.
+
+Flat layout: every activation is ``[num_tokens, hidden]`` for the whole step (prefill chunks and
+decode tokens of many sequences mixed); attention is ``kernels.write_kv`` into the pages then
+``kernels.paged_attention`` over them. Weights are fused once at load (q|k|v and gate|up, one
+matmul each) and packed for the device's fastest GEMM (models/linear.py); the per-layer loop
+touches a small record of tensors and nothing else, so Python overhead stays a few ops per layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from gateway.engine.model_config import ModelConfig, check_weights
+from gateway.engine.models.forward_batch import ForwardBatch
+from gateway.engine.models.linear import Linear
+from gateway.engine.models.rope import RotaryEmbedding
+
+
+class _Layer(NamedTuple):
+    input_norm: torch.Tensor  # [H]
+    qkv: Linear  # H -> Q + 2KV (+ bias for qwen2)
+    o: Linear  # Q -> H, residual add fused
+    post_norm: torch.Tensor  # [H]
+    gate_up: Linear  # H -> 2I
+    down: Linear  # I -> H, residual add fused
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / rms(x)`` over the last dim, computed in fp32 (as the reference does)."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+class LlamaModel:
+    """Weights on ``device`` in ``dtype`` plus the forward pass.
+
+    Args:
+        config: the model's shape.
+        weights: HF-named tensors (see ``LoadedModel``); read, not kept.
+        device / dtype: where and in what precision to compute.
+        max_positions: longest sequence to support (RoPE table size).
+        kernel_backend: passed to ``kernels`` ops (None = their default choice).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Mapping[str, torch.Tensor],
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_positions: int | None = None,
+        kernel_backend: str | None = None,
+    ) -> None:
+        check_weights(config, weights, source=config.name)
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.kernel_backend = kernel_backend
+        self.scale = config.head_dim**-0.5
+
+        def put(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.to(device=self.device, dtype=dtype).contiguous()
+
+        self.embed = put(weights["model.embed_tokens.weight"])  # [V, H]
+        self.lm_head = Linear(
+            self.embed if config.tie_word_embeddings else put(weights["lm_head.weight"])
+        )
+        self.final_norm = put(weights["model.norm.weight"])
+        self.layers: list[_Layer] = []
+        for layer in range(config.num_layers):
+            p = f"model.layers.{layer}."
+            attn, mlp = p + "self_attn.", p + "mlp."
+            bias = None
+            if config.attention_bias:
+                bias = put(torch.cat([weights[attn + f"{n}_proj.bias"] for n in "qkv"]))
+            o_bias = put(weights[attn + "o_proj.bias"]) if config.attention_out_bias else None
+            qkv = torch.cat([weights[attn + f"{n}_proj.weight"] for n in "qkv"])
+            gate_up = torch.cat(
+                [weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]]
+            )
+            self.layers.append(
+                _Layer(
+                    input_norm=put(weights[p + "input_layernorm.weight"]),
+                    qkv=Linear(put(qkv), bias),
+                    o=Linear(put(weights[attn + "o_proj.weight"]), o_bias),
+                    post_norm=put(weights[p + "post_attention_layernorm.weight"]),
+                    gate_up=Linear(put(gate_up)),
+                    down=Linear(put(weights[mlp + "down_proj.weight"])),
+                )
+            )
+        self.max_positions = max_positions or config.max_position_embeddings
+        self.rope = RotaryEmbedding(config, self.max_positions, self.device, dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self, batch: ForwardBatch, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
+        """Run one step; write every token's K/V into its slot; return logits.
+
+        Args:
+            batch: flat tokens and attention addressing (on this model's device).
+            kv_caches: per layer ``(k_cache, v_cache)``, each ``[num_pages, page_size, Hkv, D]``.
+
+        Returns:
+            ``[len(batch.logits_indices), vocab]`` fp32 logits of the selected rows.
+        """
+        cfg = self.config
+        num_tokens = batch.input_ids.shape[0]
+        q_size, kv_size, head_dim = cfg.q_size, cfg.kv_size, cfg.head_dim
+        inter = cfg.intermediate_size
+        eps = cfg.rms_norm_eps
+        backend = self.kernel_backend
+        cos, sin = self.rope.lookup(batch.positions)  # [T, 1, D/2] each, shared by all layers
+
+        hidden = F.embedding(batch.input_ids, self.embed)  # [T, H]
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            x = rms_norm(hidden, layer.input_norm, eps)
+            qkv = layer.qkv(x)  # [T, Q + 2KV]
+            # q and k rotate together: one set of elementwise ops for both
+            qk = qkv[:, : q_size + kv_size].view(num_tokens, -1, head_dim)  # [T, Hq + Hkv, D]
+            qk = self.rope.rotate(qk, cos, sin)
+            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]  # [T, Hq, D], [T, Hkv, D]
+            v = qkv[:, q_size + kv_size :].view(num_tokens, cfg.num_kv_heads, head_dim)
+            kernels.write_kv(k, v, k_cache, v_cache, batch.slot_mapping, backend=backend)
+            attn = kernels.paged_attention(
+                q,
+                k_cache,
+                v_cache,
+                batch.block_tables,
+                batch.seq_lens,
+                batch.query_start_loc,
+                self.scale,
+                max_query_len=batch.max_query_len,  # host int: no device sync to learn it
+                backend=backend,
+            )  # [T, Hq, D]
+            hidden = layer.o.add_to(attn.reshape(num_tokens, q_size), hidden)
+            x = rms_norm(hidden, layer.post_norm, eps)
+            gate_up = layer.gate_up(x)  # [T, 2I]
+            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [T, I]
+            hidden = layer.down.add_to(act, hidden)
+
+        # only the rows that sample pay for the final norm and the vocab projection
+        last = hidden.index_select(0, batch.logits_indices)  # [N, H]
+        last = rms_norm(last, self.final_norm, eps)
+        return self.lm_head(last).float()  # [N, V]

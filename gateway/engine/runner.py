@@ -1,0 +1,265 @@
+"""The model runner: turns one scheduler step (chunks of sequences) into one forward pass.
+
+The scheduler (no torch) hands over :class:`SeqChunk` records: which tokens of which sequence,
+where they sit (``start_pos``) and the sequence's block table. The runner builds the flat
+batch as plain Python lists and makes ONE tensor copy of each (nano-vllm style), runs the
+copy-on-write page copies first, then the model, and returns the logits of the chunks that
+sample.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+from gateway.engine.kv_budget import plan_kv_budget, resolve_device, resolve_dtype
+from gateway.engine.loader.loaded_model import LoadedModel
+from gateway.engine.model_config import ModelConfig
+from gateway.engine.models import ForwardBatch, build_model
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SeqChunk:
+    """Some consecutive tokens of one sequence to run this step.
+
+    ``token_ids`` occupy positions ``start_pos .. start_pos + len - 1``; ``start_pos`` tokens of
+    the sequence are already in the cache. ``block_table`` maps the sequence's logical blocks
+    to physical pages and covers every position up to the chunk's end. ``need_logits``: return
+    the next-token logits after the chunk's last token.
+    """
+
+    token_ids: Sequence[int]
+    start_pos: int
+    block_table: Sequence[int]
+    need_logits: bool = True
+
+
+def _configure_cpu_threads() -> None:
+    # torch sizes its pool by the machine's cores; a container/cgroup may grant fewer, and
+    # oversubscribed OpenMP threads spin against each other
+    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if available and torch.get_num_threads() > available:
+        torch.set_num_threads(available)
+
+
+class ModelRunner:
+    """Owns the model weights on the device and the KV pool; executes steps.
+
+    Args:
+        config: the model's shape.
+        weights: HF-named weights (``LoadedModel.weights``).
+        num_pages: pool size in pages; or ``kv_memory_gb`` (GiB) to derive it; or ``kv_pool``
+            (an existing ``[L, 2, P, page_size, Hkv, D]`` tensor); none = default budget.
+        page_size: tokens per page.
+        device / dtype: None = CUDA if available else CPU; fp32 on CPU, bf16 on GPU.
+        max_model_len: longest sequence (None = the model's context length).
+        eos_token_ids: exposed for the engine (the tokenizer's).
+        kernel_backend: "triton" / "torch" / None (kernels' default for the device).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Mapping[str, torch.Tensor],
+        *,
+        num_pages: int | None = None,
+        kv_memory_gb: float | None = None,
+        kv_pool: torch.Tensor | None = None,
+        page_size: int = 16,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        max_model_len: int | None = None,
+        eos_token_ids: Sequence[int] = (),
+        kernel_backend: str | None = None,
+    ) -> None:
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        if self.device.type == "cpu":
+            _configure_cpu_threads()
+        if max_model_len is not None and max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        self.config = config
+        self.max_model_len = min(config.max_position_embeddings, max_model_len or 1 << 62)
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.model = build_model(
+            config,
+            weights,
+            device=self.device,
+            dtype=self.dtype,
+            max_positions=self.max_model_len,
+            kernel_backend=kernel_backend,
+        )
+        self.kernel_backend = kernels.backend_name(self.device, kernel_backend)
+        shape_tail = (page_size, config.num_kv_heads, config.head_dim)
+        if kv_pool is not None:
+            expected = (config.num_layers, 2, kv_pool.shape[2], *shape_tail)
+            if tuple(kv_pool.shape) != expected or kv_pool.device != self.device:
+                raise ValueError(
+                    f"kv_pool has shape {tuple(kv_pool.shape)} on {kv_pool.device}; expected "
+                    f"{expected} on {self.device}"
+                )
+            self.kv_pool = kv_pool
+        else:
+            budget = plan_kv_budget(
+                config,
+                page_size=page_size,
+                dtype=self.dtype,
+                device=self.device,
+                num_pages=num_pages,
+                kv_memory_gb=kv_memory_gb,
+            )
+            self.kv_pool = kernels.allocate_kv_pool(
+                config.num_layers,
+                budget.num_pages,
+                page_size,
+                config.num_kv_heads,
+                config.head_dim,
+                self.dtype,
+                self.device,
+            )  # [L, 2, P, page_size, Hkv, D]
+        self.page_size = page_size
+        self.num_pages = int(self.kv_pool.shape[2])
+        self._kv_caches = [
+            (self.kv_pool[i, 0], self.kv_pool[i, 1]) for i in range(config.num_layers)
+        ]
+        logger.info(
+            "runner: %s on %s/%s, %d pages x %d tokens (%.2f GiB KV), kernels=%s",
+            config.name,
+            self.device,
+            self.dtype,
+            self.num_pages,
+            page_size,
+            self.kv_pool.numel() * self.kv_pool.element_size() / (1 << 30),
+            self.kernel_backend,
+        )
+
+    @classmethod
+    def from_loaded(cls, loaded: LoadedModel, **kwargs: object) -> ModelRunner:
+        """A runner for a loaded model; EOS ids come from its tokenizer. kwargs as ``__init__``."""
+        kwargs.setdefault("eos_token_ids", loaded.tokenizer.eos_token_ids)
+        return cls(loaded.config, loaded.weights, **kwargs)  # type: ignore[arg-type]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return torch.tensor(values, dtype=dtype)
+        # pinned host staging lets the copy overlap with whatever the GPU is still doing
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
+
+    def _copy_pages(self, copy_pairs: Sequence[tuple[int, int]]) -> None:
+        src = [int(s) for s, _ in copy_pairs]
+        dst = [int(d) for _, d in copy_pairs]
+        for page in (*src, *dst):
+            if not 0 <= page < self.num_pages:
+                raise ValueError(f"copy pair page id {page} outside the pool [0, {self.num_pages})")
+        if len(set(dst)) != len(dst) or set(dst) & set(src):
+            raise ValueError(
+                f"copy pairs need distinct destinations disjoint from the sources: {copy_pairs}"
+            )
+        kernels.copy_pages(
+            self.kv_pool,
+            self._tensor(src, torch.int64),
+            self._tensor(dst, torch.int64),
+            backend=self.model.kernel_backend,
+        )
+
+    def _build_batch(self, chunks: Sequence[SeqChunk]) -> ForwardBatch:
+        page_size, num_pages = self.page_size, self.num_pages
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        query_start_loc = [0]
+        logits_indices: list[int] = []
+        tables: list[Sequence[int]] = []
+        max_query_len = 0
+        for index, chunk in enumerate(chunks):
+            count, start = len(chunk.token_ids), chunk.start_pos
+            end = start + count
+            if count == 0:
+                raise ValueError(f"chunk {index} has no tokens")
+            if start < 0:
+                raise ValueError(f"chunk {index}: start_pos must be >= 0, got {start}")
+            if end > self.max_model_len:
+                raise ValueError(
+                    f"chunk {index} reaches position {end}, past max_model_len {self.max_model_len}"
+                )
+            used_pages = (end + page_size - 1) // page_size
+            table = chunk.block_table
+            if len(table) < used_pages:
+                raise ValueError(
+                    f"chunk {index}: block table has {len(table)} pages, positions up to {end} "
+                    f"need {used_pages}"
+                )
+            table = table[:used_pages]
+            if min(table) < 0 or max(table) >= num_pages:
+                raise ValueError(
+                    f"chunk {index}: block table page ids must be in [0, {num_pages}), "
+                    f"got {list(table)}"
+                )
+            input_ids.extend(chunk.token_ids)
+            max_query_len = max(max_query_len, count)
+            positions.extend(range(start, end))
+            # slots page by page: one range per page instead of one division per token
+            for block in range(start // page_size, used_pages):
+                base = table[block] * page_size
+                lo = max(start, block * page_size) - block * page_size
+                hi = min(end, (block + 1) * page_size) - block * page_size
+                slots.extend(range(base + lo, base + hi))
+            seq_lens.append(end)
+            query_start_loc.append(query_start_loc[-1] + count)
+            if chunk.need_logits:
+                logits_indices.append(query_start_loc[-1] - 1)
+            tables.append(table)
+        width = max(len(t) for t in tables)
+        flat_tables: list[int] = []
+        for table in tables:
+            flat_tables.extend(table)
+            # NOTE: entries past a sequence's last page are ignored by the kernels; 0 is in range
+            flat_tables.extend([0] * (width - len(table)))
+        return ForwardBatch(
+            input_ids=self._tensor(input_ids, torch.int64),
+            positions=self._tensor(positions, torch.int64),
+            slot_mapping=self._tensor(slots, torch.int64),
+            block_tables=self._tensor(flat_tables, torch.int32).view(len(tables), width),
+            seq_lens=self._tensor(seq_lens, torch.int32),
+            query_start_loc=self._tensor(query_start_loc, torch.int32),
+            logits_indices=self._tensor(logits_indices, torch.int64),
+            max_query_len=max_query_len,
+        )
+
+    @torch.inference_mode()
+    def execute(
+        self, chunks: Sequence[SeqChunk], copy_pairs: Sequence[tuple[int, int]] = ()
+    ) -> torch.Tensor:
+        """Run one step.
+
+        Args:
+            chunks: the step's work, any mix of prefill chunks and single decode tokens (each
+                sequence at most once).
+            copy_pairs: copy-on-write ``(src_page, dst_page)`` copies, done BEFORE the forward.
+
+        Returns:
+            ``[number of chunks with need_logits, vocab]`` fp32 logits on the runner's device,
+            in chunk order.
+
+        Raises:
+            ValueError: a malformed chunk (empty, block table too short, page id out of range,
+                past max_model_len) or copy pair; nothing has run when this is raised.
+        """
+        if not chunks:
+            raise ValueError("execute() needs at least one chunk")
+        batch = self._build_batch(chunks)  # validates everything before any side effect
+        if copy_pairs:
+            self._copy_pages(copy_pairs)
+        return self.model.forward(batch, self._kv_caches)

@@ -1,0 +1,479 @@
+"""Text <-> token ids with the ``tokenizers`` library, chat rendering, streaming detokenisation.
+
+A :class:`Tokenizer` is built either from a GGUF vocabulary (:class:`GGUFVocab`, filled by
+``loader/gguf.py``: byte-level BPE "gpt2" or sentencepiece-style "llama") or from a Hugging Face
+``tokenizer.json``. ``transformers`` is not needed at run time; the tests use it as the oracle
+(same ids, same rendered chat).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as BackendTokenizer
+
+from gateway.engine.chat_template import ChatTemplate, ChatTemplateError
+
+logger = logging.getLogger(__name__)
+
+# GGUF token types (llama.cpp's llama_token_type)
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+
+# Texts llama.cpp treats as end-of-generation when they are special tokens; a chat model stops
+# on any of them even if the file names only one as EOS.
+END_OF_GENERATION_TEXTS = frozenset(
+    {
+        "<|endoftext|>",
+        "<|im_end|>",
+        "<|eot_id|>",
+        "<|eom_id|>",
+        "<|end|>",
+        "<end_of_turn>",
+        "</s>",
+        "<|end_of_text|>",
+        "<｜end▁of▁sentence｜>",
+    }
+)
+
+# How llama.cpp's GGUF ``tokenizer.ggml.pre`` names split text before byte-level BPE. These are
+# the split rules of the original tokenizer.json files. Absent = GPT-2's rule.
+_GPT2_SPLIT = None  # ByteLevel(use_regex=True) applies GPT-2's regex itself
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_TOKENIZER_SPLITS: dict[str, str] = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+_GPT2_STYLE_PRE = frozenset({"default", "gpt2", "gpt-2", "smollm", "starcoder", "refact"})
+
+
+class TokenizerError(ValueError):
+    """The vocabulary cannot be turned into a tokenizer (unknown model type, bad data...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFVocab:
+    """The tokenizer as a GGUF file describes it (``tokenizer.ggml.*`` metadata)."""
+
+    model: str  # "gpt2" (byte-level BPE) or "llama" (sentencepiece-style BPE)
+    tokens: Sequence[str]
+    pre: str | None = None
+    token_types: Sequence[int] | None = None
+    merges: Sequence[str] | None = None
+    scores: Sequence[float] | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    unk_token_id: int | None = None
+    pad_token_id: int | None = None
+    eot_token_id: int | None = None
+    eom_token_id: int | None = None
+    add_bos: bool = False
+    add_eos: bool = False
+    add_space_prefix: bool = True  # sentencepiece only
+    chat_template: str | None = None
+
+
+SUPPORTED_GGUF_TOKENIZERS = ("gpt2", "llama")
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (what byte-level BPE tokens spell)."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    mapping = {byte: chr(byte) for byte in printable}
+    extra = 0
+    for byte in range(256):
+        if byte not in mapping:
+            mapping[byte] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def _derive_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
+    """Sentencepiece files carry scores, not merges: every split of a token into two tokens of the
+    vocabulary is a merge, ranked by the merged token's score (best first)."""
+    vocab = {token: index for index, token in enumerate(tokens)}
+    candidates: list[tuple[float, int, int, str, str]] = []
+    for token, score in zip(tokens, scores, strict=True):
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                candidates.append((-score, vocab[left], vocab[right], left, right))
+    candidates.sort()
+    return [(left, right) for _, _, _, left, right in candidates]
+
+
+def _build_byte_level(vocab: GGUFVocab) -> BackendTokenizer:
+    alphabet = _byte_alphabet()
+    spelled = set(alphabet.values())
+    # tokens outside the byte alphabet (a user-defined token with a real space, say) are stored
+    # as plain text; the BPE model needs them in the byte spelling
+    token_to_id = {
+        (token if set(token) <= spelled else "".join(alphabet[b] for b in token.encode())): index
+        for index, token in enumerate(vocab.tokens)
+    }
+    merges = [tuple(merge.split(" ", 1)) for merge in vocab.merges or ()]
+    backend = BackendTokenizer(
+        models.BPE(
+            token_to_id,
+            merges,
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
+    )
+    pre = (vocab.pre or "default").lower()
+    if pre in _PRE_TOKENIZER_SPLITS:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_PRE_TOKENIZER_SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    else:
+        if pre not in _GPT2_STYLE_PRE:
+            logger.warning("unknown GGUF pre-tokenizer %r; splitting text the GPT-2 way", pre)
+        steps: list[Any] = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        if pre == "smollm":
+            # SmolLM's tokenizer.json splits digits one by one before the GPT-2 rule
+            steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
+        backend.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _build_sentencepiece(vocab: GGUFVocab) -> BackendTokenizer:
+    token_to_id = {token: index for index, token in enumerate(vocab.tokens)}
+    if vocab.merges:
+        merges = [tuple(merge.split(" ", 1)) for merge in vocab.merges]
+    elif vocab.scores is not None:
+        merges = _derive_merges(vocab.tokens, vocab.scores)
+    else:
+        raise TokenizerError("a sentencepiece GGUF vocabulary needs merges or scores")
+    unk = vocab.tokens[vocab.unk_token_id] if vocab.unk_token_id is not None else None
+    backend = BackendTokenizer(
+        models.BPE(token_to_id, merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+    )
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first" if vocab.add_space_prefix else "never", split=False
+    )
+    steps: list[Any] = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if vocab.add_space_prefix:
+        steps.append(decoders.Strip(content=" ", left=1))
+    backend.decoder = decoders.Sequence(steps)
+    return backend
+
+
+def _end_of_generation_ids(
+    backend: BackendTokenizer, declared: Sequence[int | None]
+) -> tuple[int, ...]:
+    """Declared EOS-like ids first, then every special token spelled like an end marker."""
+    ids: list[int] = [i for i in declared if i is not None]
+    for token_id, added in sorted(backend.get_added_tokens_decoder().items()):
+        if added.special and added.content in END_OF_GENERATION_TEXTS and token_id not in ids:
+            ids.append(token_id)
+    return tuple(dict.fromkeys(ids))
+
+
+class Tokenizer:
+    """Encode/decode plus the model's chat template. Satisfies ``api.TokenizerLike``.
+
+    Args:
+        backend: a ready ``tokenizers.Tokenizer`` (special tokens registered as added tokens;
+            its post-processor adds BOS/EOS when ``encode(add_special_tokens=True)``).
+        eos_token_ids: ids that end generation, the model's EOS first.
+        bos_token / eos_token: their strings (chat templates read them).
+        chat_template: the model's template, or None (then chat rendering raises).
+    """
+
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        *,
+        eos_token_ids: tuple[int, ...],
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        chat_template: ChatTemplate | None = None,
+    ) -> None:
+        if not eos_token_ids:
+            raise TokenizerError("the tokenizer defines no end-of-sequence token")
+        self.backend = backend
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.chat_template = chat_template
+
+    # ---- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf_vocab(cls, vocab: GGUFVocab) -> Tokenizer:
+        """Build from the ``tokenizer.ggml.*`` metadata of a GGUF file."""
+        if vocab.model == "gpt2":
+            backend = _build_byte_level(vocab)
+        elif vocab.model == "llama":
+            backend = _build_sentencepiece(vocab)
+        else:
+            raise TokenizerError(
+                f"GGUF tokenizer model {vocab.model!r} is not supported; supported: "
+                f"{', '.join(SUPPORTED_GGUF_TOKENIZERS)}"
+            )
+        tokens = vocab.tokens
+        types = vocab.token_types or ()
+        spelled = set(_byte_alphabet().values()) if vocab.model == "gpt2" else None
+        special_ids = {
+            i
+            for i in (
+                vocab.bos_token_id,
+                vocab.eos_token_id,
+                vocab.unk_token_id,
+                vocab.pad_token_id,
+                vocab.eot_token_id,
+                vocab.eom_token_id,
+            )
+            if i is not None
+        }
+        special: list[AddedToken] = []
+        user_defined: list[AddedToken] = []
+        for index, token in enumerate(tokens):
+            kind = types[index] if index < len(types) else None
+            if kind == TOKEN_TYPE_CONTROL or index in special_ids:
+                # NOTE: in a byte-level vocabulary a "control" token spelled outside the byte
+                # alphabet is a llama.cpp mislabel; adding it would grow the vocabulary
+                if spelled is not None and not set(token) <= spelled:
+                    continue
+                special.append(AddedToken(token, special=True, normalized=False))
+            elif kind == TOKEN_TYPE_USER_DEFINED and backend.token_to_id(token) == index:
+                # (a user-defined token respelled into the byte alphabet stays a plain token)
+                user_defined.append(AddedToken(token, special=False, normalized=False))
+        backend.add_special_tokens(special)
+        backend.add_tokens(user_defined)
+        if backend.get_vocab_size(with_added_tokens=True) != len(tokens):
+            # duplicate token strings in the file collapse; ids stay as the file numbers them
+            logger.warning(
+                "tokenizer has %d distinct tokens, the GGUF file lists %d",
+                backend.get_vocab_size(with_added_tokens=True),
+                len(tokens),
+            )
+
+        def text(token_id: int | None) -> str | None:
+            return (
+                tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
+            )
+
+        bos, eos = text(vocab.bos_token_id), text(vocab.eos_token_id)
+        backend.post_processor = _bos_eos_processor(
+            bos if vocab.add_bos else None,
+            vocab.bos_token_id,
+            eos if vocab.add_eos else None,
+            vocab.eos_token_id,
+        )
+        template = None
+        if vocab.chat_template:
+            extra = {
+                name: value
+                for name, value in (
+                    ("unk_token", text(vocab.unk_token_id)),
+                    ("pad_token", text(vocab.pad_token_id)),
+                )
+                if value is not None
+            }
+            template = ChatTemplate(
+                vocab.chat_template, bos_token=bos, eos_token=eos, extra_tokens=extra
+            )
+        eos_ids = _end_of_generation_ids(
+            backend, (vocab.eos_token_id, vocab.eot_token_id, vocab.eom_token_id)
+        )
+        return cls(
+            backend, eos_token_ids=eos_ids, bos_token=bos, eos_token=eos, chat_template=template
+        )
+
+    @classmethod
+    def from_hf_files(
+        cls,
+        tokenizer_json: str,
+        *,
+        tokenizer_config: dict[str, Any] | None = None,
+        generation_eos_ids: Sequence[int] = (),
+        chat_template: str | None = None,
+    ) -> Tokenizer:
+        """Build from a Hugging Face ``tokenizer.json`` (path) and ``tokenizer_config.json``.
+
+        ``chat_template`` overrides the config's (e.g. a ``chat_template.jinja`` file).
+        """
+        backend = BackendTokenizer.from_file(tokenizer_json)
+        config = tokenizer_config or {}
+
+        def token_text(name: str) -> str | None:
+            value = config.get(name)
+            if isinstance(value, dict):  # serialized AddedToken
+                value = value.get("content")
+            return value if isinstance(value, str) else None
+
+        bos, eos = token_text("bos_token"), token_text("eos_token")
+        eos_id = backend.token_to_id(eos) if eos is not None else None
+        eos_ids = _end_of_generation_ids(backend, (*generation_eos_ids, eos_id))
+        source = chat_template if chat_template is not None else config.get("chat_template")
+        if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}]
+            named = {entry.get("name"): entry.get("template") for entry in source}
+            source = named.get("default")
+        template = None
+        if source:
+            extra = {
+                name: value
+                for name in ("unk_token", "pad_token")
+                if (value := token_text(name)) is not None
+            }
+            template = ChatTemplate(source, bos_token=bos, eos_token=eos, extra_tokens=extra)
+        return cls(
+            backend, eos_token_ids=eos_ids, bos_token=bos, eos_token=eos, chat_template=template
+        )
+
+    # ---- TokenizerLike ------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; special-token strings in it become their ids.
+
+        ``add_special_tokens`` adds what the model's post-processor adds (BOS for llama2...).
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"encode() takes a str, got {type(text).__name__}")
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``token_ids`` (invalid UTF-8 becomes U+FFFD)."""
+        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry of ``token_id`` as stored (byte-level spelling for BPE)."""
+        return self.backend.id_to_token(token_id)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
+        """The prompt text of a conversation, rendered by the model's own chat template."""
+        if self.chat_template is None:
+            raise ChatTemplateError(
+                "this model has no chat template; send a plain prompt (completions) instead"
+            )
+        return self.chat_template.render(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """Token ids of :meth:`render_chat` (the template spells special tokens itself)."""
+        return self.encode(
+            self.render_chat(messages, tools, add_generation_prompt, **template_kwargs),
+            add_special_tokens=False,
+        )
+
+    def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        """A fresh streaming detokeniser for one output."""
+        return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)
+
+
+def _bos_eos_processor(
+    bos: str | None, bos_id: int | None, eos: str | None, eos_id: int | None
+) -> processors.TemplateProcessing:
+    single, pair, specials = "$A", "$A $B", []
+    if bos is not None and bos_id is not None:
+        single, pair = f"{bos} {single}", f"{bos} $A {bos} $B"
+        specials.append((bos, bos_id))
+    if eos is not None and eos_id is not None:
+        single, pair = f"{single} {eos}", f"{pair} {eos}"
+        specials.append((eos, eos_id))
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+
+
+class IncrementalDecoder:
+    """Streaming detokenisation: feed ids one at a time, get text only once it is complete.
+
+    Decoding a growing window and diffing (the vLLM/TGI way) keeps the tokenizer's own rules for
+    spaces (sentencepiece strips a leading one) and never emits half of a multi-byte character:
+    while the window's text ends in U+FFFD the bytes are held back. :meth:`flush` emits whatever
+    is still held (a genuinely invalid byte sequence at the very end).
+    """
+
+    # if U+FFFD persists this long it is not a partial character but invalid output
+    _MAX_HELD_TOKENS = 8
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix_offset = 0  # window start: decoded for context only
+        self._read_offset = 0  # ids before this were emitted
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every id fed so far."""
+        return list(self._ids)
+
+    def feed(self, token_id: int) -> str:
+        """Add one token; return the newly completed text ("" while a character is partial)."""
+        self._ids.append(token_id)
+        decode = self._tokenizer.decode
+        prefix_text = decode(
+            self._ids[self._prefix_offset : self._read_offset], self._skip_special_tokens
+        )
+        new_text = decode(self._ids[self._prefix_offset :], self._skip_special_tokens)
+        held = len(self._ids) - self._read_offset
+        if new_text.endswith("\ufffd") and held < self._MAX_HELD_TOKENS:
+            return ""
+        if len(new_text) <= len(prefix_text):
+            # e.g. a skipped special token: nothing to show, but it is consumed
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return new_text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """Text of ids still held back (only non-empty when the output ends mid-character)."""
+        if self._read_offset == len(self._ids):
+            return ""
+        decode = self._tokenizer.decode
+        prefix_text = decode(
+            self._ids[self._prefix_offset : self._read_offset], self._skip_special_tokens
+        )
+        new_text = decode(self._ids[self._prefix_offset :], self._skip_special_tokens)
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return new_text[len(prefix_text) :]

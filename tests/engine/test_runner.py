@@ -1,0 +1,146 @@
+"""ModelRunner bookkeeping: batch building, validation (nothing runs on bad input), KV budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gateway.engine.kv_budget import (
+    GIB,
+    kv_page_bytes,
+    plan_kv_budget,
+    resolve_device,
+    resolve_dtype,
+)
+from gateway.engine.runner import ModelRunner, SeqChunk
+
+pytestmark = pytest.mark.slow
+
+
+def test_runner_exposes_what_the_engine_needs(model_runner, tokenizer):
+    assert model_runner.num_pages == 512
+    assert model_runner.page_size == 16
+    assert model_runner.max_model_len == 8192
+    assert model_runner.vocab_size == 49152
+    assert model_runner.eos_token_ids == tokenizer.eos_token_ids
+    assert model_runner.kernel_backend == "torch"
+    assert model_runner.kv_pool.shape == (30, 2, 512, 16, 3, 64)
+    assert model_runner.kv_pool.dtype == torch.float32
+
+
+def test_batch_layout(model_runner):
+    chunks = [
+        SeqChunk([5, 6, 7], 14, [9, 4], True),  # crosses from page 9 into page 4
+        SeqChunk([8], 0, [11], False),
+        SeqChunk([1, 2], 3, [2], True),
+    ]
+    batch = model_runner._build_batch(chunks)
+    assert batch.input_ids.tolist() == [5, 6, 7, 8, 1, 2]
+    assert batch.positions.tolist() == [14, 15, 16, 0, 3, 4]
+    assert batch.slot_mapping.tolist() == [
+        9 * 16 + 14,
+        9 * 16 + 15,
+        4 * 16,
+        11 * 16,
+        2 * 16 + 3,
+        2 * 16 + 4,
+    ]
+    assert batch.seq_lens.tolist() == [17, 1, 5]
+    assert batch.query_start_loc.tolist() == [0, 3, 4, 6]
+    assert batch.block_tables.tolist() == [[9, 4], [11, 0], [2, 0]]
+    assert batch.logits_indices.tolist() == [2, 5]
+    assert batch.block_tables.dtype == torch.int32 and batch.slot_mapping.dtype == torch.int64
+
+
+@pytest.mark.parametrize(
+    ("chunks", "message"),
+    [
+        ([], "at least one chunk"),
+        ([SeqChunk([], 0, [1], True)], "no tokens"),
+        ([SeqChunk([1], -1, [1], True)], "start_pos must be >= 0"),
+        ([SeqChunk([1] * 17, 0, [1], True)], "block table has 1 pages, positions up to 17 need 2"),
+        ([SeqChunk([1], 0, [512], True)], r"page ids must be in \[0, 512\)"),
+        ([SeqChunk([1], 8192, [0] * 513, True)], "past max_model_len 8192"),
+    ],
+)
+def test_bad_chunks_are_rejected_before_anything_runs(model_runner, chunks, message):
+    pool = model_runner.kv_pool
+    pool[:, :, 300].fill_(1.0)
+    pool[:, :, 301].fill_(2.0)
+    with pytest.raises(ValueError, match=message):
+        model_runner.execute(chunks, copy_pairs=[(300, 301)])
+    assert torch.all(pool[:, :, 301] == 2.0)  # the copy did not happen either
+
+
+@pytest.mark.parametrize(
+    ("pairs", "message"),
+    [
+        ([(0, 512)], "outside the pool"),
+        ([(1, 2), (3, 2)], "distinct destinations"),
+        ([(1, 2), (2, 3)], "disjoint from the sources"),
+    ],
+)
+def test_bad_copy_pairs_are_rejected(model_runner, pairs, message):
+    with pytest.raises(ValueError, match=message):
+        model_runner.execute([SeqChunk([1], 0, [5], True)], copy_pairs=pairs)
+
+
+def test_copy_pairs_run_before_the_forward(model_runner):
+    pool = model_runner.kv_pool
+    model_runner.execute([SeqChunk(list(range(100, 116)), 0, [310], False)])
+    pool[:, :, 311].zero_()
+    # the chunk writes position 0 of page 311 right after the copy: the copy must come first
+    model_runner.execute([SeqChunk([7], 0, [311], False)], copy_pairs=[(310, 311)])
+    assert torch.equal(pool[:, :, 311, 1:], pool[:, :, 310, 1:])
+    assert not torch.equal(pool[:, :, 311, 0], pool[:, :, 310, 0])
+
+
+def test_kv_budget_from_memory_or_pages(loaded_model):
+    config = loaded_model.config
+    page = kv_page_bytes(config, 16, torch.float32)
+    assert page == 30 * 2 * 16 * 3 * 64 * 4
+    budget = plan_kv_budget(
+        config, page_size=16, dtype=torch.float32, device=torch.device("cpu"), kv_memory_gb=0.5
+    )
+    assert budget.num_pages == (GIB // 2) // page and budget.total_bytes <= GIB // 2
+    bf16 = plan_kv_budget(
+        config, page_size=16, dtype=torch.bfloat16, device=torch.device("cpu"), kv_memory_gb=0.5
+    )
+    assert bf16.num_pages == 2 * budget.num_pages
+    pinned = plan_kv_budget(
+        config,
+        page_size=16,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        num_pages=7,
+        kv_memory_gb=0.5,
+    )
+    assert pinned.num_pages == 7  # --num-pages wins over --kv-memory
+    with pytest.raises(ValueError, match="holds no page"):
+        plan_kv_budget(
+            config, page_size=16, dtype=torch.float32, device=torch.device("cpu"), kv_memory_gb=1e-6
+        )
+
+
+def test_device_and_dtype_defaults():
+    assert resolve_dtype(None, torch.device("cpu")) == torch.float32
+    assert resolve_dtype(None, torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("bf16", torch.device("cpu")) == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown dtype 'float8'"):
+        resolve_dtype("float8", torch.device("cpu"))
+    if not torch.cuda.is_available():
+        assert resolve_device(None).type == "cpu"
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            resolve_device("cuda")
+
+
+def test_runner_from_memory_budget_and_max_model_len(loaded_model):
+    runner = ModelRunner.from_loaded(loaded_model, kv_memory_gb=0.01, max_model_len=256)
+    assert runner.num_pages == int(0.01 * GIB) // kv_page_bytes(
+        loaded_model.config, 16, torch.float32
+    )
+    assert runner.max_model_len == 256
+    with pytest.raises(ValueError, match="past max_model_len 256"):
+        runner.execute([SeqChunk([1] * 257, 0, list(range(runner.num_pages)), True)])
+    logits = runner.execute([SeqChunk([1, 2, 3], 0, [0], True)])
+    assert logits.shape == (1, 49152) and logits.dtype == torch.float32
