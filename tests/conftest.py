@@ -9,3 +9,6 @@ import torch
 # the only way the Triton kernels run at all.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Shared session fixtures: one loaded model and one live gateway for the whole run.
+pytest_plugins = ["tests.model_fixtures", "tests.live_gateway"]
