@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+from cache.events import CacheEvent, EventSink
 from cache.stats import CacheStats
 from gateway.engine.api import (
     Delta,
@@ -48,6 +49,10 @@ class AsyncEngine:
         self.tokenizer = core.tokenizer
         self.device = device
         self.kernel_backend = kernel_backend
+        # What a router needs to recompute this replica's block hashes (see gateway/scaleout).
+        self.model_id = core.model_id
+        self.page_size = core.page_size
+        self.hash_seed = core.config.hash_seed
         # Guards the core: the engine thread holds it for a step; stats/pin calls take it briefly.
         self._lock = threading.Lock()
         self._inbox: deque[Callable[[], None]] = deque()
@@ -224,6 +229,34 @@ class AsyncEngine:
                 device=self.device,
             )
 
+    # ------------------------------------------------------------------ scale-out index
+
+    def add_event_sink(self, sink: EventSink) -> None:
+        """Also send BlockStored / BlockRemoved to ``sink`` (called from the engine thread).
+
+        Attaching late misses earlier events: follow with :meth:`cached_block_hashes`.
+        """
+        with self._lock:
+            pool = self.core.cache.pool
+            previous = pool.event_sink
+            pool.event_sink = sink if previous is None else _fan_out(previous, sink)
+
+    def load_estimate(self) -> tuple[int, int, int, int]:
+        """(running, waiting, free pages, steps taken), read WITHOUT the engine lock.
+
+        A step holds the lock for as long as it runs and Python locks are not fair, so a
+        locked snapshot can wait many steps under load; heartbeats read these counters instead
+        (each is exact at some recent instant; together they may be a step apart).
+        """
+        core = self.core
+        return (core.scheduler.num_running, core.scheduler.num_waiting + self._num_queued,
+                core.cache.num_free_pages, core.num_steps)
+
+    def cached_block_hashes(self) -> list[bytes]:
+        """Every block hash hittable on this replica right now (a full index resync)."""
+        with self._lock:
+            return self.core.cache.pool.cached_hashes()
+
     def wait_idle(self, timeout: float = 60.0) -> bool:
         """Block until no request is in flight (tests and benchmarks)."""
         deadline = time.monotonic() + timeout
@@ -233,6 +266,14 @@ class AsyncEngine:
                     return True
             time.sleep(0.01)
         return False
+
+
+def _fan_out(first: EventSink, second: EventSink) -> EventSink:
+    def sink(event: CacheEvent) -> None:
+        first(event)
+        second(event)
+
+    return sink
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, callback: Callable[[Any], None], item: Any) -> None:
@@ -257,12 +298,15 @@ def _settle(future: asyncio.Future[Any], error: EngineError | None) -> None:
         future.set_exception(error)
 
 
-def build_engine(config: EngineConfig | None = None, *, event_sink=None) -> AsyncEngine:
-    """Load the model (progress bar), size the KV pool, and return a started-ready engine."""
+def build_engine(config: EngineConfig | None = None, *, event_sink=None, loaded=None) -> AsyncEngine:
+    """Load the model (progress bar), size the KV pool, and return a ready-to-start engine.
+
+    ``loaded`` reuses an already loaded model (a LoadedModel: tests share one across engines).
+    """
     from gateway.engine.factory import create_llm_engine
 
     config = config or EngineConfig()
-    core, info = create_llm_engine(config, event_sink=event_sink)
+    core, info = create_llm_engine(config, event_sink=event_sink, loaded=loaded)
     logger.info("engine ready: model=%s device=%s kernels=%s pages=%d x %d tokens",
                 info["model_name"], info["device"], info["kernel_backend"], core.cache.num_pages, core.page_size)
     return AsyncEngine(core, model_name=info["model_name"], device=info["device"],
