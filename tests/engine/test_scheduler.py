@@ -5,7 +5,7 @@ import pytest
 from cache import KVCacheManager
 from gateway.engine.api import SamplingParams
 from gateway.engine.scheduler import Scheduler
-from gateway.engine.sequence import Sequence, SeqStatus
+from gateway.engine.sequence import SeqStatus, Sequence
 
 
 def seq(tokens, rid=None):
