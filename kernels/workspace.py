@@ -31,7 +31,10 @@ def gather_pages(cache: torch.Tensor, page_ids: torch.Tensor, role: str) -> torc
     needed = page_ids.numel() * cache[0].numel()
     buf = buffers.get(key)
     if buf is None or buf.numel() < needed:
-        buf = torch.empty(needed, dtype=cache.dtype, device=cache.device)
+        # NOTE: always a normal tensor, even when first needed under inference_mode: an
+        # inference tensor could not be written in place by a later call outside that mode.
+        with torch.inference_mode(False):
+            buf = torch.empty(needed, dtype=cache.dtype, device=cache.device)
         buffers[key] = buf
     out = buf[:needed].view(page_ids.numel(), *cache.shape[1:])
     torch.index_select(cache, 0, page_ids, out=out)

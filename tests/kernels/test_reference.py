@@ -100,3 +100,16 @@ def test_copy_pages_copies_every_layer(device: str) -> None:
     torch.testing.assert_close(pool[:, :, 2], before[:, :, 4])
     untouched = [0, 1, 3, 4]
     torch.testing.assert_close(pool[:, :, untouched], before[:, :, untouched])
+
+
+def test_workspace_buffers_work_in_and_out_of_inference_mode():
+    """A buffer first allocated under inference_mode (the model's forward) must stay usable by
+    plain calls afterwards (an inference tensor cannot be written outside that mode)."""
+    from kernels.workspace import gather_pages
+
+    cache = torch.arange(4 * 2 * 1 * 3, dtype=torch.float64).view(4, 2, 1, 3)
+    ids = torch.tensor([2, 0])
+    with torch.inference_mode():
+        inside = gather_pages(cache, ids, "inference-probe").clone()
+    outside = gather_pages(cache, ids, "inference-probe")
+    assert torch.equal(inside, outside) and torch.equal(outside, cache[ids])
