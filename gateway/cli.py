@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gateway.engine.config import EngineConfig
+from gateway.router.cli import ROUTE_DEFAULTS, add_route_parser, route_settings
 from gateway.server.settings import ServerSettings, env_var, merge_api_keys
 
 DEFAULTS: dict[str, Any] = {
@@ -39,6 +40,10 @@ DEFAULTS: dict[str, Any] = {
     "allowed_origin": [],
     "max_agent_labels": 32,
     "log_level": "info",
+    "redis_url": None,
+    "replica_id": None,
+    "advertise_url": None,
+    "heartbeat_ttl": 3.0,
 }
 
 
@@ -141,6 +146,22 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     http.add_argument(
         "--log-level", choices=["debug", "info", "warning", "error"], help="default info"
     )
+    fleet = p.add_argument_group("scale-out (behind `prefixgate route`)")
+    fleet.add_argument(
+        "--redis-url", help="publish the cache index, load and stats here (redis://host:6379)"
+    )
+    fleet.add_argument(
+        "--replica-id", help="this replica's id in Redis (default <hostname>-<port>)"
+    )
+    fleet.add_argument(
+        "--advertise-url", help="the URL routers reach this replica at (default http://host:port)"
+    )
+    fleet.add_argument(
+        "--heartbeat-ttl",
+        type=_positive_float,
+        metavar="S",
+        help="routers drop this replica when no heartbeat came for S seconds (default 3)",
+    )
     return p
 
 
@@ -148,19 +169,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prefixgate", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,route}")
     _serve_parser(sub)
-    sub.add_parser(
-        "route", help="prefix-aware router in front of several replicas (not yet available)"
-    )
+    add_route_parser(sub, _positive_int, _positive_float)
     return parser
 
 
-def _serve_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+def _serve_actions(
+    parser: argparse.ArgumentParser, command: str = "serve"
+) -> list[argparse.Action]:
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return [a for a in sub.choices["serve"]._actions if a.option_strings and a.dest != "help"]
+    return [a for a in sub.choices[command]._actions if a.option_strings and a.dest != "help"]
 
 
 def resolve(
-    args: argparse.Namespace, parser: argparse.ArgumentParser, environ: Mapping[str, str]
+    args: argparse.Namespace,
+    parser: argparse.ArgumentParser,
+    environ: Mapping[str, str],
+    command: str = "serve",
 ) -> dict[str, Any]:
     """Flags given on the command line, else ``PREFIXGATE_*`` variables, else defaults.
 
@@ -168,14 +192,15 @@ def resolve(
         SystemExit: via ``parser.error`` on a malformed environment value (naming the variable).
     """
     values: dict[str, Any] = {}
-    for action in _serve_actions(parser):
+    defaults = DEFAULTS if command == "serve" else ROUTE_DEFAULTS
+    for action in _serve_actions(parser, command):
         flag = action.option_strings[0]
         if hasattr(args, action.dest):
             values[action.dest] = getattr(args, action.dest)
             continue
         raw = environ.get(env_var(flag))
         if raw is None or raw == "":
-            values[action.dest] = DEFAULTS[action.dest]
+            values[action.dest] = defaults[action.dest]
             continue
         convert = action.type or str
         try:
@@ -190,7 +215,7 @@ def resolve(
                 f"{env_var(flag)}={raw!r}: choose from {', '.join(map(str, action.choices))}"
             )
         values[action.dest] = value
-    if values["kv_memory"] is not None and values["num_pages"] is not None:
+    if command == "serve" and values["kv_memory"] is not None and values["num_pages"] is not None:
         parser.error(
             "give one of --kv-memory / PREFIXGATE_KV_MEMORY and --num-pages / PREFIXGATE_NUM_PAGES"
         )
@@ -223,6 +248,10 @@ def configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerSettings]:
         allowed_origins=tuple(values["allowed_origin"]),
         max_agent_labels=values["max_agent_labels"],
         log_level=values["log_level"],
+        redis_url=values["redis_url"],
+        replica_id=values["replica_id"],
+        advertise_url=values["advertise_url"],
+        heartbeat_ttl_s=values["heartbeat_ttl"],
     )
     return engine, settings
 
@@ -231,12 +260,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "route":
-        print(
-            "prefixgate route: not yet available in this version; run one `prefixgate serve` "
-            "per replica and point clients at it directly.",
-            file=sys.stderr,
-        )
-        return 2
+        return _route(parser, args, os.environ if environ is None else environ)
     values = resolve(args, parser, os.environ if environ is None else environ)
     try:
         engine_config, settings = configs(values)
@@ -252,6 +276,26 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     except KeyboardInterrupt:
         # uvicorn re-raises the signal after its graceful shutdown: Ctrl-C is a normal stop.
         logging.getLogger("prefixgate.server").info("prefixgate stopped")
+    return 0
+
+
+def _route(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, environ: Mapping[str, str]
+) -> int:
+    values = resolve(args, parser, environ, "route")
+    try:
+        settings = route_settings(values)
+    except ValueError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(
+        level=values["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from gateway.router.serve import serve_router  # uvicorn, the tokenizer only when routing
+
+    try:
+        serve_router(settings)
+    except KeyboardInterrupt:
+        logging.getLogger("prefixgate.router").info("prefixgate router stopped")
     return 0
 
 

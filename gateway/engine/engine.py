@@ -8,11 +8,12 @@ enqueues commands and awaits deltas, so a forward pass never blocks it. Deltas c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 from cache.events import CacheEvent, EventSink
@@ -55,6 +56,7 @@ class AsyncEngine:
         self.hash_seed = core.config.hash_seed
         # Guards the core: the engine thread holds it for a step; stats/pin calls take it briefly.
         self._lock = threading.Lock()
+        self._lock_waiters = 0  # callers queued for the lock (the engine thread yields to them)
         self._inbox: deque[Callable[[], None]] = deque()
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -84,6 +86,21 @@ class AsyncEngine:
             self._thread.join(timeout=30)
             self._thread = None
 
+    @contextlib.contextmanager
+    def _shared(self) -> Iterator[None]:
+        """Hold the core lock from a non-engine thread, without being starved by the engine."""
+        with self._wake:
+            self._lock_waiters += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._wake:
+                self._lock_waiters -= 1
+        try:
+            yield
+        finally:
+            self._lock.release()
+
     def _post(self, command: Callable[[], None]) -> None:
         with self._wake:
             self._inbox.append(command)
@@ -107,6 +124,10 @@ class AsyncEngine:
                     except Exception:  # a runner failure must not kill the server
                         logger.exception("engine step failed; failing in-flight requests")
                         self.core.fail_all(EngineError("internal error in the engine step"))
+            if self._lock_waiters:
+                # NOTE: threading.Lock is not fair: released and re-taken at once, a busy engine
+                # would starve stats/pin callers for many steps. Step aside briefly for them.
+                time.sleep(0.0005)
         with self._lock:
             self.core.fail_all(EngineError("the engine is shutting down", code="shutdown"))
 
@@ -192,31 +213,31 @@ class AsyncEngine:
         ids = tuple(token_ids)
 
         def unpin_locked() -> int:  # waits for the engine lock: off the event loop
-            with self._lock:
+            with self._shared():
                 return self.core.cache.unpin(ids, self.core.extra_keys_for(tenant, cache_salt))
 
         pages = await asyncio.to_thread(unpin_locked)
         return PinResult(num_tokens=pages * self.core.page_size, num_pages=pages)
 
     def _pin_result(self, ids: tuple[int, ...], tenant: str, cache_salt: str | None, pinned_only: bool) -> PinResult:
-        with self._lock:
+        with self._shared():
             cache = self.core.cache
             pages = cache._cached_prefix_pages(ids, self.core.extra_keys_for(tenant, cache_salt))
             n = sum(1 for p in pages if p.pinned or not pinned_only)
         return PinResult(num_tokens=n * self.core.page_size, num_pages=n)
 
     def reset_cache(self) -> int:
-        with self._lock:
+        with self._shared():
             return self.core.cache.reset_cache()
 
     # ------------------------------------------------------------------ stats
 
     def cache_stats(self) -> CacheStats:
-        with self._lock:
+        with self._shared():
             return self.core.cache.stats()
 
     def engine_stats(self) -> EngineStats:
-        with self._lock:
+        with self._shared():
             core = self.core
             return EngineStats(
                 num_running=core.scheduler.num_running,
@@ -236,7 +257,7 @@ class AsyncEngine:
 
         Attaching late misses earlier events: follow with :meth:`cached_block_hashes`.
         """
-        with self._lock:
+        with self._shared():
             pool = self.core.cache.pool
             previous = pool.event_sink
             pool.event_sink = sink if previous is None else _fan_out(previous, sink)
@@ -254,14 +275,14 @@ class AsyncEngine:
 
     def cached_block_hashes(self) -> list[bytes]:
         """Every block hash hittable on this replica right now (a full index resync)."""
-        with self._lock:
+        with self._shared():
             return self.core.cache.pool.cached_hashes()
 
     def wait_idle(self, timeout: float = 60.0) -> bool:
         """Block until no request is in flight (tests and benchmarks)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            with self._lock:
+            with self._shared():
                 if not self.core.has_work() and not self._inbox and self.core.num_requests == 0:
                     return True
             time.sleep(0.01)

@@ -143,6 +143,11 @@ class ServerSettings:
     max_agent_labels: int = 32  # distinct agent label values in /metrics; the rest are "__other__"
     max_stats_agents: int = 200  # agents listed in /v1/cache/stats; the rest are folded together
     log_level: str = "info"
+    # Scale-out (gateway/scaleout): publish the cache index, load and stats to Redis when set.
+    redis_url: str | None = None
+    replica_id: str | None = None  # None = <hostname>-<port>
+    advertise_url: str | None = None  # None = http://<host>:<port>
+    heartbeat_ttl_s: float = 3.0  # a router drops this replica when no beat came for this long
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -154,6 +159,8 @@ class ServerSettings:
             _check_token(self.admin_key, "admin key", "admin_key")
             if self.admin_key in self.api_keys:
                 raise ValueError("the admin key must differ from every tenant API key")
+        if self.heartbeat_ttl_s <= 0:
+            raise ValueError(f"heartbeat_ttl_s must be > 0, got {self.heartbeat_ttl_s}")
         if self.max_agent_labels < 0 or self.max_stats_agents < 0:
             raise ValueError("max_agent_labels and max_stats_agents must be >= 0")
         # Frozen means frozen: nobody adds a key to a running server by mutating the dict.

@@ -142,7 +142,3 @@ def test_bad_env_value_names_the_variable(capsys):
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["serve", "--kv-memory", "1", "--num-pages", "10"])
 
-
-def test_route_is_not_yet_available(capsys):
-    assert cli.main(["route"]) == 2
-    assert "not yet available" in capsys.readouterr().err

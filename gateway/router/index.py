@@ -1,0 +1,124 @@
+"""The router's reads of the shared Redis index: prefix matches, heartbeats, fleet stats, and
+the janitor that removes replicas which died without cleaning up.
+
+Every call returns None (and marks Redis down) instead of raising when Redis fails; the router
+then routes by load from its own view. ``up`` flips back on the next successful call (the
+heartbeat poll retries every interval), so recovery needs nobody.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from gateway.scaleout.fleet_stats import FleetStats, read_fleet_stats
+from gateway.scaleout.heartbeat import Heartbeat
+from gateway.scaleout.index_writer import reap_replica
+from gateway.scaleout.keys import RedisKeys
+from gateway.scaleout.redis_client import REDIS_ERRORS, connect, describe
+
+logger = logging.getLogger("prefixgate.router")
+
+# Walk a prompt's chain server-side, one round trip: for each replica id in ARGV count the
+# leading blocks whose set holds it, and stop at the first block no candidate holds.
+_WALK_CHAIN = """
+local n = #ARGV
+local matched = {}
+for i = 1, n do matched[i] = 0 end
+for k = 1, #KEYS do
+  local held = redis.call('SMISMEMBER', KEYS[k], unpack(ARGV))
+  local any = false
+  for i = 1, n do
+    if matched[i] == k - 1 and held[i] == 1 then
+      matched[i] = k
+      any = true
+    end
+  end
+  if not any then break end
+end
+return matched
+"""
+
+
+class IndexReader:
+    """Read side of :mod:`gateway.scaleout` for one router."""
+
+    def __init__(self, redis_url: str, keys: RedisKeys, timeout_s: float = 0.25):
+        self.redis_url = redis_url
+        self.keys = keys
+        # Lookups sit on the request path: a short timeout, then Redis counts as down.
+        self.redis: Any = connect(redis_url, timeout_s=timeout_s)
+        # Stats reads and the janitor move more data and are off the request path.
+        self.bulk: Any = connect(redis_url, timeout_s=max(5.0, timeout_s))
+        self._walk = self.redis.register_script(_WALK_CHAIN)
+        self.up = True  # optimistic until a call fails
+        self.failures = 0
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+        await self.bulk.aclose()
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        self.failures += 1
+        if self.up:
+            logger.warning("Redis unreachable during %s (%s): routing by load until it is back",
+                           what, describe(exc))
+        self.up = False
+
+    def _ok(self) -> None:
+        if not self.up:
+            logger.info("Redis is reachable again: cache-aware routing resumes")
+        self.up = True
+
+    async def matched_blocks(self, chain: Sequence[bytes],
+                             replica_ids: Sequence[str]) -> dict[str, int] | None:
+        """Leading blocks of ``chain`` each replica holds; None when Redis failed."""
+        if not chain or not replica_ids:
+            return dict.fromkeys(replica_ids, 0)
+        try:
+            counts = await self._walk(keys=[self.keys.block(h) for h in chain],
+                                      args=list(replica_ids))
+        except REDIS_ERRORS as exc:
+            self._failed("a prefix lookup", exc)
+            return None
+        self._ok()
+        return {rid: int(n) for rid, n in zip(replica_ids, counts, strict=True)}
+
+    async def heartbeats(self) -> tuple[dict[str, Heartbeat], list[str]] | None:
+        """(live heartbeats by replica id, every registered id); None when Redis failed."""
+        try:
+            registered = sorted(m.decode() for m in await self.redis.smembers(self.keys.replicas))
+            raws = await self.redis.mget([self.keys.heartbeat(r) for r in registered]) if registered else []
+        except REDIS_ERRORS as exc:
+            self._failed("the heartbeat poll", exc)
+            return None
+        self._ok()
+        beats = {}
+        for replica_id, raw in zip(registered, raws, strict=True):
+            if raw is None:
+                continue
+            try:
+                beats[replica_id] = Heartbeat.from_json(raw)
+            except ValueError as exc:
+                logger.warning("replica %s: unreadable heartbeat ignored (%s)", replica_id, exc)
+        return beats, registered
+
+    async def fleet_stats(self) -> FleetStats | None:
+        try:
+            return await read_fleet_stats(self.bulk, self.keys)
+        except REDIS_ERRORS as exc:
+            logger.warning("could not read fleet stats from Redis: %s", describe(exc))
+            return None
+
+    async def reap(self, replica_id: str, lock_ms: int) -> int | None:
+        """Remove a dead replica's index entries, if no other router is doing it."""
+        try:
+            if not await self.bulk.set(self.keys.janitor, replica_id, nx=True, px=lock_ms):
+                return None
+            removed = await reap_replica(self.bulk, self.keys, replica_id)
+        except REDIS_ERRORS as exc:
+            logger.warning("janitor: could not remove replica %s: %s", replica_id, describe(exc))
+            return None
+        logger.info("removed dead replica %s from the index (%d blocks)", replica_id, removed)
+        return removed

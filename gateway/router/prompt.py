@@ -1,0 +1,99 @@
+"""Hash a request's prompt exactly as a replica will: same tokenizer and chat template, same
+page size and seed, same extra keys (model id, tenant from the API key, cache_salt).
+
+The request is parsed with the gateway's own pydantic models, so the messages and tools reach
+the chat template in the same form as on the replica. Anything that does not parse simply has
+no prompt key: the replica will answer it (with its 400), placed by load alone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from pydantic import ValidationError
+
+from cache.hashing import BlockHasher, make_extra_keys
+from gateway.server.auth import KeyTable
+from gateway.server.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.server.settings import DEFAULT_TENANT
+from gateway.server.state import AGENT_HEADER
+
+logger = logging.getLogger("prefixgate.router")
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+
+
+class PromptKey(NamedTuple):
+    """What placement needs to know about one request."""
+
+    chain: tuple[bytes, ...]  # block hashes of the prompt's full blocks (may be empty)
+    num_tokens: int
+    session: str | None  # X-Agent-Id, else the body's `user`
+    tenant: str
+
+
+class PromptHasher:
+    """Tokenises and hashes request bodies (CPU work: call it on a worker thread).
+
+    Args:
+        tokenizer: the replicas' tokenizer (``apply_chat_template``, ``encode``).
+        model_id: the replicas' ``LoadedModel.name`` (enters the first block's hash).
+        page_size, hash_seed: as the replicas (``--page-size``, ``--hash-seed``).
+        keys: the replicas' API keys → tenants.
+    """
+
+    def __init__(self, tokenizer: Any, model_id: str, page_size: int, hash_seed: int,
+                 keys: KeyTable):
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.hasher = BlockHasher(page_size, hash_seed)
+        self.keys = keys
+
+    def tenant_of(self, headers: Mapping[str, str]) -> str | None:
+        """The tenant a replica will run this request as; None when it will refuse the key."""
+        if not self.keys.enabled:
+            return DEFAULT_TENANT
+        scheme, _, key = (headers.get("authorization") or "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            return None
+        principal = self.keys.principal(key.strip())
+        return None if principal is None else principal.tenant
+
+    def token_ids(self, path: str, data: dict[str, Any]) -> tuple[list[int], str | None, str | None]:
+        """(prompt token ids, `user`, cache_salt); raises ValueError / ValidationError."""
+        if path == CHAT_PATH:
+            chat = ChatCompletionRequest.model_validate(data)
+            ids = self.tokenizer.apply_chat_template(
+                chat.template_messages(), chat.template_tools(), True
+            )
+            return list(ids), chat.user, chat.cache_salt
+        if path == COMPLETIONS_PATH:
+            completion = CompletionRequest.model_validate(data)
+            first = completion.prompt[0]  # a multi-prompt request goes where its first fits
+            ids = first if isinstance(first, list) else self.tokenizer.encode(first, True)
+            return list(ids), completion.user, completion.cache_salt
+        raise ValueError(f"no prompt in {path}")
+
+    def key(self, path: str, body: bytes, headers: Mapping[str, str]) -> PromptKey | None:
+        """The prompt key of a request, or None when it has no (valid) prompt or tenant."""
+        tenant = self.tenant_of(headers)
+        if tenant is None:
+            return None
+        try:
+            data = json.loads(body)
+            if not isinstance(data, dict):
+                return None
+            ids, user, cache_salt = self.token_ids(path, data)
+        except (ValueError, TypeError, KeyError, ValidationError) as exc:
+            # The replica will reject it with a proper error; we only lose placement.
+            logger.debug("no prompt key for %s: %s", path, exc)
+            return None
+        header = (headers.get(AGENT_HEADER.lower()) or "").strip()
+        session = header or user
+        extra = make_extra_keys(self.model_id, tenant, cache_salt)
+        chain = tuple(b.block_hash for b in self.hasher.hash_blocks(ids, extra))
+        return PromptKey(chain, len(ids), session, tenant)

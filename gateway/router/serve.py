@@ -1,0 +1,53 @@
+"""Run the router under uvicorn (``prefixgate route``)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import uvicorn
+
+from gateway.router.app import create_router_app
+from gateway.router.settings import RouterSettings
+
+logger = logging.getLogger("prefixgate.router")
+
+
+class RouterServer(uvicorn.Server):
+    """A uvicorn server that logs one ready line once bound."""
+
+    @property
+    def bound_port(self) -> int:
+        for server in self.servers:
+            for sock in server.sockets:
+                return sock.getsockname()[1]
+        raise RuntimeError("the router has not bound a socket yet")
+
+    @property
+    def base_url(self) -> str:
+        host = self.config.host
+        shown = f"[{host}]" if ":" in host else host
+        return f"http://{shown}:{self.bound_port}"
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.should_exit:
+            return
+        state = self.config.app.state.router
+        logger.info("prefixgate router ready at %s/v1: %d replicas, policy %s, index %s",
+                    self.base_url, len(state.fleet.replicas), state.policy.name,
+                    state.settings.redis_url or "off (own view only)")
+
+
+def router_server(settings: RouterSettings, app: Any = None) -> RouterServer:
+    app = app if app is not None else create_router_app(settings)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port,
+                            log_level=settings.log_level, lifespan="on",
+                            timeout_graceful_shutdown=5,
+                            access_log=settings.log_level == "debug")
+    return RouterServer(config)
+
+
+def serve_router(settings: RouterSettings) -> None:
+    """Load the tokenizer, then route until interrupted."""
+    router_server(settings).run()

@@ -1,0 +1,110 @@
+"""``GET /v1/cache/stats`` on the router: prefix-cache hits over the whole fleet.
+
+Counters come from Redis, where every replica adds its deltas (they include replicas that
+left); when Redis is down (or not configured) the router asks each routable replica instead
+and sums what they answer. Either way ``per_replica`` adds the router's own view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+from cache.stats import HitStats
+from gateway.router.state import RouterState
+from gateway.server.routes_cache import busiest, hit_json
+
+MAX_STATS_AGENTS = 200
+
+
+def _add(into: dict[str, HitStats], name: str, stats: HitStats) -> None:
+    old = into.get(name, HitStats(0, 0, 0))
+    into[name] = HitStats(old.requests + stats.requests, old.query_tokens + stats.query_tokens,
+                          old.hit_tokens + stats.hit_tokens)
+
+
+def _hits(raw: Mapping[str, Any]) -> HitStats:
+    return HitStats(int(raw.get("requests", 0)), int(raw.get("query_tokens", 0)),
+                    int(raw.get("hit_tokens", 0)))
+
+
+async def _from_replicas(state: RouterState, headers: Mapping[str, str]
+                         ) -> tuple[dict[str, HitStats], dict[str, HitStats], dict[str, HitStats]]:
+    """(per replica, per tenant, per agent) summed from the replicas' own /v1/cache/stats."""
+    assert state.client is not None
+    replicas = state.fleet.routable(state.redis_up)
+    answers = await asyncio.gather(
+        *(state.client.get(r.url + "/v1/cache/stats", headers=dict(headers), timeout=5.0)
+          for r in replicas),
+        return_exceptions=True)
+    per_replica: dict[str, HitStats] = {}
+    per_tenant: dict[str, HitStats] = {}
+    per_agent: dict[str, HitStats] = {}
+    for replica, answer in zip(replicas, answers, strict=True):
+        if isinstance(answer, httpx.HTTPError) or not isinstance(answer, httpx.Response):
+            continue  # unreachable now: absent from this answer, the probe will notice
+        if answer.status_code != 200:
+            continue
+        body = answer.json()
+        per_replica[replica.name] = _hits(body.get("global", {}))
+        for name, raw in (body.get("per_tenant") or {}).items():
+            _add(per_tenant, name, _hits(raw))
+        for name, raw in (body.get("per_agent") or {}).items():
+            _add(per_agent, name, _hits(raw))
+    return per_replica, per_tenant, per_agent
+
+
+async def fleet_stats_json(state: RouterState, headers: Mapping[str, str]) -> dict[str, Any]:
+    fleet = await state.index.fleet_stats() if state.index is not None and state.index.up else None
+    if fleet is not None:
+        source = "redis"
+        per_replica = dict(fleet.per_replica)
+        per_tenant, per_agent = dict(fleet.per_tenant), dict(fleet.per_agent)
+    else:
+        source = "replicas"
+        per_replica, per_tenant, per_agent = await _from_replicas(state, headers)
+    total = HitStats(sum(s.requests for s in per_replica.values()),
+                     sum(s.query_tokens for s in per_replica.values()),
+                     sum(s.hit_tokens for s in per_replica.values()))
+    redis_up = state.redis_up
+    replicas: dict[str, Any] = {}
+    for replica in state.fleet:
+        beat = replica.heartbeat if replica.heartbeat_fresh else None
+        entry: dict[str, Any] = {
+            "url": replica.url,
+            "routable": replica.routable(redis_up),
+            "reachable": replica.reachable,
+            "heartbeat": "fresh" if replica.heartbeat_fresh
+            else ("expired" if replica.heartbeat_seen else "none"),
+            "load": replica.load,
+            "inflight": replica.inflight,
+            "routed": replica.routed,
+        }
+        if beat is not None:
+            entry.update(num_running=beat.num_running, num_waiting=beat.num_waiting,
+                         num_pages=beat.num_pages, pages_free=beat.pages_free,
+                         pages_used=beat.pages_used)
+        if replica.mismatch:
+            entry["hash_mismatch"] = replica.mismatch
+        stats = per_replica.pop(replica.name, None)
+        if stats is not None:
+            entry.update(hit_json(stats))
+        replicas[replica.name] = entry
+    for name, stats in per_replica.items():  # replicas that left, still in the fleet totals
+        replicas[name] = {"departed": True, **hit_json(stats)}
+    return {
+        "object": "fleet.cache.stats",
+        "source": source,
+        "global": hit_json(total),
+        "per_tenant": busiest(per_tenant, max(len(per_tenant), 1)),
+        "per_agent": busiest(per_agent, MAX_STATS_AGENTS),
+        "per_replica": replicas,
+        "router": {
+            "policy": state.policy.name,
+            "redis": "off" if state.index is None else ("up" if redis_up else "down"),
+            "decisions": dict(sorted(state.reason_counts.items())),
+        },
+    }

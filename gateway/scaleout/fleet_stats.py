@@ -1,0 +1,97 @@
+"""Fleet-wide prefix-cache counters in Redis: per replica, per tenant, per agent.
+
+Each replica process writes its cumulative counters as one JSON snapshot under a key of its
+own (replica id + start time), overwritten at most every ``stats_interval_s``. Writes are
+idempotent, so a retried write, a Redis restart or a replica restart can neither double-count
+nor lose counts that are still held: the router sums all snapshots. A restarted replica writes
+under a new key, so fleet totals keep what its previous process counted (snapshots expire
+after ``SNAPSHOT_TTL_S`` without a write).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from cache.stats import CacheStats, HitStats
+from gateway.scaleout.keys import RedisKeys
+
+logger = logging.getLogger("prefixgate.scaleout")
+
+SNAPSHOT_TTL_S = 7 * 24 * 3600
+
+
+def _counts(stats: HitStats) -> list[int]:
+    return [stats.requests, stats.query_tokens, stats.hit_tokens]
+
+
+def snapshot_json(replica_id: str, cache: CacheStats) -> bytes:
+    """One replica's cumulative counters as the JSON stored in Redis."""
+    return json.dumps({
+        "replica": replica_id,
+        "total": _counts(cache.total),
+        "tenant": {name: _counts(s) for name, s in cache.per_tenant.items()},
+        "agent": {name: _counts(s) for name, s in cache.per_agent.items()},
+    }, separators=(",", ":")).encode()
+
+
+def queue_snapshot(pipe: Any, keys: RedisKeys, replica_id: str, epoch: str, payload: bytes) -> None:
+    """Add the snapshot write to a pipeline."""
+    key = keys.stats_snapshot(replica_id, epoch)
+    pipe.set(key, payload, ex=SNAPSHOT_TTL_S)
+    pipe.sadd(keys.stats_index, key)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetStats:
+    """Counters summed over every snapshot in Redis."""
+
+    per_replica: Mapping[str, HitStats]
+    per_tenant: Mapping[str, HitStats]
+    per_agent: Mapping[str, HitStats]
+
+    @property
+    def total(self) -> HitStats:
+        return _sum(self.per_replica.values())
+
+
+def _sum(values: Any) -> HitStats:
+    values = list(values)
+    return HitStats(sum(s.requests for s in values), sum(s.query_tokens for s in values),
+                    sum(s.hit_tokens for s in values))
+
+
+def _add(into: dict[str, HitStats], name: str, counts: Any) -> None:
+    requests, queries, hits = (int(x) for x in counts)
+    old = into.get(name, HitStats(0, 0, 0))
+    into[name] = HitStats(old.requests + requests, old.query_tokens + queries,
+                          old.hit_tokens + hits)
+
+
+async def read_fleet_stats(redis: Any, keys: RedisKeys) -> FleetStats:
+    """Sum every replica snapshot; raises redis errors to the caller."""
+    names = sorted(await redis.smembers(keys.stats_index))
+    raws = await redis.mget(names) if names else []
+    per_replica: dict[str, HitStats] = {}
+    per_tenant: dict[str, HitStats] = {}
+    per_agent: dict[str, HitStats] = {}
+    expired = []
+    for name, raw in zip(names, raws, strict=True):
+        if raw is None:
+            expired.append(name)
+            continue
+        try:
+            data = json.loads(raw)
+            _add(per_replica, str(data["replica"]), data["total"])
+            for tenant, counts in data["tenant"].items():
+                _add(per_tenant, tenant, counts)
+            for agent, counts in data["agent"].items():
+                _add(per_agent, agent, counts)
+        except (ValueError, KeyError, TypeError) as exc:
+            logger.warning("ignoring malformed stats snapshot %r: %s", name, exc)
+    if expired:
+        await redis.srem(keys.stats_index, *expired)
+    return FleetStats(per_replica, per_tenant, per_agent)

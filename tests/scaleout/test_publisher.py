@@ -1,0 +1,163 @@
+"""Replica side: the index in Redis mirrors the engine's cache, heartbeats and fleet stats are
+published, and a replica without Redis keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from cache.events import BlockRemoved, BlockStored
+from cache.hashing import BlockHasher, make_extra_keys
+from gateway.engine.api import GenerationRequest, SamplingParams
+from gateway.scaleout.event_buffer import EventBuffer
+from gateway.scaleout.fleet_stats import read_fleet_stats
+from gateway.scaleout.heartbeat import Heartbeat
+from gateway.scaleout.index_writer import coalesce
+from gateway.scaleout.keys import RedisKeys
+from gateway.scaleout.publisher import PublisherConfig, ReplicaPublisher
+from gateway.scaleout.redis_client import connect
+from tests.scaleout.conftest import HEARTBEAT_TTL_S, NUM_PAGES, PAGE_SIZE, free_port, wait_for
+
+pytestmark = pytest.mark.slow
+KEYS = RedisKeys()
+
+
+def published(redis, replica_id: str) -> set[bytes]:
+    return set(redis.smembers(KEYS.replica_blocks(replica_id)))
+
+
+def chat(url: str, system: str, max_tokens: int = 2, **extra) -> dict:
+    body = {"messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": "Reply with one word."}],
+            "max_tokens": max_tokens, "temperature": 0, **extra}
+    response = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    response.raise_for_status()
+    return body
+
+
+def test_the_index_mirrors_the_engine_cache_and_hashes_like_the_router(fleet):
+    replica = fleet.replicas[0]
+    redis = fleet.redis.client()
+    body = chat(replica.url, "You index every block you compute. " * 12)
+    wait_for(lambda: published(redis, replica.replica_id)
+             == set(replica.engine.cached_block_hashes()), 30, "the index to mirror the engine")
+    # The prompt's chain, hashed independently of the engine (tokens from the replica's own
+    # /tokenize, the model id and tenant the router uses), is in Redis block by block.
+    tokens = httpx.post(replica.url + "/tokenize", json={"messages": body["messages"]},
+                        timeout=30).json()["tokens"]
+    hasher = BlockHasher(PAGE_SIZE, seed=0)
+    chain = [b.block_hash for b in hasher.hash_blocks(tokens, make_extra_keys(fleet.model_id,
+                                                                               "default"))]
+    assert len(chain) == len(tokens) // PAGE_SIZE > 3
+    for block_hash in chain:
+        assert redis.sismember(KEYS.block(block_hash), replica.replica_id)
+    # The other replica never saw this prompt.
+    other = fleet.replicas[1].replica_id
+    assert not any(redis.sismember(KEYS.block(h), other) for h in chain)
+    redis.close()
+
+
+def test_reset_unpublishes_what_the_cache_dropped(fleet):
+    replica = fleet.replicas[1]
+    redis = fleet.redis.client()
+    chat(replica.url, "Blocks that will be dropped again. " * 10)
+    wait_for(lambda: len(published(redis, replica.replica_id)) > 3, 30, "blocks to be published")
+    httpx.post(replica.url + "/v1/cache/reset", timeout=30).raise_for_status()
+    wait_for(lambda: published(redis, replica.replica_id)
+             == set(replica.engine.cached_block_hashes()), 30, "BlockRemoved to reach Redis")
+    assert set(replica.engine.cached_block_hashes()) == set()  # nothing pinned or in use
+    redis.close()
+
+
+def test_heartbeat_carries_load_and_hashing_facts_and_expires(fleet):
+    redis = fleet.redis.client()
+    replica = fleet.replicas[0]
+    raw = wait_for(lambda: redis.get(KEYS.heartbeat(replica.replica_id)), 10, "a heartbeat")
+    beat = Heartbeat.from_json(raw)
+    assert beat.replica_id == replica.replica_id
+    assert beat.url == replica.url
+    assert beat.model_id == fleet.model_id
+    assert (beat.page_size, beat.hash_seed, beat.num_pages) == (PAGE_SIZE, 0, NUM_PAGES)
+    assert 0 <= beat.pages_free <= beat.num_pages
+    assert 0 < redis.pttl(KEYS.heartbeat(replica.replica_id)) <= HEARTBEAT_TTL_S * 1000
+    assert replica.replica_id.encode() in redis.smembers(KEYS.replicas)
+    redis.close()
+    with pytest.raises(ValueError, match="lacks"):
+        Heartbeat.from_json(b'{"replica_id": "x"}')
+    with pytest.raises(ValueError, match="not JSON"):
+        Heartbeat.from_json(b"{")
+
+
+def test_fleet_stats_in_redis_match_the_engine_counters(fleet):
+    replica = fleet.replicas[0]
+    chat(replica.url, "Count me in the fleet statistics. " * 6, user="stats-agent")
+
+    async def read():
+        redis = connect(fleet.redis.url)
+        try:
+            return await read_fleet_stats(redis, KEYS)
+        finally:
+            await redis.aclose()
+
+    def caught_up():
+        stats = asyncio.run(read())
+        return stats if stats.per_replica.get(replica.replica_id) == (
+            replica.engine.cache_stats().total) else None
+
+    stats = wait_for(caught_up, 30, "the replica's counters in Redis")
+    engine = replica.engine.cache_stats()
+    assert stats.per_agent["stats-agent"] == engine.per_agent["stats-agent"]
+    # Tenant sums include this replica's share (plus whatever the others reported).
+    assert stats.per_tenant["default"].query_tokens >= engine.per_tenant["default"].query_tokens
+    assert stats.total.query_tokens >= engine.total.query_tokens
+
+
+def test_event_buffer_never_blocks_and_coalesces():
+    buffer = EventBuffer(max_events=3)
+    for i in range(5):
+        buffer(BlockStored(bytes([i]) * 16, b"\0" * 16, 16))
+    assert len(buffer) == 3 and buffer.overflowed
+    buffer.discard()
+    assert len(buffer) == 0 and not buffer.overflowed
+    h1, h2 = b"1" * 16, b"2" * 16
+    stored, removed = coalesce([BlockStored(h1, b"", 16), BlockStored(h2, b"", 16),
+                                BlockRemoved(h1), BlockRemoved(h2), BlockStored(h2, b"", 16)])
+    assert (stored, removed) == ([h2], [h1])
+    buffer.close()
+    buffer(BlockStored(h1, b"", 16))
+    assert len(buffer) == 0
+    with pytest.raises(ValueError, match="max_events"):
+        EventBuffer(0)
+
+
+def test_bad_publisher_settings_fail_early():
+    with pytest.raises(ValueError, match="redis-url"):
+        PublisherConfig("http://x", "r1", "http://a:1")
+    with pytest.raises(ValueError, match="replica id"):
+        PublisherConfig("redis://x", "has space", "http://a:1")
+    with pytest.raises(ValueError, match="advertise-url"):
+        PublisherConfig("redis://x", "r1", "a:1")
+
+
+def test_a_replica_without_redis_keeps_serving(fleet):
+    engine = fleet.replicas[1].engine
+    dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    config = PublisherConfig(dead, "lonely", "http://127.0.0.1:1", heartbeat_ttl_s=0.3,
+                             redis_timeout_s=0.2)
+
+    async def main() -> int:
+        publisher = ReplicaPublisher(engine, config, served_model="m")
+        await publisher.start()
+        request = GenerationRequest(tuple(range(100, 180)), SamplingParams(max_tokens=2,
+                                    temperature=0), tenant="default", request_id="no-redis")
+        deltas = await engine.complete(request)
+        await asyncio.sleep(0.5)
+        status = publisher.status
+        await publisher.stop(timeout_s=0.5)  # gives up on Redis instead of failing shutdown
+        assert not status.connected and status.failures >= 1 and status.resyncs == 0
+        assert status.last_error
+        return len(deltas)
+
+    assert asyncio.run(main()) >= 1
