@@ -30,6 +30,8 @@ DEFAULTS: dict[str, Any] = {
     "max_num_batched_tokens": 2048,
     "max_num_seqs": 64,
     "max_waiting": 256,
+    "watermark": 0.10,
+    "prefix_caching": "on",
     "hash_seed": 0,
     "device": None,
     "dtype": None,
@@ -51,6 +53,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
     return value
 
 
@@ -116,6 +125,16 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     )
     sched.add_argument(
         "--max-waiting", type=int, help="waiting-queue bound, then HTTP 429 (default 256)"
+    )
+    sched.add_argument(
+        "--watermark",
+        type=_fraction,
+        help="admit new requests only while this fraction of KV pages stays free (default 0.1)",
+    )
+    sched.add_argument(
+        "--prefix-caching",
+        choices=["on", "off"],
+        help="share cached prefix pages between requests (default on; off = baseline)",
     )
     http = p.add_argument_group("HTTP and auth")
     http.add_argument("--host", help="bind address (default 127.0.0.1)")
@@ -236,6 +255,8 @@ def configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerSettings]:
         max_num_batched_tokens=values["max_num_batched_tokens"],
         max_num_seqs=values["max_num_seqs"],
         max_waiting=values["max_waiting"],
+        watermark=values["watermark"],
+        enable_prefix_caching=values["prefix_caching"] == "on",
         hash_seed=values["hash_seed"],
         kernel_backend=values["kernel_backend"],
     )

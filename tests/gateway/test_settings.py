@@ -142,3 +142,12 @@ def test_bad_env_value_names_the_variable(capsys):
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["serve", "--kv-memory", "1", "--num-pages", "10"])
 
+
+
+def test_watermark_and_prefix_caching_reach_the_engine_config():
+    engine, _ = resolve(["serve", "--watermark", "0.25"], {"PREFIXGATE_PREFIX_CACHING": "off"})
+    assert engine.watermark == 0.25 and engine.enable_prefix_caching is False
+    engine, _ = resolve(["serve"], {})
+    assert engine.watermark == 0.10 and engine.enable_prefix_caching is True
+    with pytest.raises(SystemExit):
+        resolve(["serve", "--watermark", "1.5"], {})
