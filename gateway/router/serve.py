@@ -9,25 +9,13 @@ import uvicorn
 
 from gateway.router.app import create_router_app
 from gateway.router.settings import RouterSettings
+from gateway.server.serve import BoundServer
 
 logger = logging.getLogger("prefixgate.router")
 
 
-class RouterServer(uvicorn.Server):
+class RouterServer(BoundServer):
     """A uvicorn server that logs one ready line once bound."""
-
-    @property
-    def bound_port(self) -> int:
-        for server in self.servers:
-            for sock in server.sockets:
-                return sock.getsockname()[1]
-        raise RuntimeError("the router has not bound a socket yet")
-
-    @property
-    def base_url(self) -> str:
-        host = self.config.host
-        shown = f"[{host}]" if ":" in host else host
-        return f"http://{shown}:{self.bound_port}"
 
     async def startup(self, sockets: Any = None) -> None:
         await super().startup(sockets=sockets)

@@ -15,13 +15,8 @@ from gateway.server.settings import ServerSettings
 logger = logging.getLogger("prefixgate.server")
 
 
-class GatewayServer(uvicorn.Server):
-    """A uvicorn server that logs where it listens once the socket is bound and the app started."""
-
-    def __init__(self, config: uvicorn.Config, engine: EngineLike, settings: ServerSettings):
-        super().__init__(config)
-        self.engine = engine
-        self.settings = settings
+class BoundServer(uvicorn.Server):
+    """A uvicorn server that knows the address it actually bound (port 0 = any free port)."""
 
     @property
     def bound_port(self) -> int:
@@ -36,6 +31,15 @@ class GatewayServer(uvicorn.Server):
         host = self.config.host
         shown = f"[{host}]" if ":" in host else host
         return f"http://{shown}:{self.bound_port}"
+
+
+class GatewayServer(BoundServer):
+    """A uvicorn server that logs where it listens once the socket is bound and the app started."""
+
+    def __init__(self, config: uvicorn.Config, engine: EngineLike, settings: ServerSettings):
+        super().__init__(config)
+        self.engine = engine
+        self.settings = settings
 
     async def startup(self, sockets: Any = None) -> None:
         await super().startup(sockets=sockets)
