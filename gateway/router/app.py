@@ -27,10 +27,8 @@ from gateway.router.prompt import CHAT_PATH, COMPLETIONS_PATH
 from gateway.router.proxy import (
     REASON_HEADER,
     REPLICA_HEADER,
-    ClientGone,
     ProxyResponse,
     build_request,
-    until_disconnect,
     upstream_headers,
 )
 from gateway.router.settings import RouterSettings
@@ -38,6 +36,7 @@ from gateway.router.state import RouterState
 from gateway.router.stats import fleet_stats_json
 from gateway.server.auth import Principal, authenticate
 from gateway.server.errors import install_exception_handlers
+from gateway.server.generation import ClientDisconnected, until_disconnect
 from gateway.server.metrics import CONTENT_TYPE
 from gateway.server.request_id import RequestIdMiddleware
 
@@ -98,7 +97,7 @@ async def forward(request: Request, path: str) -> Response:
         try:
             upstream = await until_disconnect(request, state.client.send(upstream_request,
                                                                          stream=True))
-        except ClientGone:
+        except ClientDisconnected:
             replica.inflight -= 1
             logger.info("request %s: client disconnected before the response", request_id)
             return Response(status_code=CLIENT_CLOSED_REQUEST)

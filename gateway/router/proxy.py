@@ -4,28 +4,23 @@ sent it (status, headers, and the body's raw bytes, streamed chunk by chunk).
 * Streaming is preserved byte for byte: ``aiter_raw`` hands over exactly what arrived.
 * A client that goes away closes the upstream response, which closes the connection: the
   replica sees the disconnect and aborts the request (frees its pages). Before the response
-  starts, :func:`until_disconnect` watches for it; after, Starlette cancels the body.
+  starts, :func:`gateway.server.generation.until_disconnect` watches for it; after, Starlette cancels the body.
 * If the replica dies mid-stream, an SSE stream ends with an error event and ``[DONE]``
   (when it was cut between events), as a replica itself does when its engine fails.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
 
 import anyio
 import httpx
-from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway.server.errors import REQUEST_ID_HEADER, error_body
-
-T = TypeVar("T")
 
 # RFC 9110 connection-specific headers, plus those the HTTP stack sets itself.
 _HOP_BY_HOP = frozenset({
@@ -41,42 +36,12 @@ REPLICA_HEADER = "X-Prefixgate-Replica"
 REASON_HEADER = "X-Prefixgate-Route"
 
 
-class ClientGone(Exception):
-    """The client disconnected before the upstream response started."""
-
-
 def upstream_headers(headers: Iterable[tuple[str, str]], request_id: str) -> list[tuple[str, str]]:
     """The client's headers minus hop-by-hop ones, with our request id (the replica reuses it)."""
     out = [(k, v) for k, v in headers
            if k.lower() not in _HOP_BY_HOP and k.lower() != REQUEST_ID_HEADER.lower()]
     out.append((REQUEST_ID_HEADER, request_id))
     return out
-
-
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work`` unless the client disconnects first (then cancel it, raise ClientGone).
-
-    The request body must already have been read: after it, the only ASGI message left is
-    ``http.disconnect``.
-    """
-    task = asyncio.ensure_future(work)
-
-    async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for pending in (watcher, task):
-            if not pending.done():
-                pending.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await pending
-    if task.cancelled():
-        raise ClientGone()
-    return task.result()
 
 
 class ProxyResponse(StreamingResponse):
