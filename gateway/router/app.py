@@ -34,6 +34,7 @@ from gateway.router.proxy import (
 from gateway.router.settings import RouterSettings
 from gateway.router.state import RouterState
 from gateway.router.stats import fleet_stats_json
+from gateway.server import dashboard
 from gateway.server.auth import Principal, authenticate
 from gateway.server.errors import install_exception_handlers
 from gateway.server.generation import ClientDisconnected, until_disconnect
@@ -278,5 +279,7 @@ def create_router_app(settings: RouterSettings, *, tokenizer: Any = None,
                  if state.index is not None and state.index.up else None)
         return Response(state.metrics.render(fleet), media_type=CONTENT_TYPE)
 
+    # The replicas' dashboard, polling the fleet-wide /v1/cache/stats above.
+    app.include_router(dashboard.router)
     app.add_middleware(RequestIdMiddleware)
     return app

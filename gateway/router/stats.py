@@ -71,6 +71,10 @@ async def fleet_stats_json(state: RouterState, headers: Mapping[str, str]) -> di
                      sum(s.hit_tokens for s in per_replica.values()))
     redis_up = state.redis_up
     replicas: dict[str, Any] = {}
+    # Fleet page totals and load from fresh heartbeats (what the dashboard's pool view shows).
+    beats = [r.heartbeat for r in state.fleet if r.heartbeat_fresh and r.heartbeat is not None]
+    num_pages = sum(b.num_pages for b in beats)
+    pages_used = sum(b.pages_used for b in beats)
     for replica in state.fleet:
         beat = replica.heartbeat if replica.heartbeat_fresh else None
         entry: dict[str, Any] = {
@@ -98,6 +102,12 @@ async def fleet_stats_json(state: RouterState, headers: Mapping[str, str]) -> di
     return {
         "object": "fleet.cache.stats",
         "source": source,
+        "page_size": state.settings.page_size,
+        "num_pages": num_pages,
+        "pages_used": pages_used,
+        "kv_cache_usage": pages_used / num_pages if num_pages else 0.0,
+        "engine": {"num_running": sum(b.num_running for b in beats),
+                   "num_waiting": sum(b.num_waiting for b in beats)},
         "global": hit_json(total),
         "per_tenant": busiest(per_tenant, max(len(per_tenant), 1)),
         "per_agent": busiest(per_agent, MAX_STATS_AGENTS),

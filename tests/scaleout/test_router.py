@@ -138,9 +138,15 @@ def test_fleet_endpoints(fleet):
                        "prefixgate:router_replica_routable", "prefixgate:fleet_kv_pages_total",
                        "prefixgate:fleet_prefix_cache_queries_total"):
             assert family in metrics, family
-        stats = client.get("/v1/cache/stats").json()
+        # replicas publish their counters to Redis in the background: wait for this request's
+        stats = wait_for(lambda: (lambda s: s if s["global"]["query_tokens"] > 0 else None)(
+            client.get("/v1/cache/stats").json()), 30, "fleet counters in Redis")
         assert stats["object"] == "fleet.cache.stats" and stats["source"] == "redis"
-        assert stats["global"]["query_tokens"] > 0
+        beats = [client.get(f"{r.url}/v1/cache/stats").json() for r in fleet.replicas]
+        assert stats["num_pages"] == sum(b["num_pages"] for b in beats)
+        assert 0 <= stats["pages_used"] <= stats["num_pages"] and stats["page_size"] == 16
+        page = client.get("/dashboard")  # the replicas' dashboard, over the fleet's stats
+        assert page.status_code == 200 and "v1/cache/stats" in page.text
 
 
 def test_without_redis_the_router_balances_from_its_own_view(fleet):
