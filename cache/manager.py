@@ -100,12 +100,16 @@ class KVCacheManager:
         """Whether taking ``num_pages`` more pages keeps the free-page watermark."""
         return self.pool.num_free_pages - num_pages >= self.watermark_pages
 
-    def find_prefix(self, token_ids: Sequence[int], extra_keys: bytes = b"") -> PrefixMatch:
+    def find_prefix(
+        self, token_ids: Sequence[int], extra_keys: bytes = b"", *, blocks: list[HashedBlock] | None = None
+    ) -> PrefixMatch:
         """Longest verified full-block prefix of ``token_ids`` held in cached pages.
 
         NOTE: never the whole prompt: the last token is always computed because its logits
         are needed, so a hit covering every token is capped at ``len(token_ids) - 1``.
 
+        Args:
+            blocks: ``hasher.hash_blocks(token_ids, extra_keys)`` when the caller already has it.
         Returns:
             PrefixMatch; ``num_pending_tokens`` counts the blocks right after the hit that a
             live sequence is computing now (the scheduler may wait for them: in-flight dedup).
@@ -114,7 +118,8 @@ class KVCacheManager:
             raise InvalidArgumentError("empty token list")
         if not self.enable_caching:
             return PrefixMatch(0, (), 0, 0)
-        blocks = self.hasher.hash_blocks(token_ids, extra_keys)
+        if blocks is None:
+            blocks = self.hasher.hash_blocks(token_ids, extra_keys)
         return self._match(blocks, len(token_ids))
 
     def pages_needed_for_prompt(self, num_tokens: int, match: PrefixMatch) -> int:
@@ -154,6 +159,7 @@ class KVCacheManager:
         tenant: str = "default",
         agent: str | None = None,
         count_query: bool = True,
+        blocks: list[HashedBlock] | None = None,
     ) -> Allocation:
         """Start a sequence: share the longest verified cached prefix of ``token_ids``.
 
@@ -166,6 +172,7 @@ class KVCacheManager:
             extra_keys: from ``cache.hashing.make_extra_keys`` (model, tenant salt, cache_salt).
             tenant, agent: stats labels.
             count_query: False when re-admitting a preempted sequence (already counted).
+            blocks: the prompt's hash chain if the caller already computed it (copied here).
         Returns:
             Allocation(num_cached_tokens, block_table).
         """
@@ -173,7 +180,10 @@ class KVCacheManager:
             raise DuplicateSequenceError(f"allocate: sequence id {seq_id!r} is already live")
         if not token_ids:
             raise InvalidArgumentError(f"allocate({seq_id!r}): empty prompt")
-        blocks = self.hasher.hash_blocks(token_ids, extra_keys)
+        blocks = list(blocks) if blocks is not None else self.hasher.hash_blocks(token_ids, extra_keys)
+        if len(blocks) != len(token_ids) // self.page_size:
+            raise InvalidArgumentError(f"allocate({seq_id!r}): {len(blocks)} block hashes for "
+                                       f"{len(token_ids)} tokens")
         match = self._match(blocks, len(token_ids)) if self.enable_caching else PrefixMatch(0, (), 0, 0)
         pages = [self.pool.pages[i] for i in match.page_ids]
         self.pool.touch(pages)
@@ -311,6 +321,10 @@ class KVCacheManager:
     def unpin(self, token_ids: Sequence[int], extra_keys: bytes = b"") -> int:
         """Unpin the cached full blocks of ``token_ids``'s prefix; returns how many were pinned."""
         return sum(self.pool.unpin(p) for p in self._cached_prefix_pages(token_ids, extra_keys))
+
+    def num_pinned_prefix_pages(self, token_ids: Sequence[int], extra_keys: bytes = b"") -> int:
+        """How many leading full blocks of ``token_ids`` are cached and pinned right now."""
+        return sum(1 for p in self._cached_prefix_pages(token_ids, extra_keys) if p.pinned)
 
     def reset_cache(self) -> int:
         """Drop every unreferenced cached page's hash (pinned and in-use pages stay)."""

@@ -207,7 +207,7 @@ class AsyncEngine:
 
         self._post(add)
         await done
-        return await asyncio.to_thread(self._pin_result, ids, tenant, cache_salt, True)
+        return await asyncio.to_thread(self._pinned_result, ids, tenant, cache_salt)
 
     async def unpin(self, token_ids: Sequence[int], tenant: str, cache_salt: str | None = None) -> PinResult:
         ids = tuple(token_ids)
@@ -219,11 +219,9 @@ class AsyncEngine:
         pages = await asyncio.to_thread(unpin_locked)
         return PinResult(num_tokens=pages * self.core.page_size, num_pages=pages)
 
-    def _pin_result(self, ids: tuple[int, ...], tenant: str, cache_salt: str | None, pinned_only: bool) -> PinResult:
+    def _pinned_result(self, ids: tuple[int, ...], tenant: str, cache_salt: str | None) -> PinResult:
         with self._shared():
-            cache = self.core.cache
-            pages = cache._cached_prefix_pages(ids, self.core.extra_keys_for(tenant, cache_salt))
-            n = sum(1 for p in pages if p.pinned or not pinned_only)
+            n = self.core.cache.num_pinned_prefix_pages(ids, self.core.extra_keys_for(tenant, cache_salt))
         return PinResult(num_tokens=n * self.core.page_size, num_pages=n)
 
     def reset_cache(self) -> int:

@@ -193,7 +193,7 @@ class LLMEngine:
         if out.is_empty:
             return out
         self.num_steps += 1
-        chunks = [self._make_chunk(c.token_ids, c.start_pos, list(c.block_table), c.need_logits)
+        chunks = [self._make_chunk(c.token_ids, c.start_pos, c.block_table, c.need_logits)
                   for c in out.chunks]
         logits = self.runner.execute(chunks, list(out.copy_pairs))
         self.scheduler.commit(out)
@@ -217,8 +217,8 @@ class LLMEngine:
             if seq.num_choices_to_fork:
                 family += self._fork_choices(seq)
             for member in family:
-                rows.append(SampleRow(member.sampling, member.token_ids[: member.num_prompt_tokens],
-                                      member.output_token_ids, member.state.generator))
+                rows.append(SampleRow(member.sampling, member.token_ids, member.num_prompt_tokens,
+                                      member.state.generator))
                 row_seqs.append(member)
                 row_logits.append(index)
         if rows:

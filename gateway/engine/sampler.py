@@ -17,10 +17,17 @@ from gateway.engine.api import SamplingParams
 
 @dataclass(slots=True)
 class SampleRow:
+    """One row to sample. ``token_ids`` is the sequence's own list (prompt + output), not a
+    copy: only the penalties ever look at it, so nothing is sliced per step otherwise."""
+
     params: SamplingParams
-    prompt_ids: Sequence[int]
-    output_ids: Sequence[int]
+    token_ids: Sequence[int]
+    num_prompt_tokens: int
     generator: torch.Generator | None
+
+    @property
+    def output_ids(self) -> Sequence[int]:
+        return self.token_ids[self.num_prompt_tokens :]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,8 +52,7 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
     for i, row in enumerate(rows):
         p = row.params
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(list(row.prompt_ids) + list(row.output_ids), dtype=torch.long,
-                                device=logits.device)
+            seen = torch.tensor(row.token_ids, dtype=torch.long, device=logits.device)
             seen = seen[seen < vocab].unique()
             vals = logits[i, seen]
             logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
@@ -93,9 +99,10 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
         _apply_penalties(logits, rows)
 
     dev = logits.device
-    greedy = torch.tensor([r.params.temperature == 0 for r in rows], device=dev)
+    is_greedy = [r.params.temperature == 0 for r in rows]
     chosen = logits.argmax(dim=-1)
-    if not bool(greedy.all()):
+    if not all(is_greedy):
+        greedy = torch.tensor(is_greedy, device=dev)
         temps = torch.tensor([r.params.temperature or 1.0 for r in rows], dtype=logits.dtype, device=dev)
         scaled = _filter(logits / temps.unsqueeze(1), rows)
         probs = scaled.softmax(dim=-1)
@@ -103,7 +110,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
         # batches; seeded rows draw their noise from their own generator.
         noise = torch.empty_like(probs).exponential_()
         for i, row in enumerate(rows):
-            if row.generator is not None and not bool(greedy[i]):
+            if row.generator is not None and not is_greedy[i]:
                 noise[i] = torch.empty(probs.shape[1]).exponential_(generator=row.generator).to(dev)
         sampled = (probs / noise).argmax(dim=-1)
         chosen = torch.where(greedy, chosen, sampled)

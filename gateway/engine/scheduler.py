@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from cache import KVCacheManager
+from cache import HashedBlock, KVCacheManager
 from gateway.engine.sequence import SeqStatus, Sequence
 
 
@@ -24,7 +24,7 @@ class ScheduledChunk:
     start_pos: int
     num_tokens: int
     need_logits: bool  # the chunk ends at the sequence's last known token: sample after it
-    block_table: tuple[int, ...]
+    block_table: list[int]  # a copy made for this step (the manager's table keeps growing)
 
     @property
     def token_ids(self) -> list[int]:
@@ -158,7 +158,8 @@ class Scheduler:
         deferred: list[Sequence] = []
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
-            match = self.cache.find_prefix(seq.token_ids, seq.extra_keys)
+            blocks = self._hashed_blocks(seq)
+            match = self.cache.find_prefix(seq.token_ids, seq.extra_keys, blocks=blocks)
             if self.enable_dedup and match.num_pending_tokens > 0:
                 # NOTE: another running sequence is computing our next blocks right now;
                 # admitting us would compute them twice. Wait a step, hit them after.
@@ -181,6 +182,7 @@ class Scheduler:
                 tenant=seq.tenant,
                 agent=seq.agent,
                 count_query=seq.num_cached_tokens is None,
+                blocks=blocks,
             )
             computed = self.cache.num_computed_tokens(seq.seq_id)
             if seq.num_cached_tokens is None:
@@ -216,8 +218,21 @@ class Scheduler:
             start_pos=start,
             num_tokens=n,
             need_logits=start + n == len(seq.token_ids),
-            block_table=tuple(self.cache.block_table(seq.seq_id)),
+            block_table=self.cache.block_table(seq.seq_id),
         )
+
+    def _hashed_blocks(self, seq: Sequence) -> list[HashedBlock]:
+        """The sequence's full-block hash chain, computed once and extended as tokens grow.
+
+        NOTE: a request deferred by dedup or by the watermark is looked up again every step;
+        re-hashing a 2k-token prompt each time would be the scheduler's main cost.
+        """
+        cached = seq.hashed_blocks
+        if len(seq.token_ids) // self.cache.page_size > len(cached):
+            parent = cached[-1].block_hash if cached else None
+            cached += self.cache.hasher.hash_blocks(
+                seq.token_ids, seq.extra_keys, start_block=len(cached), parent=parent)
+        return cached
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute-style preemption: free the pages, requeue at the front.

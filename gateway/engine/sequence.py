@@ -7,6 +7,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from cache import HashedBlock
 from gateway.engine.api import FinishReason, SamplingParams
 
 _seq_counter = itertools.count()
@@ -41,6 +42,8 @@ class Sequence:
     admitted_order: int = -1  # admission counter: preemption takes the latest first
     num_choices_to_fork: int = 0  # n - 1 children forked once the prompt is computed
     finish_reason: FinishReason | None = None
+    # Chained hashes of the full blocks of token_ids, filled by the scheduler on first lookup.
+    hashed_blocks: list[HashedBlock] = field(default_factory=list)
     # Engine-side per-sequence state (sampler generator, detokenizer, stop matcher).
     state: Any = None
 

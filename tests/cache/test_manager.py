@@ -246,3 +246,15 @@ def test_bad_input_is_named():
     with pytest.raises(UnknownSequenceError):
         m.free("a")  # double free
     m.check_integrity()
+
+
+def test_precomputed_blocks_are_used_and_checked():
+    m = KVCacheManager(8, 4, watermark=0)
+    tokens = list(range(10))
+    blocks = m.hasher.hash_blocks(tokens)
+    run_prompt(m, "a", tokens)
+    assert m.find_prefix(tokens, blocks=blocks) == m.find_prefix(tokens)
+    with pytest.raises(InvalidArgumentError, match="block hashes"):
+        m.allocate("b", tokens, blocks=blocks[:1])
+    assert m.allocate("b", tokens, blocks=blocks).num_cached_tokens == 8
+    m.check_integrity()

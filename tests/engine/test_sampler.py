@@ -6,7 +6,8 @@ from gateway.engine.sampler import SampleRow, make_generator, sample
 
 
 def row(seed=None, choice=0, prompt=(), output=(), **kw):
-    return SampleRow(SamplingParams(**kw), list(prompt), list(output), make_generator(seed, choice))
+    return SampleRow(SamplingParams(**kw), list(prompt) + list(output), len(prompt),
+                     make_generator(seed, choice))
 
 
 def logits(*rows):

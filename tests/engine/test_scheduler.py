@@ -137,3 +137,17 @@ def test_dedup_off_computes_the_prefix_for_everyone():
 def test_bad_config(bad):
     with pytest.raises(ValueError):
         Scheduler(KVCacheManager(4, 4), **bad)
+
+
+def test_a_deferred_request_is_hashed_once_and_extended_after_preemption():
+    s = Scheduler(KVCacheManager(64, 4, watermark=0), max_num_batched_tokens=4096)
+    a, b = seq(list(range(40)) + [1], "a"), seq(list(range(40)) + [2], "b")
+    s.add(a)
+    s.add(b)
+    step(s)  # b is deferred: a computes the shared blocks
+    assert len(b.hashed_blocks) == 10 and b.hashed_blocks == s.cache.hasher.hash_blocks(b.token_ids)
+    first = b.hashed_blocks[0]
+    step(s)
+    assert b.status is SeqStatus.RUNNING and b.hashed_blocks[0] is first  # not recomputed
+    b.token_ids += [7, 7, 7]
+    assert len(s._hashed_blocks(b)) == 11 and s._hashed_blocks(b) == s.cache.hasher.hash_blocks(b.token_ids)
