@@ -3,22 +3,27 @@
 Public API (layout in kernels/layout.py; backend choice in kernels/dispatch.py):
     write_kv(key, value, k_cache, v_cache, slot_mapping, *, backend=None)
     paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                    *, max_query_len=None, backend=None) -> [T, Hq, D]
+                    *, max_query_len=None, backend=None, plan=None) -> [T, Hq, D]
+    plan_attention(block_tables, seq_lens, query_start_loc, *, page_size, kv_row_elems, ...)
+        -> AttentionPlan (torch backend: one step's addressing, planned once for all layers)
     copy_pages(kv_pool, src, dst, *, backend=None)
     backend_name(device, backend=None) -> "triton" | "torch"
 
 ``triton`` is optional: it is imported only when the Triton backend is first used.
 """
 
+from kernels.attention_plan import AttentionPlan, plan_attention
 from kernels.dispatch import BACKEND_ENV, backend_name, copy_pages, paged_attention, write_kv
 from kernels.layout import allocate_kv_pool, page_bytes
 
 __all__ = [
     "BACKEND_ENV",
+    "AttentionPlan",
     "allocate_kv_pool",
     "backend_name",
     "copy_pages",
     "page_bytes",
     "paged_attention",
+    "plan_attention",
     "write_kv",
 ]

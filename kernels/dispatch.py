@@ -21,6 +21,7 @@ import os
 
 import torch
 
+from kernels.attention_plan import AttentionPlan
 from kernels.reference import copy_pages_ref, paged_attention_ref, write_kv_ref
 
 logger = logging.getLogger(__name__)
@@ -135,6 +136,7 @@ def paged_attention(
     *,
     max_query_len: int | None = None,
     backend: str | None = None,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of each sequence's new query rows over its paged context.
 
@@ -144,6 +146,8 @@ def paged_attention(
     Args:
         max_query_len: optional host-side max n_s of the batch; ``1`` (pure decode) lets the
             Triton backend skip the prefill launch. Ignored by the torch backend.
+        plan: the torch backend's per-step plan (``plan_attention``), built once for all
+            layers; None = planned per call. Ignored by the Triton backend.
         backend: ``"auto"``, ``"triton"`` or ``"torch"`` (default: env, then auto).
     """
     if resolve_backend(query.device, backend) == "triton":
@@ -160,7 +164,7 @@ def paged_attention(
             max_query_len=max_query_len,
         )
     return paged_attention_ref(
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, plan
     )
 
 

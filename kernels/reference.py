@@ -3,9 +3,13 @@
 These run in production on CPU and are the test oracle for the Triton kernels, so they are
 exact (no approximations beyond the dtype) and reasonably fast:
 
+* the step's addressing is planned once (kernels/attention_plan.py; the runner builds the plan
+  once per step and every layer reuses it);
 * decode rows (``n_s == 1``) of all sequences go through ONE padded page gather + masked SDPA
   per chunk of sequences (sorted by context length so padding stays small), not a Python
   loop per sequence;
+* decode rows of sequences that share a run of prefix pages attend to that run once, all
+  together (cascade attention, merged by log-sum-exp), then each to its own pages;
 * prefill chunks (``n_s > 1``) use SDPA per sequence with a lower-right causal bias (the
   flash path skips the masked half) and ``enable_gqa`` (K/V never expanded per query head);
 * decode folds each GQA group into SDPA's row dim; both gather pages into reused buffers
@@ -18,13 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from kernels.attention_plan import (
+    AttentionPlan,
+    PaddedDecode,
+    SharedPrefixDecode,
+    plan_attention,
+)
 from kernels.checks import check_attention_inputs, check_copy_inputs, check_write_inputs
 from kernels.workspace import gather_pages
-
-# Upper bound on elements of one gathered K (or V) chunk in the batched decode path: big
-# enough that a whole CPU decode batch is usually one chunk, small enough that the reused
-# gather buffers (kernels/workspace.py) stay modest (16 Mi elements = 64 MB in fp32).
-DECODE_GATHER_BUDGET = 1 << 24
 
 
 def write_kv_ref(
@@ -52,43 +57,35 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,  # [S] int32, context length after this step
     query_start_loc: torch.Tensor,  # [S + 1] int32
     scale: float,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Causal attention of each sequence's new query rows over its paged context."""
+    """Causal attention of each sequence's new query rows over its paged context.
+
+    ``plan``: the step's :class:`AttentionPlan` when the caller built it once for all layers
+    (it must describe these same tables and lengths); None = plan here, from one host copy of
+    the metadata.
+    """
     check_attention_inputs(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    if plan is None:
+        plan = plan_attention(
+            block_tables.tolist(),
+            seq_lens.tolist(),
+            query_start_loc.tolist(),
+            page_size=k_cache.shape[1],
+            kv_row_elems=k_cache.shape[2] * k_cache.shape[3],
+            device=query.device,
+        )
     # dense rows even when query is a strided view (q sliced out of a fused qkv)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    # one host copy of the small metadata; everything below indexes with Python ints
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    decode_seqs: list[int] = []
-    for s, ctx_len in enumerate(lens):
-        n_new = starts[s + 1] - starts[s]
-        if n_new < 0 or n_new > ctx_len:
-            raise ValueError(
-                f"sequence {s}: {n_new} new query rows but context length {ctx_len} "
-                "(query_start_loc must be non-decreasing and rows <= seq_lens)"
-            )
-        if n_new == 1:
-            decode_seqs.append(s)
-        elif n_new > 1:
-            out[starts[s] : starts[s + 1]] = _prefill_one(
-                query[starts[s] : starts[s + 1]], k_cache, v_cache, block_tables[s], ctx_len, scale
-            )
-    if decode_seqs:
-        # longest first, so each chunk pads to a similar length
-        decode_seqs.sort(key=lambda s: lens[s], reverse=True)
-        per_token = k_cache.shape[2] * k_cache.shape[3]
-        chunk: list[int] = []
-        for s in decode_seqs:
-            # chunk[0] is the longest of the chunk, so it sets the padded length
-            padded = lens[chunk[0]] if chunk else lens[s]
-            if chunk and (len(chunk) + 1) * padded * per_token > DECODE_GATHER_BUDGET:
-                _decode_batch(
-                    out, query, k_cache, v_cache, block_tables, chunk, starts, lens, scale
-                )
-                chunk = []
-            chunk.append(s)
-        _decode_batch(out, query, k_cache, v_cache, block_tables, chunk, starts, lens, scale)
+    starts, lens = plan.starts, plan.lens
+    for s in plan.prefill:
+        out[starts[s] : starts[s + 1]] = _prefill_one(
+            query[starts[s] : starts[s + 1]], k_cache, v_cache, block_tables[s], lens[s], scale
+        )
+    for chunk in plan.padded:
+        _decode_padded(out, query, k_cache, v_cache, chunk, scale)
+    for group in plan.shared:
+        _decode_shared_prefix(out, query, k_cache, v_cache, group, scale)
     return out
 
 
@@ -97,11 +94,14 @@ def _gather_context(
     v_cache: torch.Tensor,
     pages: torch.Tensor,  # [B, n_pages] int64, valid page ids
     ctx_len: int,
+    role: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor]:  # K, V: [B, Hkv, ctx_len, D] (strided views)
     batch, n_pages = pages.shape
     flat = pages.reshape(-1)
-    k = gather_pages(k_cache, flat, "k").view(batch, n_pages * k_cache.shape[1], *k_cache.shape[2:])
-    v = gather_pages(v_cache, flat, "v").view(batch, n_pages * v_cache.shape[1], *v_cache.shape[2:])
+    k = gather_pages(k_cache, flat, "k" + role)
+    v = gather_pages(v_cache, flat, "v" + role)
+    k = k.view(batch, n_pages * k_cache.shape[1], *k_cache.shape[2:])
+    v = v.view(batch, n_pages * v_cache.shape[1], *v_cache.shape[2:])
     # SDPA takes the head-major view as is: no transposing copy
     return k[:, :ctx_len].transpose(1, 2), v[:, :ctx_len].transpose(1, 2)
 
@@ -123,49 +123,97 @@ def _prefill_one(
     # aligned to the lower right. Passing it as a causal bias (not a materialised boolean mask)
     # lets SDPA's CPU flash kernel skip the masked half instead of converting an [n, C] mask.
     if n_new == ctx_len:
-        o = F.scaled_dot_product_attention(q_heads, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(
+            q_heads, k, v, is_causal=True, scale=scale, enable_gqa=True
+        )
     else:
         bias = causal_lower_right(n_new, ctx_len)
-        o = F.scaled_dot_product_attention(q_heads, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(
+            q_heads, k, v, attn_mask=bias, scale=scale, enable_gqa=True
+        )
     return o[0].transpose(0, 1).to(q.dtype)  # [n, Hq, D]
 
 
-def _decode_batch(
-    out: torch.Tensor,  # [T, Hq, D], written at the decode rows
+def _grouped_decode_query(query: torch.Tensor, rows: torch.Tensor, num_kv_heads: int, dtype):
+    """The decode rows as ``[B, Hkv, G, D]``: each GQA group is G query rows of one KV head."""
+    q = query.index_select(0, rows).to(dtype)  # [B, Hq, D]
+    return q.view(q.shape[0], num_kv_heads, -1, q.shape[-1])
+
+
+def _decode_padded(
+    out: torch.Tensor,  # [T, Hq, D], written at the chunk's rows
     query: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [S, max_pages] int32
-    seqs: list[int],
-    starts: list[int],
-    lens: list[int],
+    chunk: PaddedDecode,
     scale: float,
 ) -> None:
-    """One padded gather + masked SDPA for the single query row of each sequence in ``seqs``."""
-    device = query.device
+    """One padded gather + masked SDPA for the single query row of each sequence of a chunk."""
+    k, v = _gather_context(k_cache, v_cache, chunk.pages, chunk.ctx_len)  # [B, Hkv, C, D]
+    # decode needs no causal mask, only padding's
+    q = _grouped_decode_query(query, chunk.rows, k_cache.shape[2], k.dtype)  # [B, Hkv, G, D]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.key_mask, scale=scale)
+    out[chunk.rows] = o.reshape(o.shape[0], *out.shape[1:]).to(out.dtype)
+
+
+def _decode_shared_prefix(
+    out: torch.Tensor,  # [T, Hq, D], written at the group's rows
+    query: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: SharedPrefixDecode,
+    scale: float,
+) -> None:
+    """Cascade attention: all members' rows against the shared run at once, then each member
+    against its own pages, merged exactly by log-sum-exp."""
     page_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    num_q_heads = query.shape[1]
-    group = num_q_heads // num_kv_heads
-    batch = len(seqs)
-    seq_idx = torch.tensor(seqs, device=device)
-    rows = torch.tensor([starts[s] for s in seqs], device=device)
-    ctx_lens = [lens[s] for s in seqs]
-    max_ctx = max(ctx_lens)
-    ctx = torch.tensor(ctx_lens, device=device)  # [B]
-    n_pages = (max_ctx + page_size - 1) // page_size
-    pages = block_tables[seq_idx, :n_pages].long()  # [B, n_pages]
-    # NOTE: entries past a sequence's last page are unspecified (may be -1 or stale): point
-    # them at page 0 so the gather is in bounds; the key mask below hides what they hold.
-    page_pos = torch.arange(n_pages, device=device) * page_size
-    pages = torch.where(page_pos[None, :] < ctx[:, None], pages, 0)
-    k, v = _gather_context(k_cache, v_cache, pages, max_ctx)  # [B, Hkv, C, D]
-    # the GQA group as G query rows per KV head: decode needs no causal mask, only padding's
-    q = query[rows].to(k.dtype).view(batch, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
-    mask = None
-    if min(ctx_lens) < max_ctx:
-        mask = (torch.arange(max_ctx, device=device)[None, :] < ctx[:, None])[:, None, None]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, Hkv, G, D]
-    out[rows] = o.reshape(batch, num_q_heads, head_dim).to(out.dtype)
+    suffix = group.suffix
+    q = _grouped_decode_query(query, suffix.rows, num_kv_heads, k_cache.dtype)  # [B, Hkv, G, D]
+    batch, _, group_size, _ = q.shape
+    # shared run: one "sequence" of B*G query rows per KV head
+    if group.shared_first_page is not None:
+        first = group.shared_first_page
+        n_pages = group.shared_pages.shape[0]
+        k_run = k_cache[first : first + n_pages]  # zero-copy view of the contiguous run
+        v_run = v_cache[first : first + n_pages]
+    else:
+        k_run = gather_pages(k_cache, group.shared_pages, "k_shared")
+        v_run = gather_pages(v_cache, group.shared_pages, "v_shared")
+    k_run = k_run.reshape(group.shared_len, num_kv_heads, head_dim).transpose(0, 1)[None]
+    v_run = v_run.reshape(group.shared_len, num_kv_heads, head_dim).transpose(0, 1)[None]
+    q_run = q.transpose(0, 1).reshape(1, num_kv_heads, batch * group_size, head_dim)
+    o_run, lse_run = _sdpa_with_lse(q_run, k_run, v_run, None, scale)  # [1, Hkv, B*G, (D)]
+    o_run = o_run[0].view(num_kv_heads, batch, group_size, head_dim).transpose(0, 1)
+    lse_run = lse_run[0].view(num_kv_heads, batch, group_size).transpose(0, 1)
+    # each member's own pages after the run
+    k, v = _gather_context(k_cache, v_cache, suffix.pages, suffix.ctx_len, "_suffix")
+    o_own, lse_own = _sdpa_with_lse(q, k, v, suffix.key_mask, scale)  # [B, Hkv, G, (D)]
+    # softmax over the union = the two partial softmaxes weighted by their share of the mass
+    lse = torch.logaddexp(lse_run, lse_own)
+    merged = o_run.float() * torch.exp(lse_run - lse)[..., None]
+    merged += o_own.float() * torch.exp(lse_own - lse)[..., None]
+    out[suffix.rows] = merged.reshape(batch, *out.shape[1:]).to(out.dtype)
+
+
+def _sdpa_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA that also returns each row's log-sum-exp of scaled scores (fp32)."""
+    if q.device.type == "cpu":
+        # the CPU flash kernel computes the log-sum-exp anyway and returns it; it takes the
+        # mask only as an additive bias of the query's dtype
+        if mask is not None:
+            bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+            mask = bias.masked_fill_(~mask, float("-inf"))
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, attn_mask=mask, scale=scale
+        )
+        return o, lse.float()
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]), v.float()).to(q.dtype), lse
 
 
 def copy_pages_ref(kv_pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

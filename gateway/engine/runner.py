@@ -62,6 +62,8 @@ class ModelRunner:
         max_model_len: longest sequence (None = the model's context length).
         eos_token_ids: exposed for the engine (the tokenizer's).
         kernel_backend: "triton" / "torch" / None (kernels' default for the device).
+        shared_prefix_attention: torch backend: decode rows whose contexts start with the same
+            pages attend to that run once for all of them (kernels/attention_plan.py).
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         eos_token_ids: Sequence[int] = (),
         kernel_backend: str | None = None,
+        shared_prefix_attention: bool = True,
     ) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -97,6 +100,7 @@ class ModelRunner:
             kernel_backend=kernel_backend,
         )
         self.kernel_backend = kernels.backend_name(self.device, kernel_backend)
+        self.shared_prefix_attention = shared_prefix_attention
         shape_tail = (page_size, config.num_kv_heads, config.head_dim)
         if kv_pool is not None:
             expected = (config.num_layers, 2, kv_pool.shape[2], *shape_tail)
@@ -221,6 +225,18 @@ class ModelRunner:
             if chunk.need_logits:
                 logits_indices.append(query_start_loc[-1] - 1)
             tables.append(table)
+        plan = None
+        if self.kernel_backend == "torch":
+            # every layer reads the same addressing: sort it out once per step, on the host
+            plan = kernels.plan_attention(
+                tables,
+                seq_lens,
+                query_start_loc,
+                page_size=page_size,
+                kv_row_elems=self.config.num_kv_heads * self.config.head_dim,
+                device=self.device,
+                share_prefixes=self.shared_prefix_attention,
+            )
         width = max(len(t) for t in tables)
         flat_tables: list[int] = []
         for table in tables:
@@ -236,6 +252,7 @@ class ModelRunner:
             query_start_loc=self._tensor(query_start_loc, torch.int32),
             logits_indices=self._tensor(logits_indices, torch.int64),
             max_query_len=max_query_len,
+            attention_plan=plan,
         )
 
     @torch.inference_mode()

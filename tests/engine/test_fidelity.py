@@ -15,6 +15,7 @@ import random
 import pytest
 import torch
 
+import kernels
 from gateway.engine.runner import ModelRunner, SeqChunk
 
 pytestmark = pytest.mark.slow
@@ -266,3 +267,63 @@ def test_mixed_prefill_and_decode_batch_equals_separate(model_runner, chat_promp
     )
     assert partial.shape == (2, model_runner.vocab_size)
     assert (partial[1] - separate[2]).abs().max().item() < LAYOUT_ATOL
+
+
+def test_decode_over_shared_prefix_pages_matches_transformers(
+    model_runner, hf_model, tokenizer, long_prompt
+):
+    """Agents on one cached system prompt: their decode rows read the shared pages together
+    (cascade attention, kernels/attention_plan.py); outputs match transformers and the
+    per-sequence path."""
+    page_size = model_runner.page_size
+    shared = (len(long_prompt) // page_size) * page_size  # the whole-block prefix hit
+    tails = [tokenizer.encode(t) for t in (" First agent:", " Second agent, more words:", " 3:")]
+    prompts = [long_prompt[:shared] + tail for tail in tails]
+    steps = 6
+
+    def run(shared_prefix_attention: bool) -> tuple[list[list[int]], list[torch.Tensor]]:
+        model_runner.shared_prefix_attention = shared_prefix_attention
+        pages = Pages(model_runner, seed=5)
+        prefix_table = pages.take(shared)
+        model_runner.execute([SeqChunk(long_prompt[:shared], 0, prefix_table, False)])
+        tables = [prefix_table + pages.take(len(t) + steps) for t in tails]
+        # each agent computes only its own tail after the cached prefix
+        logits = model_runner.execute(
+            [SeqChunk(t, shared, table, True) for t, table in zip(tails, tables, strict=True)]
+        )
+        tokens = [[tok] for tok in logits.argmax(-1).tolist()]
+        rows = []
+        for step in range(steps):
+            chunks = [
+                SeqChunk([out[-1]], len(p) + step, table, True)
+                for out, p, table in zip(tokens, prompts, tables, strict=True)
+            ]
+            plan = kernels.plan_attention(
+                [c.block_table for c in chunks],
+                [c.start_pos + 1 for c in chunks],
+                list(range(len(chunks) + 1)),
+                page_size=page_size,
+                kv_row_elems=1,
+                share_prefixes=shared_prefix_attention,
+            )
+            # the case exercises what it claims: one shared run over the whole prefix
+            assert [g.shared_len for g in plan.shared] == (
+                [shared] if shared_prefix_attention else []
+            )
+            logits = model_runner.execute(chunks)
+            rows.append(logits)
+            for out, tok in zip(tokens, logits.argmax(-1).tolist(), strict=True):
+                out.append(tok)
+        return tokens, rows
+
+    try:
+        together, together_logits = run(True)
+        alone, alone_logits = run(False)
+    finally:
+        model_runner.shared_prefix_attention = True
+    assert together == alone
+    for a, b in zip(together_logits, alone_logits, strict=True):
+        assert (a - b).abs().max().item() < LAYOUT_ATOL
+    for prompt, mine in zip(prompts, together, strict=True):
+        reference = _hf_logits(hf_model, prompt + mine[:-1])[len(prompt) - 1 :]
+        assert reference.argmax(-1).tolist() == mine

@@ -102,6 +102,61 @@ def make_paged_batch(
     )
 
 
+def make_shared_prefix_batch(
+    shared_pages: int,
+    own_lens: list[int],
+    *,
+    contiguous: bool = False,
+    num_kv_heads: int = 2,
+    group_size: int = 1,
+    head_dim: int = 32,
+    page_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    garbage: float = 1e3,
+) -> PagedBatch:
+    """Decode rows of sequences whose block tables all start with the same ``shared_pages``.
+
+    Sequence s has context ``shared_pages * page_size + own_lens[s]`` (its new token is the
+    last); its own tokens sit in pages of its own. ``contiguous`` puts the shared run at
+    consecutive page ids (a zero-copy view for the torch backend), else shuffled ids.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    own_pages = [math.ceil(n / page_size) for n in own_lens]
+    num_pages = shared_pages + sum(own_pages) + 3
+    perm = torch.randperm(num_pages, generator=gen).tolist()
+    if contiguous:
+        run = list(range(1, 1 + shared_pages))
+        perm = run + [p for p in perm if p not in run]
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, garbage)
+    v_cache = torch.full(shape, -garbage)
+    shared = perm[:shared_pages]
+    k_cache[shared] = torch.randn(shared_pages, page_size, num_kv_heads, head_dim, generator=gen)
+    v_cache[shared] = torch.randn(shared_pages, page_size, num_kv_heads, head_dim, generator=gen)
+    max_pages = shared_pages + max(own_pages) + 1
+    block_tables = torch.full((len(own_lens), max_pages), -1, dtype=torch.int32)
+    next_page = shared_pages
+    for s, n in enumerate(own_lens):
+        mine = perm[next_page : next_page + own_pages[s]]
+        next_page += own_pages[s]
+        block_tables[s, : shared_pages + len(mine)] = torch.tensor(shared + mine)
+        for pos in range(n):
+            page, off = mine[pos // page_size], pos % page_size
+            k_cache[page, off] = torch.randn(num_kv_heads, head_dim, generator=gen)
+            v_cache[page, off] = torch.randn(num_kv_heads, head_dim, generator=gen)
+    query = torch.randn(len(own_lens), num_kv_heads * group_size, head_dim, generator=gen)
+    return PagedBatch(
+        query=query.to(dtype),
+        k_cache=k_cache.to(dtype),
+        v_cache=v_cache.to(dtype),
+        block_tables=block_tables,
+        seq_lens=torch.tensor([shared_pages * page_size + n for n in own_lens], dtype=torch.int32),
+        query_start_loc=torch.arange(len(own_lens) + 1, dtype=torch.int32),
+        scale=head_dim**-0.5,
+    )
+
+
 def naive_paged_attention(batch: PagedBatch) -> torch.Tensor:  # [T, Hq, D] float64
     """Per query token, per head: gather its visible keys slot by slot, softmax in float64."""
     q_all = batch.query.double().cpu()

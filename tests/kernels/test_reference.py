@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
+from kernels import attention_plan, reference
 from kernels.reference import copy_pages_ref, paged_attention_ref, write_kv_ref
 from tests.kernels.paged_case import (
     ALL_DEVICES,
@@ -37,15 +37,15 @@ def test_decode_chunks_split_by_gather_budget(monkeypatch: pytest.MonkeyPatch) -
     batch = make_paged_batch(ctx_lens, [1] * len(ctx_lens), group_size=2, page_size=16, seed=3)
     whole = paged_attention_ref(*batch.args())
     per_token = batch.k_cache.shape[2] * batch.k_cache.shape[3]
-    monkeypatch.setattr(reference, "DECODE_GATHER_BUDGET", 2 * 130 * per_token)
+    monkeypatch.setattr(attention_plan, "DECODE_GATHER_BUDGET", 2 * 130 * per_token)
     chunk_sizes: list[int] = []
-    decode_batch = reference._decode_batch
+    decode_padded = reference._decode_padded
 
     def spy(*args, **kwargs):
-        chunk_sizes.append(len(args[5]))  # the `seqs` argument
-        return decode_batch(*args, **kwargs)
+        chunk_sizes.append(args[4].rows.numel())  # the `chunk` argument
+        return decode_padded(*args, **kwargs)
 
-    monkeypatch.setattr(reference, "_decode_batch", spy)
+    monkeypatch.setattr(reference, "_decode_padded", spy)
     chunked = paged_attention_ref(*batch.args())
     assert len(chunk_sizes) > 2 and sum(chunk_sizes) == len(ctx_lens)
     torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-6)

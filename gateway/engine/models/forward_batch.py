@@ -6,6 +6,8 @@ from typing import NamedTuple
 
 import torch
 
+from kernels import AttentionPlan
+
 
 class ForwardBatch(NamedTuple):
     """One step's flat batch (prefill chunks and decode tokens mixed), on the model's device.
@@ -21,3 +23,4 @@ class ForwardBatch(NamedTuple):
     query_start_loc: torch.Tensor  # [S + 1] int32
     logits_indices: torch.Tensor  # [N] int64, rows of T whose next-token logits are wanted
     max_query_len: int  # host-side max rows of one sequence (1 = pure decode step)
+    attention_plan: AttentionPlan | None = None  # torch backend: addressing planned once per step

@@ -141,6 +141,7 @@ class LlamaModel:
                 self.scale,
                 max_query_len=batch.max_query_len,  # host int: no device sync to learn it
                 backend=backend,
+                plan=batch.attention_plan,
             )  # [T, Hq, D]
             hidden = layer.o.add_to(attn.reshape(num_tokens, q_size), hidden)
             x = rms_norm(hidden, layer.post_norm, eps)
