@@ -8,6 +8,8 @@ Public API (layout in kernels/layout.py; backend choice in kernels/dispatch.py):
         -> AttentionPlan (torch backend: one step's addressing, planned once for all layers)
     copy_pages(kv_pool, src, dst, *, backend=None)
     backend_name(device, backend=None) -> "triton" | "torch"
+    native_decode_available() / native_status(): the native CPU decode kernel the torch
+        backend uses for fp32 decode rows (kernels/native.py)
 
 ``triton`` is optional: it is imported only when the Triton backend is first used.
 """
@@ -15,6 +17,7 @@ Public API (layout in kernels/layout.py; backend choice in kernels/dispatch.py):
 from kernels.attention_plan import AttentionPlan, plan_attention
 from kernels.dispatch import BACKEND_ENV, backend_name, copy_pages, paged_attention, write_kv
 from kernels.layout import allocate_kv_pool, page_bytes
+from kernels.native import native_decode_available, native_status
 
 __all__ = [
     "BACKEND_ENV",
@@ -22,6 +25,8 @@ __all__ = [
     "allocate_kv_pool",
     "backend_name",
     "copy_pages",
+    "native_decode_available",
+    "native_status",
     "page_bytes",
     "paged_attention",
     "plan_attention",

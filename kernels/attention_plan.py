@@ -43,12 +43,14 @@ class PaddedDecode:
     Attributes:
         rows: ``[B]`` int64 query rows (one per sequence).
         pages: ``[B, n_pages]`` int64 page ids to gather; 0 past a sequence's context.
+        lengths: ``[B]`` int32 tokens each sequence attends to (from its first listed page).
         ctx_len: padded context length (the longest of the chunk).
         key_mask: ``[B, 1, 1, ctx_len]`` bool (True = attend), or None when no padding.
     """
 
     rows: torch.Tensor
     pages: torch.Tensor
+    lengths: torch.Tensor
     ctx_len: int
     key_mask: torch.Tensor | None
 
@@ -222,13 +224,14 @@ def _padded(
         pages.extend(int(p) for p in block_tables[s][skip_pages : skip_pages + own])
         # past a sequence's last page: page 0 keeps the gather in bounds; the mask hides it
         pages.extend([0] * (n_pages - own))
+    lengths = torch.tensor(ctx, dtype=torch.int32, device=device)
     key_mask = None
     if min(ctx) < max_ctx:
-        lengths = torch.tensor(ctx, device=device)
         key_mask = (torch.arange(max_ctx, device=device)[None, :] < lengths[:, None])[:, None, None]
     return PaddedDecode(
         rows=torch.tensor([starts[s] for s in seqs], dtype=torch.int64, device=device),
         pages=torch.tensor(pages, dtype=torch.int64, device=device).view(len(seqs), n_pages),
+        lengths=lengths,
         ctx_len=max_ctx,
         key_mask=key_mask,
     )

@@ -29,6 +29,7 @@ from kernels.attention_plan import (
     plan_attention,
 )
 from kernels.checks import check_attention_inputs, check_copy_inputs, check_write_inputs
+from kernels.native import paged_decode_native
 from kernels.workspace import gather_pages
 
 
@@ -148,7 +149,12 @@ def _decode_padded(
     chunk: PaddedDecode,
     scale: float,
 ) -> None:
-    """One padded gather + masked SDPA for the single query row of each sequence of a chunk."""
+    """The single query row of each sequence of a chunk: the native kernel reading pages in
+    place when it applies (fp32 on CPU), else one padded gather + masked SDPA."""
+    if paged_decode_native(
+        out, query, k_cache, v_cache, chunk.rows, chunk.pages, chunk.lengths, scale
+    ):
+        return
     k, v = _gather_context(k_cache, v_cache, chunk.pages, chunk.ctx_len)  # [B, Hkv, C, D]
     # decode needs no causal mask, only padding's
     q = _grouped_decode_query(query, chunk.rows, k_cache.shape[2], k.dtype)  # [B, Hkv, G, D]
@@ -186,13 +192,33 @@ def _decode_shared_prefix(
     o_run = o_run[0].view(num_kv_heads, batch, group_size, head_dim).transpose(0, 1)
     lse_run = lse_run[0].view(num_kv_heads, batch, group_size).transpose(0, 1)
     # each member's own pages after the run
-    k, v = _gather_context(k_cache, v_cache, suffix.pages, suffix.ctx_len, "_suffix")
-    o_own, lse_own = _sdpa_with_lse(q, k, v, suffix.key_mask, scale)  # [B, Hkv, G, (D)]
+    o_own, lse_own = _own_pages_with_lse(k_cache, v_cache, suffix, q, scale)
     # softmax over the union = the two partial softmaxes weighted by their share of the mass
     lse = torch.logaddexp(lse_run, lse_own)
     merged = o_run.float() * torch.exp(lse_run - lse)[..., None]
     merged += o_own.float() * torch.exp(lse_own - lse)[..., None]
     out[suffix.rows] = merged.reshape(batch, *out.shape[1:]).to(out.dtype)
+
+
+def _own_pages_with_lse(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    suffix: PaddedDecode,
+    q: torch.Tensor,  # [B, Hkv, G, D], contiguous: row b is sequence b of the suffix
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [B, Hkv, G, D], [B, Hkv, G]
+    """Each member's query rows over its own pages, with the log-sum-exp for the merge."""
+    batch, num_kv_heads, group_size, head_dim = q.shape
+    flat_q = q.view(batch, num_kv_heads * group_size, head_dim)
+    out = torch.empty_like(flat_q)
+    lse = torch.empty(batch, num_kv_heads * group_size, dtype=torch.float32)
+    rows = torch.arange(batch)
+    if paged_decode_native(
+        out, flat_q, k_cache, v_cache, rows, suffix.pages, suffix.lengths, scale, lse
+    ):
+        return out.view(q.shape), lse.view(batch, num_kv_heads, group_size)
+    k, v = _gather_context(k_cache, v_cache, suffix.pages, suffix.ctx_len, "_suffix")
+    return _sdpa_with_lse(q, k, v, suffix.key_mask, scale)
 
 
 def _sdpa_with_lse(

@@ -21,7 +21,8 @@ def create_llm_engine(
     """Load the model (unless ``loaded`` is given) and return the sync engine plus facts about it.
 
     Returns:
-        (engine, info) with info keys model_name, device, dtype, kernel_backend, num_pages.
+        (engine, info) with info keys model_name, device, dtype, kernel_backend,
+        native_cpu_decode, num_pages.
     """
     if loaded is None:
         loaded = load_model(config.model, progress=progress)
@@ -49,6 +50,7 @@ def create_llm_engine(
         "device": str(runner.device),
         "dtype": str(runner.dtype).removeprefix("torch."),
         "kernel_backend": runner.kernel_backend,
+        "native_cpu_decode": runner.native_cpu_decode,
         "num_pages": runner.num_pages,
     }
     return engine, info

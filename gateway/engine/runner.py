@@ -133,8 +133,15 @@ class ModelRunner:
         self._kv_caches = [
             (self.kv_pool[i, 0], self.kv_pool[i, 1]) for i in range(config.num_layers)
         ]
+        # fp32 decode rows on CPU run the native kernel when it builds here (kernels/native.py)
+        self.native_cpu_decode = (
+            self.device.type == "cpu"
+            and self.dtype == torch.float32
+            and self.kernel_backend == "torch"
+            and kernels.native_decode_available()
+        )
         logger.info(
-            "runner: %s on %s/%s, %d pages x %d tokens (%.2f GiB KV), kernels=%s",
+            "runner: %s on %s/%s, %d pages x %d tokens (%.2f GiB KV), kernels=%s%s",
             config.name,
             self.device,
             self.dtype,
@@ -142,6 +149,7 @@ class ModelRunner:
             page_size,
             self.kv_pool.numel() * self.kv_pool.element_size() / (1 << 30),
             self.kernel_backend,
+            " + native CPU decode" if self.native_cpu_decode else "",
         )
 
     @classmethod

@@ -1,0 +1,112 @@
+/* Paged decode attention on CPU, fp32: one query row per sequence, K/V read in place from
+ * the pages (no gather into a contiguous buffer).
+ *
+ * Layout (kernels/layout.py): k_cache, v_cache [num_pages, page_size, Hkv, D] contiguous.
+ * Work item = (sequence, KV head): its G = Hq / Hkv query rows share every K/V row load.
+ * Two passes over the context: scores for all G rows, then softmax, then the weighted sum of
+ * V rows. Items are spread over the OpenMP threads of the process (the same libgomp torch
+ * loaded, so one thread pool).
+ *
+ * Built and loaded by kernels/native.py; the torch reference is the oracle in the tests.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define MAX_GROUP 16
+#define MAX_HEAD_DIM 256
+
+int pg_limits(int *max_group, int *max_head_dim) {
+    *max_group = MAX_GROUP;
+    *max_head_dim = MAX_HEAD_DIM;
+    return 0;
+}
+
+/*
+ * query:   row r, query head h at query + r * q_row_stride + h * head_dim
+ * pages:   [num_seqs, max_pages] int64 page ids of each sequence, from its first token
+ * lengths: [num_seqs] tokens to attend to (>= 1)
+ * rows:    [num_seqs] query row of each sequence
+ * out:     row r, head h at out + r * out_row_stride + h * head_dim
+ * lse:     NULL, or [num_seqs, Hq] log-sum-exp of the scaled scores
+ * returns 0, or -1 when a scratch buffer could not be allocated (out left partly written)
+ */
+int pg_paged_decode_f32(const float *query, int64_t q_row_stride, const float *k_cache,
+                        const float *v_cache, const int64_t *pages, int64_t max_pages,
+                        const int32_t *lengths, const int64_t *rows, float *out,
+                        int64_t out_row_stride, float *lse, int num_seqs, int num_q_heads,
+                        int num_kv_heads, int head_dim, int page_size, float scale) {
+    const int group = num_q_heads / num_kv_heads;
+    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
+    const int64_t page_stride = token_stride * page_size;
+    const int num_items = num_seqs * num_kv_heads;
+    int failed = 0;
+
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
+    for (int item = 0; item < num_items; ++item) {
+        const int s = item / num_kv_heads;
+        const int h = item % num_kv_heads;
+        const int len = lengths[s];
+        const int64_t *seq_pages = pages + (int64_t)s * max_pages;
+        float *scores = (float *)malloc(sizeof(float) * (size_t)group * (size_t)len);
+        if (scores == NULL) {
+            failed |= 1;
+            continue;
+        }
+        float q[MAX_GROUP][MAX_HEAD_DIM];
+        float acc[MAX_GROUP][MAX_HEAD_DIM];
+        for (int g = 0; g < group; ++g) {
+            const float *src = query + rows[s] * q_row_stride + (int64_t)(h * group + g) * head_dim;
+            for (int d = 0; d < head_dim; ++d) {
+                q[g][d] = src[d] * scale;
+                acc[g][d] = 0.0f;
+            }
+        }
+        /* pass 1: scaled scores of every context token for the G rows */
+        for (int t = 0; t < len; ++t) {
+            const float *k = k_cache + seq_pages[t / page_size] * page_stride +
+                             (int64_t)(t % page_size) * token_stride + (int64_t)h * head_dim;
+            for (int g = 0; g < group; ++g) {
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int d = 0; d < head_dim; ++d) dot += q[g][d] * k[d];
+                scores[g * len + t] = dot;
+            }
+        }
+        /* softmax numerators in place */
+        float denom[MAX_GROUP], row_max[MAX_GROUP];
+        for (int g = 0; g < group; ++g) {
+            float *row = scores + (int64_t)g * len;
+            float m = -FLT_MAX;
+            for (int t = 0; t < len; ++t) m = row[t] > m ? row[t] : m;
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int t = 0; t < len; ++t) {
+                row[t] = expf(row[t] - m);
+                sum += row[t];
+            }
+            row_max[g] = m;
+            denom[g] = sum;
+        }
+        /* pass 2: weighted sum of V rows */
+        for (int t = 0; t < len; ++t) {
+            const float *v = v_cache + seq_pages[t / page_size] * page_stride +
+                             (int64_t)(t % page_size) * token_stride + (int64_t)h * head_dim;
+            for (int g = 0; g < group; ++g) {
+                const float p = scores[g * len + t];
+#pragma omp simd
+                for (int d = 0; d < head_dim; ++d) acc[g][d] += p * v[d];
+            }
+        }
+        for (int g = 0; g < group; ++g) {
+            const int head = h * group + g;
+            float *dst = out + rows[s] * out_row_stride + (int64_t)head * head_dim;
+            const float inv = 1.0f / denom[g];
+            for (int d = 0; d < head_dim; ++d) dst[d] = acc[g][d] * inv;
+            if (lse != NULL) lse[(int64_t)s * num_q_heads + head] = row_max[g] + logf(denom[g]);
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}

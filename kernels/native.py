@@ -1,0 +1,211 @@
+"""Native CPU decode attention (kernels/csrc/paged_decode.c), compiled once per machine.
+
+Why: on CPU, torch can only attend over pages after gathering them into a contiguous buffer,
+and its flash kernel is tuned for many query rows, not a decode step's one row per sequence;
+together they read and write every K/V byte about three times. The C kernel reads each K/V
+row once, in place, for all G query heads of its KV head, spread over torch's own OpenMP
+threads (the library links the ``libgomp.so.1`` torch already loaded).
+
+The library is built with the system C compiler on first use into a per-user cache
+(``$PREFIXGATE_CACHE_DIR``, else ``$XDG_CACHE_HOME/prefixgate``, else ``~/.cache/prefixgate``),
+keyed by the source, the flags and the CPU's feature flags (it is built with
+``-march=native``), and loaded with ctypes. No compiler, a failed build, a non-fp32 cache or
+an unsupported shape: the callers fall back to the torch path; the outcome is logged once
+and visible through :func:`native_status`. ``PREFIXGATE_NATIVE_KERNELS=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+NATIVE_ENV = "PREFIXGATE_NATIVE_KERNELS"
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+
+_status = "not loaded yet"
+
+
+def native_status() -> str:
+    """``"native (<path>)"`` once loaded, else why not (``"disabled ..."``, ``"unavailable: ..."``)."""
+    return _status
+
+
+def _cache_dir() -> Path:
+    explicit = os.environ.get("PREFIXGATE_CACHE_DIR")
+    if explicit:
+        return Path(explicit) / "kernels"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "prefixgate" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(compiler: str) -> Path:
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(
+        b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(), _cpu_flags().encode()])
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"paged_decode-{platform.machine()}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # build next to the target, then rename: concurrent processes never load a partial file
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    global _status
+    if os.environ.get(NATIVE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        _status = f"disabled ({NATIVE_ENV}=0)"
+        logger.info("native CPU decode kernel %s", _status)
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        _status = "unavailable: no C compiler (cc/gcc) on PATH"
+        logger.warning("native CPU decode kernel %s; using the torch path", _status)
+        return None
+    try:
+        path = _build(compiler)
+        lib = ctypes.CDLL(str(path))
+    except subprocess.CalledProcessError as exc:
+        _status = f"unavailable: build failed: {(exc.stderr or '').strip()[-500:]}"
+    except (OSError, subprocess.SubprocessError) as exc:
+        _status = f"unavailable: {exc}"
+    else:
+        fn = lib.pg_paged_decode_f32
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        fn.argtypes = [
+            p,
+            i64,
+            p,
+            p,
+            p,
+            i64,
+            p,
+            p,
+            p,
+            i64,
+            p,
+            i32,
+            i32,
+            i32,
+            i32,
+            i32,
+            ctypes.c_float,
+        ]
+        fn.restype = ctypes.c_int
+        limits = (ctypes.c_int(), ctypes.c_int())
+        lib.pg_limits(ctypes.byref(limits[0]), ctypes.byref(limits[1]))
+        lib.max_group, lib.max_head_dim = limits[0].value, limits[1].value
+        _status = f"native ({path})"
+        logger.info("native CPU decode kernel loaded: %s", path)
+        return lib
+    logger.warning("native CPU decode kernel %s; using the torch path", _status)
+    return None
+
+
+def native_decode_available() -> bool:
+    """Whether the native kernel is (or can be) loaded here; builds it on first call."""
+    return _library() is not None
+
+
+def paged_decode_native(
+    out: torch.Tensor,  # [T, Hq, D] fp32, written at ``rows``
+    query: torch.Tensor,  # [T, Hq, D] fp32
+    k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D] fp32, contiguous
+    v_cache: torch.Tensor,
+    rows: torch.Tensor,  # [B] int64
+    pages: torch.Tensor,  # [B, n_pages] int64
+    lengths: torch.Tensor,  # [B] int32, tokens attended from the first of ``pages``
+    scale: float,
+    lse: torch.Tensor | None = None,  # [B, Hq] fp32, filled when given
+) -> bool:
+    """Decode attention of one query row per sequence, reading pages in place.
+
+    Returns False (and touches nothing) when the kernel is unavailable or the inputs are not
+    what it handles (non-fp32, non-CPU, non-contiguous, group or head dim too large): the
+    caller then runs the torch path.
+    """
+    if (
+        query.device.type != "cpu"
+        or k_cache.dtype != torch.float32
+        or query.dtype != torch.float32
+        or out.dtype != torch.float32
+    ):
+        return False
+    lib = _library()
+    if lib is None:
+        return False
+    num_q_heads, head_dim = query.shape[1], query.shape[2]
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if (
+        num_q_heads // num_kv_heads > lib.max_group
+        or head_dim > lib.max_head_dim
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous())
+        or query.stride(2) != 1
+        or query.stride(1) != head_dim
+        or not (pages.is_contiguous() and rows.is_contiguous() and lengths.is_contiguous())
+        or pages.dtype != torch.int64
+        or rows.dtype != torch.int64
+        or lengths.dtype != torch.int32
+        or (lse is not None and not (lse.is_contiguous() and lse.dtype == torch.float32))
+    ):
+        return False
+    rc = lib.pg_paged_decode_f32(
+        query.data_ptr(),
+        query.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        pages.data_ptr(),
+        pages.shape[1],
+        lengths.data_ptr(),
+        rows.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        lse.data_ptr() if lse is not None else None,
+        rows.shape[0],
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        scale,
+    )
+    if rc != 0:
+        raise MemoryError("native decode kernel could not allocate its score buffer")
+    return True

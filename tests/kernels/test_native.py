@@ -1,0 +1,141 @@
+"""The native CPU decode kernel (kernels/csrc/paged_decode.c) against the naive oracle."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from kernels import native, reference
+from kernels.attention_plan import plan_attention
+from kernels.native import native_decode_available, native_status, paged_decode_native
+from kernels.reference import paged_attention_ref
+from tests.kernels.paged_case import (
+    make_paged_batch,
+    make_shared_prefix_batch,
+    naive_paged_attention,
+)
+
+FP32_CPU = {"atol": 2e-6, "rtol": 1e-5}
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="needs a C compiler"
+)
+
+
+def _decode_inputs(batch):
+    plan = plan_attention(
+        batch.block_tables.tolist(),
+        batch.seq_lens.tolist(),
+        batch.query_start_loc.tolist(),
+        page_size=batch.k_cache.shape[1],
+        kv_row_elems=batch.k_cache.shape[2] * batch.k_cache.shape[3],
+        share_prefixes=False,
+    )
+    assert len(plan.padded) == 1 and not plan.prefill
+    return plan.padded[0]
+
+
+def test_builds_and_loads_here() -> None:
+    assert native_decode_available(), native_status()
+    assert native_status().startswith("native (")
+
+
+@pytest.mark.parametrize("group_size", [1, 3, 8])
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_decode_matches_naive_and_reads_only_the_context(group_size: int, page_size: int) -> None:
+    # ragged lengths incl. one token, a page boundary, one past it; NaN everywhere else
+    lens = [1, 16, 17, 45, 100, 64]
+    batch = make_paged_batch(
+        lens, [1] * len(lens), group_size=group_size, page_size=page_size, garbage=float("nan")
+    )
+    chunk = _decode_inputs(batch)
+    out = torch.full_like(batch.query, float("nan"))
+    lse = torch.empty(len(lens), batch.query.shape[1])
+    assert paged_decode_native(
+        out,
+        batch.query,
+        batch.k_cache,
+        batch.v_cache,
+        chunk.rows,
+        chunk.pages,
+        chunk.lengths,
+        batch.scale,
+        lse,
+    )
+    torch.testing.assert_close(out.double(), naive_paged_attention(batch), **FP32_CPU)
+    # the log-sum-exp the cascade merge relies on
+    for row, ctx in enumerate(chunk.lengths.tolist()):
+        s = chunk.rows[row].item()
+        table = batch.block_tables[s].tolist()
+        slots = [table[p // page_size] * page_size + p % page_size for p in range(ctx)]
+        keys = batch.k_cache.flatten(0, 1)[slots].double()  # [ctx, Hkv, D]
+        keys = keys.repeat_interleave(group_size, dim=1)
+        scores = torch.einsum("hd,chd->hc", batch.query[s].double(), keys) * batch.scale
+        torch.testing.assert_close(lse[row].double(), torch.logsumexp(scores, -1), **FP32_CPU)
+
+
+def test_reference_uses_it_and_agrees_with_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    batch = make_paged_batch([33, 80, 7, 129], [1, 1, 1, 1], group_size=3, seed=2)
+    calls = []
+    real = reference.paged_decode_native
+    monkeypatch.setattr(
+        reference, "paged_decode_native", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    with_native = paged_attention_ref(*batch.args())
+    assert calls
+    monkeypatch.setattr(reference, "paged_decode_native", lambda *a, **k: False)
+    torch_only = paged_attention_ref(*batch.args())
+    torch.testing.assert_close(with_native, torch_only, **FP32_CPU)
+
+
+def test_shared_prefix_suffixes_go_native() -> None:
+    batch = make_shared_prefix_batch(40, [5, 16, 1, 23], group_size=3, seed=3)
+    out = paged_attention_ref(*batch.args())
+    torch.testing.assert_close(out.double(), naive_paged_attention(batch), **FP32_CPU)
+
+
+def test_declines_what_it_does_not_handle() -> None:
+    batch = make_paged_batch([20, 9], [1, 1], group_size=2, dtype=torch.bfloat16)
+    chunk = _decode_inputs(batch)
+    out = torch.zeros_like(batch.query)
+    args = (batch.k_cache, batch.v_cache, chunk.rows, chunk.pages, chunk.lengths, batch.scale)
+    assert not paged_decode_native(out, batch.query, *args)  # bf16 cache
+    fp32 = make_paged_batch([20, 9], [1, 1], group_size=2)
+    chunk = _decode_inputs(fp32)
+    strided = fp32.query.transpose(1, 2).contiguous().transpose(1, 2)  # head dim not dense
+    out = torch.zeros_like(fp32.query)
+    args = (fp32.k_cache, fp32.v_cache, chunk.rows, chunk.pages, chunk.lengths, fp32.scale)
+    assert not paged_decode_native(out, strided, *args)
+    assert not paged_decode_native(out, fp32.query, *args[:3], chunk.pages.int(), *args[4:])
+    assert out.abs().sum() == 0  # nothing written when declined
+
+
+def test_disabled_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    native._library.cache_clear()
+    try:
+        assert not native_decode_available()
+        assert native_status().startswith("disabled")
+    finally:
+        monkeypatch.delenv(native.NATIVE_ENV)
+        native._library.cache_clear()
+    assert native_decode_available()
+
+
+def test_no_compiler_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("PREFIXGATE_CACHE_DIR", str(tmp_path))  # nothing cached there
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    native._library.cache_clear()
+    try:
+        assert not native_decode_available()
+        assert native_status().startswith("unavailable")
+        batch = make_paged_batch([20, 9], [1, 1], group_size=2)
+        torch.testing.assert_close(
+            paged_attention_ref(*batch.args()).double(), naive_paged_attention(batch), **FP32_CPU
+        )
+    finally:
+        monkeypatch.undo()
+        native._library.cache_clear()
+    assert native_decode_available()
