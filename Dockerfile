@@ -32,6 +32,15 @@ RUN if ! command -v python3 >/dev/null 2>&1; then \
     fi \
     && python3 -m venv "$VIRTUAL_ENV"
 
+# A C compiler for the native CPU decode kernel (kernels/native.py builds it on first use,
+# -march=native for the host it runs on; without one the torch path is used).
+RUN if ! command -v cc >/dev/null 2>&1; then \
+        apt-get update -qq \
+        && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+           gcc libc6-dev \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi
+
 # torch first, in its own layer: the biggest download, and the CPU build unless told otherwise.
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
 
