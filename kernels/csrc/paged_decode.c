@@ -23,6 +23,73 @@ int pg_limits(int *max_group, int *max_head_dim) {
     return 0;
 }
 
+/* One (sequence, KV head) work item. Always inlined into call sites whose group and
+ * head_dim are compile-time constants (see the dispatch below), so the per-row accumulators
+ * live in vector registers and the D-loops unroll; the generic call site covers the rest. */
+static inline __attribute__((always_inline)) int attend_item(
+    const int group, const int head_dim, const float *query, int64_t q_row_stride,
+    const float *k_cache, const float *v_cache, const int64_t *seq_pages, int len, int64_t row,
+    float *out, int64_t out_row_stride, float *lse_row, int h, int num_kv_heads,
+    int page_size, float scale) {
+    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
+    const int64_t page_stride = token_stride * page_size;
+    float *scores = (float *)malloc(sizeof(float) * (size_t)group * (size_t)len);
+    if (scores == NULL) return 1;
+    float q[MAX_GROUP][MAX_HEAD_DIM];
+    float acc[MAX_GROUP][MAX_HEAD_DIM];
+    for (int g = 0; g < group; ++g) {
+        const float *src = query + row * q_row_stride + (int64_t)(h * group + g) * head_dim;
+        for (int d = 0; d < head_dim; ++d) {
+            q[g][d] = src[d] * scale;
+            acc[g][d] = 0.0f;
+        }
+    }
+    /* pass 1: scaled scores of every context token for the G rows */
+    for (int t = 0; t < len; ++t) {
+        const float *k = k_cache + seq_pages[t / page_size] * page_stride +
+                         (int64_t)(t % page_size) * token_stride + (int64_t)h * head_dim;
+        for (int g = 0; g < group; ++g) {
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int d = 0; d < head_dim; ++d) dot += q[g][d] * k[d];
+            scores[g * len + t] = dot;
+        }
+    }
+    /* softmax numerators in place */
+    float denom[MAX_GROUP], row_max[MAX_GROUP];
+    for (int g = 0; g < group; ++g) {
+        float *scores_g = scores + (int64_t)g * len;
+        float m = -FLT_MAX;
+        for (int t = 0; t < len; ++t) m = scores_g[t] > m ? scores_g[t] : m;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int t = 0; t < len; ++t) {
+            scores_g[t] = expf(scores_g[t] - m);
+            sum += scores_g[t];
+        }
+        row_max[g] = m;
+        denom[g] = sum;
+    }
+    /* pass 2: weighted sum of V rows */
+    for (int t = 0; t < len; ++t) {
+        const float *v = v_cache + seq_pages[t / page_size] * page_stride +
+                         (int64_t)(t % page_size) * token_stride + (int64_t)h * head_dim;
+        for (int g = 0; g < group; ++g) {
+            const float p = scores[g * len + t];
+#pragma omp simd
+            for (int d = 0; d < head_dim; ++d) acc[g][d] += p * v[d];
+        }
+    }
+    for (int g = 0; g < group; ++g) {
+        float *dst = out + row * out_row_stride + (int64_t)(h * group + g) * head_dim;
+        const float inv = 1.0f / denom[g];
+        for (int d = 0; d < head_dim; ++d) dst[d] = acc[g][d] * inv;
+        if (lse_row != NULL) lse_row[h * group + g] = row_max[g] + logf(denom[g]);
+    }
+    free(scores);
+    return 0;
+}
+
 /*
  * query:   row r, query head h at query + r * q_row_stride + h * head_dim
  * pages:   [num_seqs, max_pages] int64 page ids of each sequence, from its first token
@@ -38,8 +105,6 @@ int pg_paged_decode_f32(const float *query, int64_t q_row_stride, const float *k
                         int64_t out_row_stride, float *lse, int num_seqs, int num_q_heads,
                         int num_kv_heads, int head_dim, int page_size, float scale) {
     const int group = num_q_heads / num_kv_heads;
-    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
-    const int64_t page_stride = token_stride * page_size;
     const int num_items = num_seqs * num_kv_heads;
     int failed = 0;
 
@@ -47,66 +112,30 @@ int pg_paged_decode_f32(const float *query, int64_t q_row_stride, const float *k
     for (int item = 0; item < num_items; ++item) {
         const int s = item / num_kv_heads;
         const int h = item % num_kv_heads;
-        const int len = lengths[s];
         const int64_t *seq_pages = pages + (int64_t)s * max_pages;
-        float *scores = (float *)malloc(sizeof(float) * (size_t)group * (size_t)len);
-        if (scores == NULL) {
-            failed |= 1;
-            continue;
+        float *lse_row = lse != NULL ? lse + (int64_t)s * num_q_heads : NULL;
+#define PG_ITEM(G, D)                                                                      \
+    attend_item(G, D, query, q_row_stride, k_cache, v_cache, seq_pages, lengths[s], rows[s], \
+                out, out_row_stride, lse_row, h, num_kv_heads, page_size, scale)
+#define PG_CASES(D)                                        \
+    case D:                                                \
+        switch (group) {                                   \
+            case 1: failed |= PG_ITEM(1, D); continue;     \
+            case 2: failed |= PG_ITEM(2, D); continue;     \
+            case 3: failed |= PG_ITEM(3, D); continue;     \
+            case 4: failed |= PG_ITEM(4, D); continue;     \
+            case 8: failed |= PG_ITEM(8, D); continue;     \
+            default: break;                                \
+        }                                                  \
+        break;
+        switch (head_dim) {
+            PG_CASES(64)
+            PG_CASES(128)
+            default: break;
         }
-        float q[MAX_GROUP][MAX_HEAD_DIM];
-        float acc[MAX_GROUP][MAX_HEAD_DIM];
-        for (int g = 0; g < group; ++g) {
-            const float *src = query + rows[s] * q_row_stride + (int64_t)(h * group + g) * head_dim;
-            for (int d = 0; d < head_dim; ++d) {
-                q[g][d] = src[d] * scale;
-                acc[g][d] = 0.0f;
-            }
-        }
-        /* pass 1: scaled scores of every context token for the G rows */
-        for (int t = 0; t < len; ++t) {
-            const float *k = k_cache + seq_pages[t / page_size] * page_stride +
-                             (int64_t)(t % page_size) * token_stride + (int64_t)h * head_dim;
-            for (int g = 0; g < group; ++g) {
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int d = 0; d < head_dim; ++d) dot += q[g][d] * k[d];
-                scores[g * len + t] = dot;
-            }
-        }
-        /* softmax numerators in place */
-        float denom[MAX_GROUP], row_max[MAX_GROUP];
-        for (int g = 0; g < group; ++g) {
-            float *row = scores + (int64_t)g * len;
-            float m = -FLT_MAX;
-            for (int t = 0; t < len; ++t) m = row[t] > m ? row[t] : m;
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int t = 0; t < len; ++t) {
-                row[t] = expf(row[t] - m);
-                sum += row[t];
-            }
-            row_max[g] = m;
-            denom[g] = sum;
-        }
-        /* pass 2: weighted sum of V rows */
-        for (int t = 0; t < len; ++t) {
-            const float *v = v_cache + seq_pages[t / page_size] * page_stride +
-                             (int64_t)(t % page_size) * token_stride + (int64_t)h * head_dim;
-            for (int g = 0; g < group; ++g) {
-                const float p = scores[g * len + t];
-#pragma omp simd
-                for (int d = 0; d < head_dim; ++d) acc[g][d] += p * v[d];
-            }
-        }
-        for (int g = 0; g < group; ++g) {
-            const int head = h * group + g;
-            float *dst = out + rows[s] * out_row_stride + (int64_t)head * head_dim;
-            const float inv = 1.0f / denom[g];
-            for (int d = 0; d < head_dim; ++d) dst[d] = acc[g][d] * inv;
-            if (lse != NULL) lse[(int64_t)s * num_q_heads + head] = row_max[g] + logf(denom[g]);
-        }
-        free(scores);
+        failed |= PG_ITEM(group, head_dim);
+#undef PG_CASES
+#undef PG_ITEM
     }
     return failed ? -1 : 0;
 }
