@@ -12,11 +12,16 @@ Measured in one run, same machine, same weights:
     so it runs a subset of requests covering every turn (--hf-agents agents x 3 turns, >= 8
     requests) and ``wall_transformers_s`` extrapolates the per-turn means to all 48 requests
     (``transformers_estimated: true``); --hf-agents 16 measures everything;
-  * the floor: for each warm request (any cached prefix), the time of a forward pass over its
-    uncached suffix alone with its prefix already in the pages (median of 3);
-    ``warm_ttft_over_floor`` = median over warm requests of (TTFT in the swarm run / floor).
-    TTFT in the swarm run includes sharing each step with other agents' decodes, which is what a
-    client sees; ``warm_ttft_isolated_over_floor`` replays warm requests one at a time.
+  * the floor: for each warm request (its prefix cached when it was sent: turns 2 and 3), the
+    time of a forward pass over its uncached suffix alone with its prefix already in the pages
+    (median of 3); ``warm_ttft_over_floor`` = median over warm requests of (TTFT in the swarm
+    run / floor). TTFT in the swarm run includes sharing each step with other agents' work,
+    which is what a client sees: in this lockstep burst all 16 agents send their next turn in
+    the same instant, so each warm suffix is prefilled in one step with 15 others.
+    ``warm_ttft_isolated_over_floor`` replays warm requests one at a time;
+    ``warm_ttft_over_floor_tool_latency`` re-runs the cached swarm with each agent pausing
+    for its tool call between turns (exponential, mean ``--tool-latency-s``, seeded), so
+    arrivals spread out as they do in real agent loops.
   * ``prefill_tokens_ideal`` counts every distinct prefix once (token-level longest common
     prefix against all earlier requests); ``prefill_tokens_computed`` is what the engine ran.
 """
@@ -80,9 +85,15 @@ def ideal_prefill(prompts: list[list[int]], earlier: list[list[int]]) -> int:
     return total
 
 
-def run_swarm(engine, tokenizer) -> dict:
-    """Drive the agents through the sync engine; return per-request records and wall time."""
+def run_swarm(engine, tokenizer, tool_latency_s: float = 0.0, seed: int = 0) -> dict:
+    """Drive the agents through the sync engine; return per-request records and wall time.
+
+    ``tool_latency_s``: mean of the exponential pause (the agent running its tool) between a
+    turn's last token and the agent's next request; 0 = the next turn is sent at once.
+    """
     agents = build_agents()
+    think = random.Random(seed + 1)
+    due: list[tuple[float, int, Agent]] = []  # (send time, agent index, agent) of paused agents
     submitted: dict[str, tuple[Agent, float, list[int]]] = {}
     outputs: dict[str, list[Delta]] = {}
     order: list[list[int]] = []
@@ -106,7 +117,14 @@ def run_swarm(engine, tokenizer) -> dict:
     for i, agent in enumerate(agents):
         submit(i, agent)
     first_token: dict[str, float] = {}
-    while engine.has_work():
+    while engine.has_work() or due:
+        now = time.perf_counter()
+        for entry in [d for d in due if d[0] <= now]:
+            due.remove(entry)
+            submit(entry[1], entry[2])
+        if not engine.has_work():
+            time.sleep(max(0.0, min(d[0] for d in due) - now))
+            continue
         engine.step()
         now = time.perf_counter()
         for rid, deltas in list(outputs.items()):
@@ -124,10 +142,24 @@ def run_swarm(engine, tokenizer) -> dict:
                     reply = "".join(d.text for d in deltas)
                     agent.messages += [{"role": "assistant", "content": reply},
                                        {"role": "user", "content": agent.followups[agent.turn - 1]}]
-                    submit(int(rid[1:rid.index("t")]), agent)
+                    index = int(rid[1 : rid.index("t")])
+                    if tool_latency_s > 0:
+                        due.append((now + think.expovariate(1 / tool_latency_s), index, agent))
+                    else:
+                        submit(index, agent)
     wall = time.perf_counter() - t0
     return {"wall_s": wall, "agents": agents, "order": order, "earlier": earlier,
             "prefill_tokens_computed": engine.prefill_tokens_computed}
+
+
+def warm_records(run: dict) -> list[dict]:
+    """Requests whose prefix was cached when they were sent: every agent's turns 2 and 3.
+
+    Turn-1 requests also report cached tokens (in-flight dedup: they waited while the first
+    one computed the shared prompt), but that wait is the prompt's first computation, not a
+    warm request's overhead, so they are not counted here.
+    """
+    return [rec for agent in run["agents"] for rec in agent.records[1:] if rec["cached_tokens"] > 0]
 
 
 def suffix_floor(runner: ModelRunner, prompt: list[int], cached: int) -> float:
@@ -168,6 +200,8 @@ def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--hf-agents", type=int, default=3, help="agents replayed through transformers (x3 turns)")
     parser.add_argument("--num-pages", type=int, default=4096)
+    parser.add_argument("--tool-latency-s", type=float, default=1.0,
+                        help="mean tool pause between turns in the second cached run (exponential)")
     args = parser.parse_args()
     loaded = load_model(None)
     tok = loaded.tokenizer
@@ -179,13 +213,11 @@ def main() -> None:
     uncached = run_swarm(uncached_engine, tok)
     del uncached_engine
 
-    # The floor and isolated TTFT, per warm request (any cached prefix) of the cached run.
+    # The floor and isolated TTFT, per warm request of the cached run.
     runner = cached_engine.runner
-    warm = [r for a in cached["agents"] for r in a.records if r["cached_tokens"] > 0]
-    ratios, isolated = [], []
-    for rec in warm:
-        floor = suffix_floor(runner, rec["prompt"], rec["cached_tokens"])
-        ratios.append(rec["ttft_s"] / floor)
+    warm = warm_records(cached)
+    ratios = [rec["ttft_s"] / suffix_floor(runner, rec["prompt"], rec["cached_tokens"]) for rec in warm]
+    isolated = []
     cached_engine.cache.reset_cache()
     for rec in warm[:: max(1, len(warm) // 8)]:  # isolated replay: warm its prefix, then time it
         prompt = rec["prompt"]
@@ -204,6 +236,13 @@ def main() -> None:
             cached_engine.step()
         isolated.append(ttft / suffix_floor(runner, prompt, rec["cached_tokens"]))
 
+    # The same swarm with each agent pausing for its tool between turns: arrivals spread out.
+    cached_engine.cache.reset_cache()
+    paused = run_swarm(cached_engine, tok, tool_latency_s=args.tool_latency_s)
+    paused_ratios = [
+        rec["ttft_s"] / suffix_floor(runner, rec["prompt"], rec["cached_tokens"]) for rec in warm_records(paused)
+    ]
+
     hf_agents = max(3, args.hf_agents)
     wall_hf, hf_means = transformers_subset(loaded, cached["agents"], hf_agents)
     results = {
@@ -221,10 +260,15 @@ def main() -> None:
         "prefill_tokens_ideal": ideal_prefill(cached["order"], cached["earlier"]),
         "warm_ttft_over_floor": statistics.median(ratios),
         "warm_ttft_isolated_over_floor": statistics.median(isolated),
+        "warm_requests": len(warm),
+        "tool_latency_mean_s": args.tool_latency_s,
+        "warm_ttft_over_floor_tool_latency": statistics.median(paused_ratios),
+        "wall_cached_tool_latency_s": paused["wall_s"],
         "cached_over_transformers": cached["wall_s"] / wall_hf,
         "uncached_over_cached": uncached["wall_s"] / cached["wall_s"],
         "device": info["device"],
         "kernel_backend": info["kernel_backend"],
+        "native_cpu_decode": info["native_cpu_decode"],
     }
     print_table("engine (benchmarks.engine)", [(k, v) for k, v in results.items() if not isinstance(v, dict)])
     write_json(args.json, results)

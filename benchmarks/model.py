@@ -129,7 +129,7 @@ class _TheirGenerate:
         self.model.generate(
             self.ids,
             attention_mask=torch.ones_like(self.ids),
-            past_key_values=cache,
+            cache=cache,
             max_new_tokens=steps,
             min_new_tokens=steps,
             do_sample=False,

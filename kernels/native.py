@@ -82,6 +82,10 @@ def _build(compiler: str) -> Path:
             timeout=120,
         )
         os.replace(tmp, target)
+        # builds of older sources are dead weight (a process still using one keeps its mapping)
+        for stale in target.parent.glob(f"paged_decode-{platform.machine()}-*.so"):
+            if stale != target:
+                stale.unlink(missing_ok=True)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -155,8 +159,13 @@ def paged_decode_native(
     lengths: torch.Tensor,  # [B] int32, tokens attended from the first of ``pages``
     scale: float,
     lse: torch.Tensor | None = None,  # [B, Hq] fp32, filled when given
+    num_threads: int | None = None,
 ) -> bool:
     """Decode attention of one query row per sequence, reading pages in place.
+
+    ``num_threads``: OpenMP threads (default torch's intra-op count). With at least two
+    sequences per thread each sequence is one work item (pages streamed contiguously), else
+    each (sequence, KV head) is.
 
     Returns False (and touches nothing) when the kernel is unavailable or the inputs are not
     what it handles (non-fp32, non-CPU, non-contiguous, group or head dim too large): the
@@ -205,6 +214,7 @@ def paged_decode_native(
         head_dim,
         page_size,
         scale,
+        num_threads or torch.get_num_threads(),
     )
     if rc != 0:
         raise MemoryError("native decode kernel could not allocate its score buffer")

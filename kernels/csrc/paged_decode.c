@@ -2,10 +2,13 @@
  * the pages (no gather into a contiguous buffer).
  *
  * Layout (kernels/layout.py): k_cache, v_cache [num_pages, page_size, Hkv, D] contiguous.
- * Work item = (sequence, KV head): its G = Hq / Hkv query rows share every K/V row load.
- * Two passes over the context: scores for all G rows, then softmax, then the weighted sum of
- * V rows. Items are spread over the OpenMP threads of the process (the same libgomp torch
- * loaded, so one thread pool).
+ * Two passes over the context: scores of every query head, softmax, then the weighted sum of
+ * V rows; the G = Hq / Hkv query heads of a KV head share every K/V row load. Work is spread
+ * over the OpenMP threads of the process (the same libgomp torch loaded, so one pool):
+ *   - many sequences: one item per sequence, all heads per token, so each page is read as
+ *     one contiguous stream (measured 1.4-1.7x faster than per-head items from DRAM);
+ *   - few sequences (fewer than 2 per thread): one item per (sequence, KV head), so a single
+ *     long sequence still uses every thread.
  *
  * Built and loaded by kernels/native.py; the torch reference is the oracle in the tests.
  */
@@ -13,6 +16,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
@@ -90,6 +94,76 @@ static inline __attribute__((always_inline)) int attend_item(
     return 0;
 }
 
+/* One sequence, all heads (G and D compile-time constants at the specialised call sites).
+ * Scratch (scaled queries, accumulators, scores) comes from one malloc. */
+static inline __attribute__((always_inline)) int attend_sequence(
+    const int group, const int head_dim, const int num_kv_heads, const float *query,
+    int64_t q_row_stride, const float *k_cache, const float *v_cache, const int64_t *seq_pages,
+    int len, int64_t row, float *out, int64_t out_row_stride, float *lse_row, int page_size,
+    float scale) {
+    const int num_q_heads = group * num_kv_heads;
+    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
+    const int64_t page_stride = token_stride * page_size;
+    const size_t qd = (size_t)num_q_heads * head_dim;
+    float *q = (float *)malloc(sizeof(float) * (2 * qd + (size_t)num_q_heads * (size_t)len + 2 * num_q_heads));
+    if (q == NULL) return 1;
+    float *acc = q + qd;
+    float *scores = acc + qd;
+    float *row_max = scores + (size_t)num_q_heads * len;
+    float *denom = row_max + num_q_heads;
+    const float *src = query + row * q_row_stride;
+    for (size_t i = 0; i < qd; ++i) q[i] = src[i] * scale;
+    memset(acc, 0, sizeof(float) * qd);
+    /* pass 1: each token's K row (all heads) is one contiguous read */
+    for (int t = 0; t < len; ++t) {
+        const float *k = k_cache + seq_pages[t / page_size] * page_stride +
+                         (int64_t)(t % page_size) * token_stride;
+        for (int h = 0; h < num_kv_heads; ++h) {
+            for (int g = 0; g < group; ++g) {
+                const float *qr = q + (size_t)(h * group + g) * head_dim;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int d = 0; d < head_dim; ++d) dot += qr[d] * k[h * head_dim + d];
+                scores[(int64_t)(h * group + g) * len + t] = dot;
+            }
+        }
+    }
+    for (int r = 0; r < num_q_heads; ++r) {
+        float *scores_r = scores + (int64_t)r * len;
+        float m = -FLT_MAX;
+        for (int t = 0; t < len; ++t) m = scores_r[t] > m ? scores_r[t] : m;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int t = 0; t < len; ++t) {
+            scores_r[t] = expf(scores_r[t] - m);
+            sum += scores_r[t];
+        }
+        row_max[r] = m;
+        denom[r] = sum;
+    }
+    /* pass 2: weighted sum of V rows, same streaming order */
+    for (int t = 0; t < len; ++t) {
+        const float *v = v_cache + seq_pages[t / page_size] * page_stride +
+                         (int64_t)(t % page_size) * token_stride;
+        for (int h = 0; h < num_kv_heads; ++h) {
+            for (int g = 0; g < group; ++g) {
+                const float p = scores[(int64_t)(h * group + g) * len + t];
+                float *a = acc + (size_t)(h * group + g) * head_dim;
+#pragma omp simd
+                for (int d = 0; d < head_dim; ++d) a[d] += p * v[h * head_dim + d];
+            }
+        }
+    }
+    float *dst = out + row * out_row_stride;
+    for (int r = 0; r < num_q_heads; ++r) {
+        const float inv = 1.0f / denom[r];
+        for (int d = 0; d < head_dim; ++d) dst[r * head_dim + d] = acc[r * head_dim + d] * inv;
+        if (lse_row != NULL) lse_row[r] = row_max[r] + logf(denom[r]);
+    }
+    free(q);
+    return 0;
+}
+
 /*
  * query:   row r, query head h at query + r * q_row_stride + h * head_dim
  * pages:   [num_seqs, max_pages] int64 page ids of each sequence, from its first token
@@ -97,18 +171,54 @@ static inline __attribute__((always_inline)) int attend_item(
  * rows:    [num_seqs] query row of each sequence
  * out:     row r, head h at out + r * out_row_stride + h * head_dim
  * lse:     NULL, or [num_seqs, Hq] log-sum-exp of the scaled scores
+ * num_threads: OpenMP threads to use (torch's intra-op count: the calling thread's own
+ *          OpenMP default may differ when it is not the thread torch configured)
  * returns 0, or -1 when a scratch buffer could not be allocated (out left partly written)
  */
 int pg_paged_decode_f32(const float *query, int64_t q_row_stride, const float *k_cache,
                         const float *v_cache, const int64_t *pages, int64_t max_pages,
                         const int32_t *lengths, const int64_t *rows, float *out,
                         int64_t out_row_stride, float *lse, int num_seqs, int num_q_heads,
-                        int num_kv_heads, int head_dim, int page_size, float scale) {
+                        int num_kv_heads, int head_dim, int page_size, float scale,
+                        int num_threads) {
     const int group = num_q_heads / num_kv_heads;
-    const int num_items = num_seqs * num_kv_heads;
     int failed = 0;
+    if (num_threads < 1) num_threads = 1;
 
-#pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
+    if (num_seqs >= 2 * num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) reduction(| : failed)
+        for (int s = 0; s < num_seqs; ++s) {
+            const int64_t *seq_pages = pages + (int64_t)s * max_pages;
+            float *lse_row = lse != NULL ? lse + (int64_t)s * num_q_heads : NULL;
+#define PG_SEQ(G, D)                                                                         \
+    attend_sequence(G, D, num_kv_heads, query, q_row_stride, k_cache, v_cache, seq_pages,    \
+                    lengths[s], rows[s], out, out_row_stride, lse_row, page_size, scale)
+#define PG_SEQ_CASES(D)                                     \
+    case D:                                                 \
+        switch (group) {                                    \
+            case 1: failed |= PG_SEQ(1, D); continue;       \
+            case 2: failed |= PG_SEQ(2, D); continue;       \
+            case 3: failed |= PG_SEQ(3, D); continue;       \
+            case 4: failed |= PG_SEQ(4, D); continue;       \
+            case 8: failed |= PG_SEQ(8, D); continue;       \
+            default: break;                                 \
+        }                                                   \
+        break;
+            switch (head_dim) {
+                PG_SEQ_CASES(64)
+                PG_SEQ_CASES(128)
+                default: break;
+            }
+            failed |= PG_SEQ(group, head_dim);
+#undef PG_SEQ_CASES
+#undef PG_SEQ
+        }
+        return failed ? -1 : 0;
+    }
+
+    const int num_items = num_seqs * num_kv_heads;
+
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) reduction(| : failed)
     for (int item = 0; item < num_items; ++item) {
         const int s = item / num_kv_heads;
         const int h = item % num_kv_heads;

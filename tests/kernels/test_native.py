@@ -42,13 +42,24 @@ def test_builds_and_loads_here() -> None:
     assert native_status().startswith("native (")
 
 
-@pytest.mark.parametrize("group_size", [1, 3, 8])
+# specialised (group, head_dim) pairs of the C dispatch and generic ones (5 / 32, 96)
+@pytest.mark.parametrize(
+    ("group_size", "head_dim"), [(1, 64), (3, 64), (8, 128), (2, 128), (5, 32), (3, 96)]
+)
 @pytest.mark.parametrize("page_size", [16, 32])
-def test_decode_matches_naive_and_reads_only_the_context(group_size: int, page_size: int) -> None:
+@pytest.mark.parametrize("num_threads", [1, 8])  # 6 sequences: per-sequence / per-head items
+def test_decode_matches_naive_and_reads_only_the_context(
+    group_size: int, head_dim: int, page_size: int, num_threads: int
+) -> None:
     # ragged lengths incl. one token, a page boundary, one past it; NaN everywhere else
     lens = [1, 16, 17, 45, 100, 64]
     batch = make_paged_batch(
-        lens, [1] * len(lens), group_size=group_size, page_size=page_size, garbage=float("nan")
+        lens,
+        [1] * len(lens),
+        group_size=group_size,
+        head_dim=head_dim,
+        page_size=page_size,
+        garbage=float("nan"),
     )
     chunk = _decode_inputs(batch)
     out = torch.full_like(batch.query, float("nan"))
