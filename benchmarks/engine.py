@@ -173,21 +173,27 @@ def suffix_floor(runner: ModelRunner, prompt: list[int], cached: int) -> float:
     samples = []
     for _ in range(3):
         t = time.perf_counter()
-        runner.execute([SeqChunk(prompt[cached:], cached, table, True)])
+        logits = runner.execute([SeqChunk(prompt[cached:], cached, table, True)])
+        logits.cpu()  # waits for the device (a no-op wait on CPU)
         samples.append(time.perf_counter() - t)
     return statistics.median(samples)
 
 
-def transformers_subset(loaded, agents: list[Agent], hf_agents: int) -> tuple[float, dict[int, float]]:
+def transformers_subset(
+    loaded, agents: list[Agent], hf_agents: int, device: str = "cpu"
+) -> tuple[float, dict[int, float]]:
     from transformers import AutoModelForCausalLM
 
     path = loaded.path
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    # the same dtype as ours: fp32 on CPU, bf16 on GPU
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    model = model.to(device).eval()
     per_turn: dict[int, list[float]] = {t: [] for t in range(NUM_TURNS)}
     with torch.inference_mode():
         for agent in agents[:hf_agents]:
             for turn, rec in enumerate(agent.records):
-                ids = torch.tensor([rec["prompt"]])
+                ids = torch.tensor([rec["prompt"]], device=device)
                 t = time.perf_counter()
                 model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
                                min_new_tokens=MAX_TOKENS, do_sample=False)
@@ -200,12 +206,14 @@ def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--hf-agents", type=int, default=3, help="agents replayed through transformers (x3 turns)")
     parser.add_argument("--num-pages", type=int, default=4096)
+    parser.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
     parser.add_argument("--tool-latency-s", type=float, default=1.0,
                         help="mean tool pause between turns in the second cached run (exponential)")
     args = parser.parse_args()
     loaded = load_model(None)
     tok = loaded.tokenizer
-    common = dict(num_pages=args.num_pages, page_size=16, device="cpu", max_num_batched_tokens=2048)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    common = dict(num_pages=args.num_pages, page_size=16, device=device, max_num_batched_tokens=2048)
 
     cached_engine, info = create_llm_engine(EngineConfig(**common), loaded=loaded)
     cached = run_swarm(cached_engine, tok)
@@ -244,7 +252,7 @@ def main() -> None:
     ]
 
     hf_agents = max(3, args.hf_agents)
-    wall_hf, hf_means = transformers_subset(loaded, cached["agents"], hf_agents)
+    wall_hf, hf_means = transformers_subset(loaded, cached["agents"], hf_agents, device)
     results = {
         "workload": f"{NUM_AGENTS} agents x {NUM_TURNS} turns, ~2k shared system prompt, {MAX_TOKENS} output tokens",
         "system_prompt_tokens": len(tok.apply_chat_template(cached["agents"][0].messages[:1], add_generation_prompt=False)),

@@ -169,6 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
         "device": str(device),
         "gpu_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "backend": backend,
+        "native_cpu_decode": device.type == "cpu" and dtype == torch.float32 and kernels.native_decode_available(),
         "workload": {
             "batch": args.batch,
             "context": args.context,
