@@ -114,24 +114,12 @@ def _library() -> ctypes.CDLL | None:
     else:
         fn = lib.pg_paged_decode_f32
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        # the C signature, in order (kernels/csrc/paged_decode.c)
         fn.argtypes = [
-            p,
-            i64,
-            p,
-            p,
-            p,
-            i64,
-            p,
-            p,
-            p,
-            i64,
-            p,
-            i32,
-            i32,
-            i32,
-            i32,
-            i32,
-            ctypes.c_float,
+            *(p, i64, p, p, p, i64, p, p, p, i64, p),  # tensors and strides
+            *(i32, i32, i32, i32, i32, ctypes.c_float),  # sizes and scale
+            i32,  # num_threads
+            i64,  # num_pages
         ]
         fn.restype = ctypes.c_int
         limits = (ctypes.c_int(), ctypes.c_int())
@@ -215,7 +203,13 @@ def paged_decode_native(
         page_size,
         scale,
         num_threads or torch.get_num_threads(),
+        k_cache.shape[0],
     )
+    if rc == -2:
+        raise ValueError(
+            "paged decode: a context length < 1, or a page id outside the pool "
+            f"[0, {k_cache.shape[0]}) in the block tables"
+        )
     if rc != 0:
         raise MemoryError("native decode kernel could not allocate its score buffer")
     return True

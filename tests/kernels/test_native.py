@@ -150,3 +150,56 @@ def test_no_compiler_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path) -> No
         monkeypatch.undo()
         native._library.cache_clear()
     assert native_decode_available()
+
+
+@pytest.mark.parametrize("num_threads", [1, 8])
+def test_bad_addressing_is_an_error_not_a_stray_read(num_threads: int) -> None:
+    batch = make_paged_batch([40, 20, 9, 33], [1, 1, 1, 1], group_size=2, seed=4)
+    chunk = _decode_inputs(batch)
+    num_pages = batch.k_cache.shape[0]
+    out = torch.zeros_like(batch.query)
+    for bad_page in (num_pages, -1, 1 << 40):
+        pages = chunk.pages.clone()
+        pages[1, 0] = bad_page
+        with pytest.raises(ValueError, match="outside the pool"):
+            paged_decode_native(
+                out,
+                batch.query,
+                batch.k_cache,
+                batch.v_cache,
+                chunk.rows,
+                pages,
+                chunk.lengths,
+                batch.scale,
+                None,
+                num_threads,
+            )
+    lengths = chunk.lengths.clone()
+    lengths[2] = 0
+    with pytest.raises(ValueError, match="length < 1"):
+        paged_decode_native(
+            out,
+            batch.query,
+            batch.k_cache,
+            batch.v_cache,
+            chunk.rows,
+            chunk.pages,
+            lengths,
+            batch.scale,
+            None,
+            num_threads,
+        )
+    assert out.abs().sum() == 0  # rejected before anything was written
+    # the same tensors with valid addressing go through
+    assert paged_decode_native(
+        out,
+        batch.query,
+        batch.k_cache,
+        batch.v_cache,
+        chunk.rows,
+        chunk.pages,
+        chunk.lengths,
+        batch.scale,
+        None,
+        num_threads,
+    )
