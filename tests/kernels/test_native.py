@@ -37,6 +37,22 @@ def _decode_inputs(batch):
     return plan.padded[0]
 
 
+def _run(batch, chunk, out, *, pages=None, lengths=None, lse=None, num_threads=None) -> bool:
+    """``paged_decode_native`` on a test batch's decode chunk, with optional overrides."""
+    return paged_decode_native(
+        out,
+        batch.query,
+        batch.k_cache,
+        batch.v_cache,
+        chunk.rows,
+        chunk.pages if pages is None else pages,
+        chunk.lengths if lengths is None else lengths,
+        batch.scale,
+        lse,
+        num_threads,
+    )
+
+
 def test_builds_and_loads_here() -> None:
     assert native_decode_available(), native_status()
     assert native_status().startswith("native (")
@@ -64,17 +80,7 @@ def test_decode_matches_naive_and_reads_only_the_context(
     chunk = _decode_inputs(batch)
     out = torch.full_like(batch.query, float("nan"))
     lse = torch.empty(len(lens), batch.query.shape[1])
-    assert paged_decode_native(
-        out,
-        batch.query,
-        batch.k_cache,
-        batch.v_cache,
-        chunk.rows,
-        chunk.pages,
-        chunk.lengths,
-        batch.scale,
-        lse,
-    )
+    assert _run(batch, chunk, out, lse=lse, num_threads=num_threads)
     torch.testing.assert_close(out.double(), naive_paged_attention(batch), **FP32_CPU)
     # the log-sum-exp the cascade merge relies on
     for row, ctx in enumerate(chunk.lengths.tolist()):
@@ -162,44 +168,11 @@ def test_bad_addressing_is_an_error_not_a_stray_read(num_threads: int) -> None:
         pages = chunk.pages.clone()
         pages[1, 0] = bad_page
         with pytest.raises(ValueError, match="outside the pool"):
-            paged_decode_native(
-                out,
-                batch.query,
-                batch.k_cache,
-                batch.v_cache,
-                chunk.rows,
-                pages,
-                chunk.lengths,
-                batch.scale,
-                None,
-                num_threads,
-            )
+            _run(batch, chunk, out, pages=pages, num_threads=num_threads)
     lengths = chunk.lengths.clone()
     lengths[2] = 0
     with pytest.raises(ValueError, match="length < 1"):
-        paged_decode_native(
-            out,
-            batch.query,
-            batch.k_cache,
-            batch.v_cache,
-            chunk.rows,
-            chunk.pages,
-            lengths,
-            batch.scale,
-            None,
-            num_threads,
-        )
+        _run(batch, chunk, out, lengths=lengths, num_threads=num_threads)
     assert out.abs().sum() == 0  # rejected before anything was written
     # the same tensors with valid addressing go through
-    assert paged_decode_native(
-        out,
-        batch.query,
-        batch.k_cache,
-        batch.v_cache,
-        chunk.rows,
-        chunk.pages,
-        chunk.lengths,
-        batch.scale,
-        None,
-        num_threads,
-    )
+    assert _run(batch, chunk, out, num_threads=num_threads)
