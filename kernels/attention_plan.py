@@ -182,27 +182,44 @@ def _shared_runs(
     lens: list[int],
     page_size: int,
 ) -> list[tuple[list[int], int]]:
-    """Groups of decode sequences starting with the same pages, and the run length in pages."""
-    by_first_page: dict[int, list[int]] = {}
-    for s in decode:
-        if lens[s] > page_size:  # at least one whole page before the last one
-            by_first_page.setdefault(int(block_tables[s][0]), []).append(s)
-    groups: list[tuple[list[int], int]] = []
-    for members in by_first_page.values():
-        if len(members) < 2:
-            continue
-        # whole pages strictly before every member's last page (which it writes this step)
-        n_shared = (min(lens[s] for s in members) - 1) // page_size
-        first = block_tables[members[0]]
-        for s in members[1:]:
-            table = block_tables[s]
-            same = 0
-            while same < n_shared and table[same] == first[same]:
-                same += 1
-            n_shared = same
-        if (len(members) - 1) * n_shared * page_size >= MIN_SHARED_SAVING_TOKENS:
-            groups.append((members, n_shared))
-    return groups
+    """Groups of decode sequences starting with the same pages, and each group's run in pages.
+
+    Tables sorted lexicographically put sequences with long common runs next to each other;
+    a group is a stretch of that order, its run the smallest common run of neighbours in it.
+    Each stretch is either kept whole or split at its weakest link, whichever saves more
+    re-read tokens, so one sequence that shares only the first page does not cut the run of
+    the 15 that share 125 (a Cartesian-tree split over the neighbour runs).
+    """
+    # whole pages strictly before each sequence's last page (which it writes this step)
+    caps = {s: (lens[s] - 1) // page_size for s in decode}
+    order = sorted(
+        (s for s in decode if caps[s] > 0), key=lambda s: list(block_tables[s][: caps[s]])
+    )
+    if len(order) < 2:
+        return []
+    links: list[int] = []  # links[i]: common run of order[i] and order[i + 1], in pages
+    for a, b in zip(order, order[1:], strict=False):
+        limit, table_a, table_b = min(caps[a], caps[b]), block_tables[a], block_tables[b]
+        same = 0
+        while same < limit and table_a[same] == table_b[same]:
+            same += 1
+        links.append(same)
+
+    def best(lo: int, hi: int) -> tuple[int, list[tuple[int, int, int]]]:
+        """Most tokens saved by grouping order[lo..hi], and the (lo, hi, run) stretches."""
+        if lo == hi:
+            return 0, []
+        weakest = min(range(lo, hi), key=links.__getitem__)
+        run = links[weakest]
+        whole = (hi - lo) * run * page_size
+        left, left_groups = best(lo, weakest)
+        right, right_groups = best(weakest + 1, hi)
+        if whole >= MIN_SHARED_SAVING_TOKENS and whole >= left + right:
+            return whole, [(lo, hi, run)]
+        return left + right, left_groups + right_groups
+
+    _, stretches = best(0, len(order) - 1)
+    return [(order[lo : hi + 1], run) for lo, hi, run in stretches]
 
 
 def _padded(

@@ -33,7 +33,10 @@ logger = logging.getLogger(__name__)
 
 NATIVE_ENV = "PREFIXGATE_NATIVE_KERNELS"
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
+# NOTE: linked in a separate step WITHOUT -ffast-math: linking a shared object with it pulls in
+# crtfastmath.o, whose load-time hook turns on flush-to-zero for the whole process
+LINK_FLAGS = ("-shared", "-fopenmp")
 
 _status = "not loaded yet"
 
@@ -63,32 +66,28 @@ def _cpu_flags() -> str:
 
 def _build(compiler: str) -> Path:
     source = SOURCE.read_bytes()
+    flags = " ".join(COMPILE_FLAGS + LINK_FLAGS).encode()
     key = hashlib.sha256(
-        b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(), _cpu_flags().encode()])
+        b"\0".join([source, flags, compiler.encode(), _cpu_flags().encode()])
     ).hexdigest()[:16]
     target = _cache_dir() / f"paged_decode-{platform.machine()}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # build next to the target, then rename: concurrent processes never load a partial file
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    fd, tmp = tempfile.mkstemp(prefix="tmp-paged_decode-", suffix=".so", dir=target.parent)
     os.close(fd)
+    obj = tmp[: -len(".so")] + ".o"
+    run = functools.partial(subprocess.run, check=True, capture_output=True, text=True, timeout=120)
     try:
-        subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        run([compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", obj])
+        run([compiler, *LINK_FLAGS, obj, "-o", tmp, "-lm"])
+        os.chmod(tmp, 0o755)  # loadable by every user sharing the cache directory
         os.replace(tmp, target)
-        # builds of older sources are dead weight (a process still using one keeps its mapping)
-        for stale in target.parent.glob(f"paged_decode-{platform.machine()}-*.so"):
-            if stale != target:
-                stale.unlink(missing_ok=True)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for leftover in (tmp, obj):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
     return target
 
 
@@ -120,6 +119,7 @@ def _library() -> ctypes.CDLL | None:
             *(i32, i32, i32, i32, i32, ctypes.c_float),  # sizes and scale
             i32,  # num_threads
             i64,  # num_pages
+            i64,  # num_rows
         ]
         fn.restype = ctypes.c_int
         limits = (ctypes.c_int(), ctypes.c_int())
@@ -158,6 +158,10 @@ def paged_decode_native(
     Returns False (and touches nothing) when the kernel is unavailable or the inputs are not
     what it handles (non-fp32, non-CPU, non-contiguous, group or head dim too large): the
     caller then runs the torch path.
+
+    Raises:
+        ValueError: shapes that do not fit together, a length < 1, a page id outside the
+            pool or a row outside ``query`` (checked before anything is read or written).
     """
     if (
         query.device.type != "cpu"
@@ -171,6 +175,25 @@ def paged_decode_native(
         return False
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    batch = rows.shape[0]
+    if (
+        out.shape != query.shape
+        or v_cache.shape != k_cache.shape
+        or v_cache.dtype != k_cache.dtype
+        or k_cache.shape[3] != head_dim
+        or num_q_heads % num_kv_heads
+        or rows.dim() != 1
+        or pages.dim() != 2
+        or pages.shape[0] != batch
+        or lengths.shape != (batch,)
+        or (lse is not None and lse.numel() != batch * num_q_heads)
+    ):
+        raise ValueError(
+            "paged decode: inconsistent shapes: query/out "
+            f"{tuple(query.shape)}/{tuple(out.shape)}, k/v cache {tuple(k_cache.shape)}/"
+            f"{tuple(v_cache.shape)}, rows {tuple(rows.shape)}, pages {tuple(pages.shape)}, "
+            f"lengths {tuple(lengths.shape)}, lse {None if lse is None else tuple(lse.shape)}"
+        )
     if (
         num_q_heads // num_kv_heads > lib.max_group
         or head_dim > lib.max_head_dim
@@ -204,11 +227,12 @@ def paged_decode_native(
         scale,
         num_threads or torch.get_num_threads(),
         k_cache.shape[0],
+        query.shape[0],
     )
     if rc == -2:
         raise ValueError(
-            "paged decode: a context length < 1, or a page id outside the pool "
-            f"[0, {k_cache.shape[0]}) in the block tables"
+            "paged decode: a context length < 1, a page id outside the pool "
+            f"[0, {k_cache.shape[0]}) or a query row outside [0, {query.shape[0]})"
         )
     if rc != 0:
         raise MemoryError("native decode kernel could not allocate its score buffer")

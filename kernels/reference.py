@@ -76,9 +76,14 @@ def paged_attention_ref(
             kv_row_elems=k_cache.shape[2] * k_cache.shape[3],
             device=query.device,
         )
+    starts, lens = plan.starts, plan.lens
+    if len(lens) != seq_lens.shape[0] or starts[-1] > query.shape[0]:
+        raise ValueError(
+            f"attention plan for {len(lens)} sequences / {starts[-1]} query rows does not fit "
+            f"{seq_lens.shape[0]} sequences / {query.shape[0]} rows"
+        )
     # dense rows even when query is a strided view (q sliced out of a fused qkv)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    starts, lens = plan.starts, plan.lens
     for s in plan.prefill:
         out[starts[s] : starts[s + 1]] = _prefill_one(
             query[starts[s] : starts[s + 1]], k_cache, v_cache, block_tables[s], lens[s], scale
@@ -171,10 +176,14 @@ def _decode_shared_prefix(
     scale: float,
 ) -> None:
     """Cascade attention: all members' rows against the shared run at once, then each member
-    against its own pages, merged exactly by log-sum-exp."""
+    against its own pages, merged exactly by log-sum-exp.
+
+    Both partial results stay in fp32 until the merge (a bf16/fp16 cache is upcast here), so
+    the split adds no rounding step of the cache's dtype.
+    """
     page_size, num_kv_heads, head_dim = k_cache.shape[1:]
     suffix = group.suffix
-    q = _grouped_decode_query(query, suffix.rows, num_kv_heads, k_cache.dtype)  # [B, Hkv, G, D]
+    q = _grouped_decode_query(query, suffix.rows, num_kv_heads, torch.float32)  # [B, Hkv, G, D]
     batch, _, group_size, _ = q.shape
     # shared run: one "sequence" of B*G query rows per KV head
     if group.shared_first_page is not None:
@@ -187,6 +196,7 @@ def _decode_shared_prefix(
         v_run = gather_pages(v_cache, group.shared_pages, "v_shared")
     k_run = k_run.reshape(group.shared_len, num_kv_heads, head_dim).transpose(0, 1)[None]
     v_run = v_run.reshape(group.shared_len, num_kv_heads, head_dim).transpose(0, 1)[None]
+    k_run, v_run = k_run.float(), v_run.float()  # no-ops for the fp32 cache
     q_run = q.transpose(0, 1).reshape(1, num_kv_heads, batch * group_size, head_dim)
     o_run, lse_run = _sdpa_with_lse(q_run, k_run, v_run, None, scale)  # [1, Hkv, B*G, (D)]
     o_run = o_run[0].view(num_kv_heads, batch, group_size, head_dim).transpose(0, 1)
@@ -195,8 +205,8 @@ def _decode_shared_prefix(
     o_own, lse_own = _own_pages_with_lse(k_cache, v_cache, suffix, q, scale)
     # softmax over the union = the two partial softmaxes weighted by their share of the mass
     lse = torch.logaddexp(lse_run, lse_own)
-    merged = o_run.float() * torch.exp(lse_run - lse)[..., None]
-    merged += o_own.float() * torch.exp(lse_own - lse)[..., None]
+    merged = o_run * torch.exp(lse_run - lse)[..., None]
+    merged += o_own * torch.exp(lse_own - lse)[..., None]
     out[suffix.rows] = merged.reshape(batch, *out.shape[1:]).to(out.dtype)
 
 
@@ -207,18 +217,19 @@ def _own_pages_with_lse(
     q: torch.Tensor,  # [B, Hkv, G, D], contiguous: row b is sequence b of the suffix
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [B, Hkv, G, D], [B, Hkv, G]
-    """Each member's query rows over its own pages, with the log-sum-exp for the merge."""
+    """Each member's fp32 query rows over its own pages, with the log-sum-exp for the merge."""
     batch, num_kv_heads, group_size, head_dim = q.shape
-    flat_q = q.view(batch, num_kv_heads * group_size, head_dim)
-    out = torch.empty_like(flat_q)
-    lse = torch.empty(batch, num_kv_heads * group_size, dtype=torch.float32)
-    rows = torch.arange(batch)
-    if paged_decode_native(
-        out, flat_q, k_cache, v_cache, rows, suffix.pages, suffix.lengths, scale, lse
-    ):
-        return out.view(q.shape), lse.view(batch, num_kv_heads, group_size)
+    if q.device.type == "cpu" and k_cache.dtype == torch.float32:
+        flat_q = q.view(batch, num_kv_heads * group_size, head_dim)
+        out = torch.empty_like(flat_q)
+        lse = torch.empty(batch, num_kv_heads * group_size, dtype=torch.float32)
+        rows = torch.arange(batch)
+        if paged_decode_native(
+            out, flat_q, k_cache, v_cache, rows, suffix.pages, suffix.lengths, scale, lse
+        ):
+            return out.view(q.shape), lse.view(batch, num_kv_heads, group_size)
     k, v = _gather_context(k_cache, v_cache, suffix.pages, suffix.ctx_len, "_suffix")
-    return _sdpa_with_lse(q, k, v, suffix.key_mask, scale)
+    return _sdpa_with_lse(q, k.float(), v.float(), suffix.key_mask, scale)
 
 
 def _sdpa_with_lse(

@@ -172,26 +172,28 @@ static inline __attribute__((always_inline)) int attend_sequence(
  * out:     row r, head h at out + r * out_row_stride + h * head_dim
  * lse:     NULL, or [num_seqs, Hq] log-sum-exp of the scaled scores
  * num_pages: pool size; every page id read must be in [0, num_pages)
+ * num_rows: rows of query and out; every rows[s] must be in [0, num_rows)
  * num_threads: OpenMP threads to use (torch's intra-op count: the calling thread's own
  *          OpenMP default may differ when it is not the thread torch configured)
  * returns 0; -1 when a scratch buffer could not be allocated (out left partly written); -2
- *          when a length is < 1 or a page id is out of range (nothing written)
+ *          when a length is < 1, a page id or a row is out of range (nothing written)
  */
 int pg_paged_decode_f32(const float *query, int64_t q_row_stride, const float *k_cache,
                         const float *v_cache, const int64_t *pages, int64_t max_pages,
                         const int32_t *lengths, const int64_t *rows, float *out,
                         int64_t out_row_stride, float *lse, int num_seqs, int num_q_heads,
                         int num_kv_heads, int head_dim, int page_size, float scale,
-                        int num_threads, int64_t num_pages) {
+                        int num_threads, int64_t num_pages, int64_t num_rows) {
     const int group = num_q_heads / num_kv_heads;
     int failed = 0;
     if (num_threads < 1) num_threads = 1;
     /* bad addressing is an error, never an out-of-bounds read */
     for (int s = 0; s < num_seqs; ++s) {
         const int len = lengths[s];
-        if (len < 1 || (int64_t)(len + page_size - 1) / page_size > max_pages) return -2;
+        const int64_t used_pages = ((int64_t)len + page_size - 1) / page_size;
+        if (len < 1 || used_pages > max_pages || rows[s] < 0 || rows[s] >= num_rows) return -2;
         const int64_t *seq_pages = pages + (int64_t)s * max_pages;
-        for (int p = 0; p < (len + page_size - 1) / page_size; ++p)
+        for (int64_t p = 0; p < used_pages; ++p)
             if (seq_pages[p] < 0 || seq_pages[p] >= num_pages) return -2;
     }
 

@@ -133,3 +133,34 @@ def test_plan_rejects_inconsistent_metadata() -> None:
         plan_attention([[0]], [3], [0, 5], page_size=16, kv_row_elems=4)
     with pytest.raises(ValueError, match="block table has 1 pages"):
         plan_attention([[0]], [40], [0, 1], page_size=16, kv_row_elems=4)
+
+
+def test_a_stray_sequence_does_not_cut_the_groups_run() -> None:
+    # 16 agents share 125 pages; a 17th shares only the first page with them
+    shared = list(range(1000, 1125))
+    tables = [shared + [2000 + 2 * i, 2001 + 2 * i] for i in range(16)]
+    tables.append([1000, 5000, 5001, 5002])
+    lens = [125 * 16 + 20] * 16 + [60]
+    plan = plan_attention(tables, lens, list(range(18)), page_size=16, kv_row_elems=64)
+    assert [(g.suffix.rows.tolist(), g.shared_len) for g in plan.shared] == [
+        (list(range(16)), 125 * 16)
+    ]
+    assert [chunk.rows.tolist() for chunk in plan.padded] == [[16]]
+
+
+def test_nested_sharing_picks_the_larger_saving() -> None:
+    # four sequences share 40 pages; two pairs of them share 60 more each: two pair groups
+    # (1 x 100 pages saved each) beat one group of four (3 x 40 pages)
+    base = list(range(40))
+    pair_a, pair_b = list(range(100, 160)), list(range(200, 260))
+    tables = [
+        base + pair_a + [300],
+        base + pair_a + [301],
+        base + pair_b + [302],
+        base + pair_b + [303],
+    ]
+    lens = [101 * 16 - 3] * 4
+    plan = plan_attention(tables, lens, list(range(5)), page_size=16, kv_row_elems=64)
+    groups = sorted((g.suffix.rows.tolist(), g.shared_len) for g in plan.shared)
+    assert groups == [([0, 1], 100 * 16), ([2, 3], 100 * 16)]
+    assert not plan.padded

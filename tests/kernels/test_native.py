@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +22,7 @@ from tests.kernels.paged_case import (
 )
 
 FP32_CPU = {"atol": 2e-6, "rtol": 1e-5}
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None, reason="needs a C compiler"
@@ -37,14 +42,16 @@ def _decode_inputs(batch):
     return plan.padded[0]
 
 
-def _run(batch, chunk, out, *, pages=None, lengths=None, lse=None, num_threads=None) -> bool:
+def _run(
+    batch, chunk, out, *, rows=None, pages=None, lengths=None, lse=None, num_threads=None
+) -> bool:
     """``paged_decode_native`` on a test batch's decode chunk, with optional overrides."""
     return paged_decode_native(
         out,
         batch.query,
         batch.k_cache,
         batch.v_cache,
-        chunk.rows,
+        chunk.rows if rows is None else rows,
         chunk.pages if pages is None else pages,
         chunk.lengths if lengths is None else lengths,
         batch.scale,
@@ -173,6 +180,44 @@ def test_bad_addressing_is_an_error_not_a_stray_read(num_threads: int) -> None:
     lengths[2] = 0
     with pytest.raises(ValueError, match="length < 1"):
         _run(batch, chunk, out, lengths=lengths, num_threads=num_threads)
+    for bad_row in (batch.query.shape[0], -1):
+        rows = chunk.rows.clone()
+        rows[3] = bad_row
+        with pytest.raises(ValueError, match="query row outside"):
+            _run(batch, chunk, out, rows=rows, num_threads=num_threads)
+    with pytest.raises(ValueError, match="inconsistent shapes"):
+        _run(batch, chunk, out, lengths=chunk.lengths[:2], num_threads=num_threads)
+    with pytest.raises(ValueError, match="inconsistent shapes"):
+        _run(batch, chunk, out, lse=torch.empty(1, 3), num_threads=num_threads)
     assert out.abs().sum() == 0  # rejected before anything was written
     # the same tensors with valid addressing go through
     assert _run(batch, chunk, out, num_threads=num_threads)
+
+
+def test_query_rows_past_the_batch_are_an_error() -> None:
+    batch = make_paged_batch([20, 9], [1, 1], group_size=2)
+    starts = torch.tensor([1_000_000, 1_000_001, 1_000_002], dtype=torch.int32)
+    args = list(batch.args())
+    args[5] = starts
+    with pytest.raises(ValueError, match="does not fit"):
+        paged_attention_ref(*args)
+
+
+def test_loading_the_library_keeps_subnormals() -> None:
+    """Linking a shared object with -ffast-math would turn on flush-to-zero process-wide."""
+    code = (
+        "import torch\n"
+        "from kernels.native import native_decode_available, native_status\n"
+        "assert native_decode_available(), native_status()\n"
+        "assert (torch.tensor([1e-39]) * 1.0).item() != 0.0\n"
+        "assert 5e-324 * 1.0 != 0.0\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
