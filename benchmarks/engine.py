@@ -207,13 +207,16 @@ def main() -> None:
     parser.add_argument("--hf-agents", type=int, default=3, help="agents replayed through transformers (x3 turns)")
     parser.add_argument("--num-pages", type=int, default=4096)
     parser.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="step token budget (default: the engine's, 256 on CPU / 2048 on GPU)")
     parser.add_argument("--tool-latency-s", type=float, default=1.0,
                         help="mean tool pause between turns in the second cached run (exponential)")
     args = parser.parse_args()
     loaded = load_model(None)
     tok = loaded.tokenizer
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    common = dict(num_pages=args.num_pages, page_size=16, device=device, max_num_batched_tokens=2048)
+    common = dict(num_pages=args.num_pages, page_size=16, device=device,
+                  max_num_batched_tokens=args.max_num_batched_tokens)
 
     cached_engine, info = create_llm_engine(EngineConfig(**common), loaded=loaded)
     cached = run_swarm(cached_engine, tok)
@@ -277,6 +280,7 @@ def main() -> None:
         "device": info["device"],
         "kernel_backend": info["kernel_backend"],
         "native_cpu_decode": info["native_cpu_decode"],
+        "max_num_batched_tokens": cached_engine.scheduler.max_num_batched_tokens,
     }
     print_table("engine (benchmarks.engine)", [(k, v) for k, v in results.items() if not isinstance(v, dict)])
     write_json(args.json, results)

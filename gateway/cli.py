@@ -27,7 +27,7 @@ DEFAULTS: dict[str, Any] = {
     "kv_memory": None,
     "num_pages": None,
     "max_model_len": None,
-    "max_num_batched_tokens": 2048,
+    "max_num_batched_tokens": None,
     "max_num_seqs": 64,
     "max_waiting": 256,
     "watermark": 0.10,
@@ -118,7 +118,7 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     sched.add_argument(
         "--max-num-batched-tokens",
         type=_positive_int,
-        help="token budget of one step (default 2048)",
+        help="token budget of one step (default 256 on CPU, 2048 on GPU)",
     )
     sched.add_argument(
         "--max-num-seqs", type=_positive_int, help="running sequences at once (default 64)"

@@ -27,7 +27,7 @@ from gateway.engine.api import (
     TopLogprob,
     Usage,
 )
-from gateway.engine.config import EngineConfig
+from gateway.engine.config import EngineConfig, step_token_budget
 from gateway.engine.sampler import SampleRow, make_generator, sample
 from gateway.engine.scheduler import Scheduler, SchedulerOutput
 from gateway.engine.sequence import SeqStatus, Sequence
@@ -109,7 +109,9 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(
             self.cache,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_batched_tokens=step_token_budget(
+                config, getattr(getattr(runner, "device", None), "type", "cpu")
+            ),
             max_num_seqs=config.max_num_seqs,
             enable_dedup=config.enable_prefix_caching,
         )

@@ -14,7 +14,7 @@ from gateway.engine.api import (
     OverloadedError,
     SamplingParams,
 )
-from gateway.engine.config import EngineConfig
+from gateway.engine.config import EngineConfig, step_token_budget
 from gateway.engine.engine import AsyncEngine
 from gateway.engine.factory import create_llm_engine
 
@@ -221,3 +221,13 @@ def test_async_engine_streams_and_cancel_frees_pages(make_engine, tokenizer):
         assert stats.prefill_tokens_computed > 0 and stats.num_running == 0
     finally:
         engine.shutdown_sync()
+
+
+def test_step_token_budget_defaults_by_device() -> None:
+    assert step_token_budget(EngineConfig(), "cpu") == 256
+    assert step_token_budget(EngineConfig(), "cuda") == 2048
+    # never below the running-sequence cap, and an explicit budget wins
+    assert step_token_budget(EngineConfig(max_num_seqs=300), "cpu") == 300
+    assert step_token_budget(EngineConfig(max_num_batched_tokens=4096), "cpu") == 4096
+    with pytest.raises(ValueError, match="must be >= max_num_seqs"):
+        EngineConfig(max_num_batched_tokens=32, max_num_seqs=64)
