@@ -36,6 +36,7 @@ DEFAULTS: dict[str, Any] = {
     "device": None,
     "dtype": None,
     "kernel_backend": None,
+    "native_kernels": "on",
     "api_key": [],
     "api_keys_file": None,
     "admin_key": None,
@@ -113,6 +114,11 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         "--kernel-backend",
         choices=["triton", "torch"],
         help="default: triton on CUDA, torch on CPU",
+    )
+    model.add_argument(
+        "--native-kernels",
+        choices=["on", "off"],
+        help="CPU fp32: native C decode attention, built on first use with cc (default on)",
     )
     sched = p.add_argument_group("scheduling")
     sched.add_argument(
@@ -259,6 +265,7 @@ def configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerSettings]:
         enable_prefix_caching=values["prefix_caching"] == "on",
         hash_seed=values["hash_seed"],
         kernel_backend=values["kernel_backend"],
+        native_kernels=values["native_kernels"] == "on",
     )
     settings = ServerSettings(
         host=values["host"],

@@ -83,6 +83,7 @@ class AttentionPlan:
         prefill: sequences with more than one new row (per-sequence SDPA).
         padded: decode groups for the padded gather path.
         shared: decode groups that share a prefix run of pages.
+        use_native: decode rows may use the native CPU kernel (kernels/native.py).
     """
 
     starts: list[int]
@@ -90,6 +91,7 @@ class AttentionPlan:
     prefill: list[int]
     padded: list[PaddedDecode]
     shared: list[SharedPrefixDecode]
+    use_native: bool = True
 
 
 def plan_attention(
@@ -101,6 +103,7 @@ def plan_attention(
     kv_row_elems: int,
     device: torch.device | str = "cpu",
     share_prefixes: bool = True,
+    use_native: bool = True,
 ) -> AttentionPlan:
     """Plan one step's attention from host-side lists (the runner has them already).
 
@@ -112,6 +115,7 @@ def plan_attention(
         kv_row_elems: ``Hkv * head_dim`` (sizes the gather budget).
         device: where the plan's index tensors live (the cache's device).
         share_prefixes: detect shared page runs among decode rows (cascade attention).
+        use_native: let decode rows use the native CPU kernel where it applies.
 
     Raises:
         ValueError: lengths that do not fit together (rows beyond a context, a table shorter
@@ -173,7 +177,14 @@ def plan_attention(
                 chunk = []
             chunk.append(s)
         padded.append(_padded(chunk, block_tables, lens, starts, page_size, 0, device))
-    return AttentionPlan(starts=starts, lens=lens, prefill=prefill, padded=padded, shared=shared)
+    return AttentionPlan(
+        starts=starts,
+        lens=lens,
+        prefill=prefill,
+        padded=padded,
+        shared=shared,
+        use_native=use_native,
+    )
 
 
 def _shared_runs(

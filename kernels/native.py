@@ -11,7 +11,7 @@ The library is built with the system C compiler on first use into a per-user cac
 keyed by the source, the flags and the CPU's feature flags (it is built with
 ``-march=native``), and loaded with ctypes. No compiler, a failed build, a non-fp32 cache or
 an unsupported shape: the callers fall back to the torch path; the outcome is logged once
-and visible through :func:`native_status`. ``PREFIXGATE_NATIVE_KERNELS=0`` turns it off.
+and visible through :func:`native_status`. ``PREFIXGATE_NATIVE_KERNELS=off`` (or ``prefixgate serve --native-kernels off``) turns it off.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def _build(compiler: str) -> Path:
 def _library() -> ctypes.CDLL | None:
     global _status
     if os.environ.get(NATIVE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        _status = f"disabled ({NATIVE_ENV}=0)"
+        _status = f"disabled ({NATIVE_ENV}={os.environ[NATIVE_ENV]})"
         logger.info("native CPU decode kernel %s", _status)
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")

@@ -89,9 +89,9 @@ def paged_attention_ref(
             query[starts[s] : starts[s + 1]], k_cache, v_cache, block_tables[s], lens[s], scale
         )
     for chunk in plan.padded:
-        _decode_padded(out, query, k_cache, v_cache, chunk, scale)
+        _decode_padded(out, query, k_cache, v_cache, chunk, scale, plan.use_native)
     for group in plan.shared:
-        _decode_shared_prefix(out, query, k_cache, v_cache, group, scale)
+        _decode_shared_prefix(out, query, k_cache, v_cache, group, scale, plan.use_native)
     return out
 
 
@@ -153,10 +153,11 @@ def _decode_padded(
     v_cache: torch.Tensor,
     chunk: PaddedDecode,
     scale: float,
+    use_native: bool = True,
 ) -> None:
     """The single query row of each sequence of a chunk: the native kernel reading pages in
     place when it applies (fp32 on CPU), else one padded gather + masked SDPA."""
-    if paged_decode_native(
+    if use_native and paged_decode_native(
         out, query, k_cache, v_cache, chunk.rows, chunk.pages, chunk.lengths, scale
     ):
         return
@@ -174,6 +175,7 @@ def _decode_shared_prefix(
     v_cache: torch.Tensor,
     group: SharedPrefixDecode,
     scale: float,
+    use_native: bool = True,
 ) -> None:
     """Cascade attention: all members' rows against the shared run at once, then each member
     against its own pages, merged exactly by log-sum-exp.
@@ -202,7 +204,7 @@ def _decode_shared_prefix(
     o_run = o_run[0].view(num_kv_heads, batch, group_size, head_dim).transpose(0, 1)
     lse_run = lse_run[0].view(num_kv_heads, batch, group_size).transpose(0, 1)
     # each member's own pages after the run
-    o_own, lse_own = _own_pages_with_lse(k_cache, v_cache, suffix, q, scale)
+    o_own, lse_own = _own_pages_with_lse(k_cache, v_cache, suffix, q, scale, use_native)
     # softmax over the union = the two partial softmaxes weighted by their share of the mass
     lse = torch.logaddexp(lse_run, lse_own)
     merged = o_run * torch.exp(lse_run - lse)[..., None]
@@ -216,10 +218,11 @@ def _own_pages_with_lse(
     suffix: PaddedDecode,
     q: torch.Tensor,  # [B, Hkv, G, D], contiguous: row b is sequence b of the suffix
     scale: float,
+    use_native: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [B, Hkv, G, D], [B, Hkv, G]
     """Each member's fp32 query rows over its own pages, with the log-sum-exp for the merge."""
     batch, num_kv_heads, group_size, head_dim = q.shape
-    if q.device.type == "cpu" and k_cache.dtype == torch.float32:
+    if use_native and q.device.type == "cpu" and k_cache.dtype == torch.float32:
         flat_q = q.view(batch, num_kv_heads * group_size, head_dim)
         out = torch.empty_like(flat_q)
         lse = torch.empty(batch, num_kv_heads * group_size, dtype=torch.float32)

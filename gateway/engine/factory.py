@@ -35,6 +35,7 @@ def create_llm_engine(
         dtype=config.dtype,
         max_model_len=config.max_model_len,
         kernel_backend=config.kernel_backend,
+        native_kernels=config.native_kernels,
     )
     engine = LLMEngine(
         runner,

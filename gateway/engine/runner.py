@@ -64,6 +64,8 @@ class ModelRunner:
         kernel_backend: "triton" / "torch" / None (kernels' default for the device).
         shared_prefix_attention: torch backend: decode rows whose contexts start with the same
             pages attend to that run once for all of them (kernels/attention_plan.py).
+        native_kernels: torch backend on CPU in fp32: decode rows use the native C kernel
+            (kernels/native.py) when it builds here; False = torch ops only.
     """
 
     def __init__(
@@ -81,6 +83,7 @@ class ModelRunner:
         eos_token_ids: Sequence[int] = (),
         kernel_backend: str | None = None,
         shared_prefix_attention: bool = True,
+        native_kernels: bool = True,
     ) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -135,7 +138,8 @@ class ModelRunner:
         ]
         # fp32 decode rows on CPU run the native kernel when it builds here (kernels/native.py)
         self.native_cpu_decode = (
-            self.device.type == "cpu"
+            native_kernels
+            and self.device.type == "cpu"
             and self.dtype == torch.float32
             and self.kernel_backend == "torch"
             and kernels.native_decode_available()
@@ -244,6 +248,7 @@ class ModelRunner:
                 kv_row_elems=self.config.num_kv_heads * self.config.head_dim,
                 device=self.device,
                 share_prefixes=self.shared_prefix_attention,
+                use_native=self.native_cpu_decode,
             )
         width = max(len(t) for t in tables)
         flat_tables: list[int] = []

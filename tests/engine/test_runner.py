@@ -99,3 +99,23 @@ def test_runner_from_memory_budget_and_max_model_len(loaded_model):
         runner.execute([SeqChunk([1] * 257, 0, list(range(runner.num_pages)), True)])
     logits = runner.execute([SeqChunk([1, 2, 3], 0, [0], True)])
     assert logits.shape == (1, 49152) and logits.dtype == torch.float32
+
+
+def test_native_kernels_switch_reaches_the_attention_plan(model_runner, loaded_model):
+    # the shared runner uses the native CPU decode kernel here (a C compiler is present)
+    assert model_runner.native_cpu_decode
+    plan = model_runner._build_batch([SeqChunk([1], 20, [0, 1], True)]).attention_plan
+    assert plan is not None and plan.use_native
+    off = ModelRunner.from_loaded(loaded_model, num_pages=4, native_kernels=False)
+    assert not off.native_cpu_decode
+    assert not off._build_batch([SeqChunk([1], 20, [0, 1], True)]).attention_plan.use_native
+    # both compute the same decode row
+    prompt = list(range(100, 121))
+    first = off.execute([SeqChunk(prompt, 0, [0, 1], True)])
+    on = ModelRunner.from_loaded(loaded_model, kv_pool=off.kv_pool)
+    assert on.native_cpu_decode
+    nxt = int(first[0].argmax())
+    # the same decode step twice over the same pages (rewriting the same K/V into its slot)
+    a = off.execute([SeqChunk([nxt], len(prompt), [0, 1], True)])
+    b = on.execute([SeqChunk([nxt], len(prompt), [0, 1], True)])
+    assert (a - b).abs().max().item() < 1e-4

@@ -221,3 +221,20 @@ def test_loading_the_library_keeps_subnormals() -> None:
         timeout=120,
     )
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_a_plan_without_native_uses_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    batch = make_shared_prefix_batch(40, [5, 16, 3], group_size=3, seed=6)
+    plan = plan_attention(
+        batch.block_tables.tolist(),
+        batch.seq_lens.tolist(),
+        batch.query_start_loc.tolist(),
+        page_size=16,
+        kv_row_elems=batch.k_cache.shape[2] * batch.k_cache.shape[3],
+        use_native=False,
+    )
+    calls = []
+    monkeypatch.setattr(reference, "paged_decode_native", lambda *a, **k: calls.append(1))
+    out = paged_attention_ref(*batch.args(), plan)
+    assert not calls
+    torch.testing.assert_close(out.double(), naive_paged_attention(batch), **FP32_CPU)
