@@ -154,29 +154,25 @@ def plan_attention(
         for members, n_shared in groups:
             run = [int(p) for p in block_tables[members[0]][:n_shared]]
             contiguous = run == list(range(run[0], run[0] + n_shared))
-            shared.append(
-                SharedPrefixDecode(
-                    shared_pages=torch.tensor(run, dtype=torch.int64, device=device),
-                    shared_first_page=run[0] if contiguous else None,
-                    shared_len=n_shared * page_size,
-                    suffix=_padded(
-                        members, block_tables, lens, starts, page_size, n_shared, device
-                    ),
+            run_pages = torch.tensor(run, dtype=torch.int64, device=device)
+            skip = n_shared * page_size
+            # the members' own pages are gathered on the torch path: keep that under budget
+            for part in _budget_chunks(members, [n - skip for n in lens], kv_row_elems):
+                shared.append(
+                    SharedPrefixDecode(
+                        shared_pages=run_pages,
+                        shared_first_page=run[0] if contiguous else None,
+                        shared_len=skip,
+                        suffix=_padded(
+                            part, block_tables, lens, starts, page_size, n_shared, device
+                        ),
+                    )
                 )
-            )
 
-    padded: list[PaddedDecode] = []
-    if decode:
-        # longest first, so each chunk pads to a similar length
-        decode.sort(key=lambda s: lens[s], reverse=True)
-        chunk: list[int] = []
-        for s in decode:
-            padded_len = lens[chunk[0]] if chunk else lens[s]  # chunk[0] is the longest
-            if chunk and (len(chunk) + 1) * padded_len * kv_row_elems > DECODE_GATHER_BUDGET:
-                padded.append(_padded(chunk, block_tables, lens, starts, page_size, 0, device))
-                chunk = []
-            chunk.append(s)
-        padded.append(_padded(chunk, block_tables, lens, starts, page_size, 0, device))
+    padded = [
+        _padded(chunk, block_tables, lens, starts, page_size, 0, device)
+        for chunk in _budget_chunks(decode, lens, kv_row_elems)
+    ]
     return AttentionPlan(
         starts=starts,
         lens=lens,
@@ -185,6 +181,22 @@ def plan_attention(
         shared=shared,
         use_native=use_native,
     )
+
+
+def _budget_chunks(seqs: list[int], lengths: list[int], kv_row_elems: int) -> list[list[int]]:
+    """``seqs`` longest first (so each chunk pads to a similar length), cut so that one padded
+    gather of a chunk stays under ``DECODE_GATHER_BUDGET`` elements."""
+    chunks: list[list[int]] = []
+    chunk: list[int] = []
+    for s in sorted(seqs, key=lambda s: lengths[s], reverse=True):
+        padded_len = lengths[chunk[0]] if chunk else lengths[s]  # chunk[0] is the longest
+        if chunk and (len(chunk) + 1) * padded_len * kv_row_elems > DECODE_GATHER_BUDGET:
+            chunks.append(chunk)
+            chunk = []
+        chunk.append(s)
+    if chunk:
+        chunks.append(chunk)
+    return chunks
 
 
 def _shared_runs(

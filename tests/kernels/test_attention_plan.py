@@ -68,7 +68,7 @@ def test_groups_split_by_first_page_and_small_runs_stay_padded() -> None:
     tables += [[90, 91, 92, 93, 94], [95, 96, 97], [95, 96, 98]]
     lens += [70, 40, 40]
     plan = plan_attention(tables, lens, list(range(6)), page_size=16, kv_row_elems=64)
-    assert [g.suffix.rows.tolist() for g in plan.shared] == [[0, 1]]
+    assert [sorted(g.suffix.rows.tolist()) for g in plan.shared] == [[0, 1]]
     assert sorted(r for chunk in plan.padded for r in chunk.rows.tolist()) == [2, 3, 4]
 
 
@@ -142,7 +142,7 @@ def test_a_stray_sequence_does_not_cut_the_groups_run() -> None:
     tables.append([1000, 5000, 5001, 5002])
     lens = [125 * 16 + 20] * 16 + [60]
     plan = plan_attention(tables, lens, list(range(18)), page_size=16, kv_row_elems=64)
-    assert [(g.suffix.rows.tolist(), g.shared_len) for g in plan.shared] == [
+    assert [(sorted(g.suffix.rows.tolist()), g.shared_len) for g in plan.shared] == [
         (list(range(16)), 125 * 16)
     ]
     assert [chunk.rows.tolist() for chunk in plan.padded] == [[16]]
@@ -161,6 +161,20 @@ def test_nested_sharing_picks_the_larger_saving() -> None:
     ]
     lens = [101 * 16 - 3] * 4
     plan = plan_attention(tables, lens, list(range(5)), page_size=16, kv_row_elems=64)
-    groups = sorted((g.suffix.rows.tolist(), g.shared_len) for g in plan.shared)
+    groups = sorted((sorted(g.suffix.rows.tolist()), g.shared_len) for g in plan.shared)
     assert groups == [([0, 1], 100 * 16), ([2, 3], 100 * 16)]
     assert not plan.padded
+
+
+def test_a_large_group_is_split_by_the_gather_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    batch = make_shared_prefix_batch(40, [5, 16, 1, 23, 40, 9], group_size=2, seed=11)
+    whole = paged_attention_ref(*batch.args())
+    per_token = batch.k_cache.shape[2] * batch.k_cache.shape[3]
+    monkeypatch.setattr(attention_plan, "DECODE_GATHER_BUDGET", 2 * 40 * per_token)
+    plan = _plan(batch)
+    assert len(plan.shared) == 2  # one shared run, members in two budget-sized parts
+    assert sorted(r for g in plan.shared for r in g.suffix.rows.tolist()) == list(range(6))
+    assert all(g.shared_len == 40 * 16 for g in plan.shared)
+    out = paged_attention_ref(*batch.args(), plan)
+    torch.testing.assert_close(out, whole, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out.double(), naive_paged_attention(batch), **FP32_CPU)
