@@ -64,6 +64,19 @@ def _fraction(text: str) -> float:
     return value
 
 
+_ON, _OFF = ("on", "true", "yes", "1"), ("off", "false", "no", "0")
+
+
+def _on_off(text: str) -> str:
+    """A switch: on/off, also true/false, yes/no, 1/0 (any case); normalised to on/off."""
+    value = text.strip().lower()
+    if value in _ON:
+        return "on"
+    if value in _OFF:
+        return "off"
+    raise argparse.ArgumentTypeError(f"must be on or off, got {text!r}")
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if value <= 0:
@@ -117,7 +130,8 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     )
     model.add_argument(
         "--native-kernels",
-        choices=["on", "off"],
+        type=_on_off,
+        metavar="on|off",
         help="CPU fp32: native C decode attention, built on first use with cc (default on)",
     )
     sched = p.add_argument_group("scheduling")
@@ -139,7 +153,8 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     )
     sched.add_argument(
         "--prefix-caching",
-        choices=["on", "off"],
+        type=_on_off,
+        metavar="on|off",
         help="share cached prefix pages between requests (default on; off = baseline)",
     )
     http = p.add_argument_group("HTTP and auth")

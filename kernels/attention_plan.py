@@ -211,7 +211,7 @@ def _shared_runs(
     a group is a stretch of that order, its run the smallest common run of neighbours in it.
     Each stretch is either kept whole or split at its weakest link, whichever saves more
     re-read tokens, so one sequence that shares only the first page does not cut the run of
-    the 15 that share 125 (a Cartesian-tree split over the neighbour runs).
+    the 15 that share 125 (a Cartesian tree over the neighbour runs, O(n) and iterative).
     """
     # whole pages strictly before each sequence's last page (which it writes this step)
     caps = {s: (lens[s] - 1) // page_size for s in decode}
@@ -228,21 +228,49 @@ def _shared_runs(
             same += 1
         links.append(same)
 
-    def best(lo: int, hi: int) -> tuple[int, list[tuple[int, int, int]]]:
-        """Most tokens saved by grouping order[lo..hi], and the (lo, hi, run) stretches."""
-        if lo == hi:
-            return 0, []
-        weakest = min(range(lo, hi), key=links.__getitem__)
-        run = links[weakest]
-        whole = (hi - lo) * run * page_size
-        left, left_groups = best(lo, weakest)
-        right, right_groups = best(weakest + 1, hi)
-        if whole >= MIN_SHARED_SAVING_TOKENS and whole >= left + right:
-            return whole, [(lo, hi, run)]
-        return left + right, left_groups + right_groups
-
-    _, stretches = best(0, len(order) - 1)
-    return [(order[lo : hi + 1], run) for lo, hi, run in stretches]
+    # Cartesian tree over the links (minimum at the root; ties chain to the right), built with
+    # a monotonic stack in O(n); a node covers sequences lo..hi and splits at its own link.
+    num_links = len(links)
+    left, right = [-1] * num_links, [-1] * num_links
+    stack: list[int] = []
+    for i, link in enumerate(links):
+        last = -1
+        while stack and links[stack[-1]] > link:
+            last = stack.pop()
+        left[i] = last
+        if stack:
+            right[stack[-1]] = i
+        stack.append(i)
+    root = stack[0]
+    # post-order without recursion (thousands of sequences on one prompt make a deep chain)
+    lo, hi = list(range(num_links)), [i + 1 for i in range(num_links)]
+    saved, whole = [0] * num_links, [False] * num_links
+    postorder: list[int] = []
+    pending = [root]
+    while pending:
+        node = pending.pop()
+        postorder.append(node)
+        pending.extend(child for child in (left[node], right[node]) if child >= 0)
+    for node in reversed(postorder):
+        split = 0
+        if left[node] >= 0:
+            lo[node] = lo[left[node]]
+            split += saved[left[node]]
+        if right[node] >= 0:
+            hi[node] = hi[right[node]]
+            split += saved[right[node]]
+        together = (hi[node] - lo[node]) * links[node] * page_size  # (members - 1) * run
+        whole[node] = together >= MIN_SHARED_SAVING_TOKENS and together >= split
+        saved[node] = together if whole[node] else split
+    groups: list[tuple[list[int], int]] = []
+    pending = [root]
+    while pending:
+        node = pending.pop()
+        if whole[node]:
+            groups.append((order[lo[node] : hi[node] + 1], links[node]))
+        else:
+            pending.extend(child for child in (left[node], right[node]) if child >= 0)
+    return groups
 
 
 def _padded(

@@ -11,7 +11,9 @@ The library is built with the system C compiler on first use into a per-user cac
 keyed by the source, the flags and the CPU's feature flags (it is built with
 ``-march=native``), and loaded with ctypes. No compiler, a failed build, a non-fp32 cache or
 an unsupported shape: the callers fall back to the torch path; the outcome is logged once
-and visible through :func:`native_status`. ``PREFIXGATE_NATIVE_KERNELS=off`` (or ``prefixgate serve --native-kernels off``) turns it off.
+and visible through :func:`native_status`. The switch is the runner's ``native_kernels``
+(``prefixgate serve --native-kernels off`` / ``PREFIXGATE_NATIVE_KERNELS=off``), carried to
+the kernels by the attention plan's ``use_native``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-NATIVE_ENV = "PREFIXGATE_NATIVE_KERNELS"
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
 # NOTE: linked in a separate step WITHOUT -ffast-math: linking a shared object with it pulls in
@@ -42,7 +43,7 @@ _status = "not loaded yet"
 
 
 def native_status() -> str:
-    """``"native (<path>)"`` once loaded, else why not (``"disabled ..."``, ``"unavailable: ..."``)."""
+    """``"native (<path>)"`` once loaded, else why not (``"unavailable: ..."``)."""
     return _status
 
 
@@ -94,10 +95,6 @@ def _build(compiler: str) -> Path:
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     global _status
-    if os.environ.get(NATIVE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        _status = f"disabled ({NATIVE_ENV}={os.environ[NATIVE_ENV]})"
-        logger.info("native CPU decode kernel %s", _status)
-        return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         _status = "unavailable: no C compiler (cc/gcc) on PATH"

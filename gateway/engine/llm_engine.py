@@ -110,7 +110,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.cache,
             max_num_batched_tokens=step_token_budget(
-                config, getattr(getattr(runner, "device", None), "type", "cpu")
+                config, torch.device(getattr(runner, "device", "cpu")).type
             ),
             max_num_seqs=config.max_num_seqs,
             enable_dedup=config.enable_prefix_caching,

@@ -134,24 +134,31 @@ class Scheduler:
         pairs: list[tuple[int, int]] = []
         preempted: list[Sequence] = []
 
-        # 1. Running sequences, oldest first: decodes (1 token) and unfinished prefill chunks.
-        for seq in list(self.running):
-            if seq.status is not SeqStatus.RUNNING or budget == 0:
-                continue
-            n = min(seq.num_uncomputed, budget)
-            if n == 0:
-                continue
-            while self.cache.pages_needed(seq.seq_id, n) > self.cache.num_free_pages:
-                victim = self.running[-1]  # latest admitted; never one already scheduled
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is seq:
-                    break
-            if seq.status is not SeqStatus.RUNNING:
-                continue
-            pairs += self.cache.prepare_write(seq.seq_id, n)
-            chunks.append(self._chunk(seq, n))
-            budget -= n
+        # 1. Running sequences, oldest first: every decode (1 token) first, then unfinished
+        # prefill chunks in what is left of the budget. NOTE: decodes are never skipped for
+        # budget: n > 1 forks can put more sequences in `running` than the budget has tokens,
+        # and a skipped decode would wait until older ones finish.
+        scheduled: set[int] = set()
+        for decodes in (True, False):
+            for seq in list(self.running):
+                if seq.status is not SeqStatus.RUNNING or (seq.num_uncomputed == 1) != decodes:
+                    continue
+                n = 1 if decodes else min(seq.num_uncomputed, budget)
+                if n <= 0:
+                    continue
+                while self.cache.pages_needed(seq.seq_id, n) > self.cache.num_free_pages:
+                    # the latest admitted that is not in this step yet (at worst seq itself)
+                    victim = next(v for v in reversed(self.running) if v.seq_id not in scheduled)
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is seq:
+                        break
+                if seq.status is not SeqStatus.RUNNING:
+                    continue
+                pairs += self.cache.prepare_write(seq.seq_id, n)
+                chunks.append(self._chunk(seq, n))
+                scheduled.add(seq.seq_id)
+                budget -= n
 
         # 2. Admit waiting sequences while pages (above the watermark) and budget allow.
         unschedulable: list[Sequence] = []

@@ -151,3 +151,24 @@ def test_a_deferred_request_is_hashed_once_and_extended_after_preemption():
     assert b.status is SeqStatus.RUNNING and b.hashed_blocks[0] is first  # not recomputed
     b.token_ids += [7, 7, 7]
     assert len(s._hashed_blocks(b)) == 11 and s._hashed_blocks(b) == s.cache.hasher.hash_blocks(b.token_ids)
+
+
+def test_forked_decodes_beyond_the_budget_all_advance():
+    """n > 1 forks can put more sequences in `running` than the step budget has tokens; every
+    decode still advances each step (none waits for older ones to finish)."""
+    s = Scheduler(KVCacheManager(64, 4, watermark=0), max_num_batched_tokens=4, max_num_seqs=4)
+    parent = seq(range(10), "p")
+    s.add(parent)
+    while parent.num_computed < parent.num_prompt_tokens:
+        step(s)
+    children = [seq(parent.token_ids, f"c{i}") for i in range(5)]
+    for child in children:
+        s.fork(parent, child)
+    late = seq(range(50, 60), "late")
+    s.add(late)
+    for _ in range(3):
+        out = step(s)
+        assert sorted(c.seq.request_id for c in out.chunks) == ["c0", "c1", "c2", "c3", "c4", "p"]
+        assert all(c.num_tokens == 1 for c in out.chunks)
+    # no budget left for prefill and no room to admit: the late request waits
+    assert late.status is SeqStatus.WAITING

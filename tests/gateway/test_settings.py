@@ -143,7 +143,6 @@ def test_bad_env_value_names_the_variable(capsys):
         cli.build_parser().parse_args(["serve", "--kv-memory", "1", "--num-pages", "10"])
 
 
-
 def test_watermark_and_prefix_caching_reach_the_engine_config():
     engine, _ = resolve(["serve", "--watermark", "0.25"], {"PREFIXGATE_PREFIX_CACHING": "off"})
     assert engine.watermark == 0.25 and engine.enable_prefix_caching is False
@@ -151,3 +150,17 @@ def test_watermark_and_prefix_caching_reach_the_engine_config():
     assert engine.watermark == 0.10 and engine.enable_prefix_caching is True
     with pytest.raises(SystemExit):
         resolve(["serve", "--watermark", "1.5"], {})
+
+
+def test_native_kernels_switch_spellings_and_flag_wins():
+    for spelling in ("off", "OFF", "0", "false", "no"):
+        engine, _ = resolve(["serve"], {"PREFIXGATE_NATIVE_KERNELS": spelling})
+        assert engine.native_kernels is False
+    engine, _ = resolve(["serve"], {})
+    assert engine.native_kernels is True
+    engine, _ = resolve(["serve", "--native-kernels", "on"], {"PREFIXGATE_NATIVE_KERNELS": "0"})
+    assert engine.native_kernels is True
+    engine, _ = resolve(["serve"], {"PREFIXGATE_PREFIX_CACHING": "False"})
+    assert engine.enable_prefix_caching is False
+    with pytest.raises(SystemExit):
+        resolve(["serve"], {"PREFIXGATE_NATIVE_KERNELS": "maybe"})

@@ -178,3 +178,19 @@ def test_a_large_group_is_split_by_the_gather_budget(monkeypatch: pytest.MonkeyP
     out = paged_attention_ref(*batch.args(), plan)
     torch.testing.assert_close(out, whole, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(out.double(), naive_paged_attention(batch), **FP32_CPU)
+
+
+@pytest.mark.parametrize("shape", ["identical", "chain"])
+def test_thousands_of_sequences_on_one_prompt(shape: str) -> None:
+    """No recursion limit and linear work: 3,000 decode rows sharing a long prompt."""
+    count, shared = 3000, list(range(64))
+    if shape == "identical":
+        tables = [shared + [10_000 + i] for i in range(count)]
+    else:  # each conversation branches one page later than the one before
+        tables = [shared + list(range(1000, 1000 + i % 50)) + [10_000 + i] for i in range(count)]
+    lens = [len(t) * 16 - 3 for t in tables]
+    plan = plan_attention(tables, lens, list(range(count + 1)), page_size=16, kv_row_elems=64)
+    members = sorted(r for g in plan.shared for r in g.suffix.rows.tolist())
+    padded = sorted(r for c in plan.padded for r in c.rows.tolist())
+    assert sorted(members + padded) == list(range(count))  # each row exactly once
+    assert min(g.shared_len for g in plan.shared) >= 64 * 16

@@ -136,18 +136,6 @@ def test_declines_what_it_does_not_handle() -> None:
     assert out.abs().sum() == 0  # nothing written when declined
 
 
-def test_disabled_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(native.NATIVE_ENV, "0")
-    native._library.cache_clear()
-    try:
-        assert not native_decode_available()
-        assert native_status().startswith("disabled")
-    finally:
-        monkeypatch.delenv(native.NATIVE_ENV)
-        native._library.cache_clear()
-    assert native_decode_available()
-
-
 def test_no_compiler_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv("PREFIXGATE_CACHE_DIR", str(tmp_path))  # nothing cached there
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
