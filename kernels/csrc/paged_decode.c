@@ -27,6 +27,25 @@ int pg_limits(int *max_group, int *max_head_dim) {
     return 0;
 }
 
+/* Each of `rows` score rows of length `len`, in place: exp(score - row max); the row max and
+ * the sum of the numerators go to row_max / denom (softmax = numerator / denom). */
+static inline void softmax_numerators(float *scores, int rows, int len, float *row_max,
+                                      float *denom) {
+    for (int r = 0; r < rows; ++r) {
+        float *row = scores + (int64_t)r * len;
+        float m = -FLT_MAX;
+        for (int t = 0; t < len; ++t) m = row[t] > m ? row[t] : m;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int t = 0; t < len; ++t) {
+            row[t] = expf(row[t] - m);
+            sum += row[t];
+        }
+        row_max[r] = m;
+        denom[r] = sum;
+    }
+}
+
 /* One (sequence, KV head) work item. Always inlined into call sites whose group and
  * head_dim are compile-time constants (see the dispatch below), so the per-row accumulators
  * live in vector registers and the D-loops unroll; the generic call site covers the rest. */
@@ -59,21 +78,8 @@ static inline __attribute__((always_inline)) int attend_item(
             scores[g * len + t] = dot;
         }
     }
-    /* softmax numerators in place */
     float denom[MAX_GROUP], row_max[MAX_GROUP];
-    for (int g = 0; g < group; ++g) {
-        float *scores_g = scores + (int64_t)g * len;
-        float m = -FLT_MAX;
-        for (int t = 0; t < len; ++t) m = scores_g[t] > m ? scores_g[t] : m;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int t = 0; t < len; ++t) {
-            scores_g[t] = expf(scores_g[t] - m);
-            sum += scores_g[t];
-        }
-        row_max[g] = m;
-        denom[g] = sum;
-    }
+    softmax_numerators(scores, group, len, row_max, denom);
     /* pass 2: weighted sum of V rows */
     for (int t = 0; t < len; ++t) {
         const float *v = v_cache + seq_pages[t / page_size] * page_stride +
@@ -128,19 +134,7 @@ static inline __attribute__((always_inline)) int attend_sequence(
             }
         }
     }
-    for (int r = 0; r < num_q_heads; ++r) {
-        float *scores_r = scores + (int64_t)r * len;
-        float m = -FLT_MAX;
-        for (int t = 0; t < len; ++t) m = scores_r[t] > m ? scores_r[t] : m;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int t = 0; t < len; ++t) {
-            scores_r[t] = expf(scores_r[t] - m);
-            sum += scores_r[t];
-        }
-        row_max[r] = m;
-        denom[r] = sum;
-    }
+    softmax_numerators(scores, num_q_heads, len, row_max, denom);
     /* pass 2: weighted sum of V rows, same streaming order */
     for (int t = 0; t < len; ++t) {
         const float *v = v_cache + seq_pages[t / page_size] * page_stride +
@@ -197,6 +191,27 @@ int pg_paged_decode_f32(const float *query, int64_t q_row_stride, const float *k
             if (seq_pages[p] < 0 || seq_pages[p] >= num_pages) return -2;
     }
 
+/* One call of CALL(G, D) with compile-time constants for the common (group, head_dim)
+ * pairs, else with the runtime values; `continue`s the enclosing parallel loop. */
+#define PG_GROUP_CASES(CALL, D)                        \
+    case D:                                            \
+        switch (group) {                               \
+            case 1: failed |= CALL(1, D); continue;    \
+            case 2: failed |= CALL(2, D); continue;    \
+            case 3: failed |= CALL(3, D); continue;    \
+            case 4: failed |= CALL(4, D); continue;    \
+            case 8: failed |= CALL(8, D); continue;    \
+            default: break;                            \
+        }                                              \
+        break;
+#define PG_DISPATCH(CALL)                   \
+    switch (head_dim) {                     \
+        PG_GROUP_CASES(CALL, 64)            \
+        PG_GROUP_CASES(CALL, 128)           \
+        default: break;                     \
+    }                                       \
+    failed |= CALL(group, head_dim);
+
     if (num_seqs >= 2 * num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) reduction(| : failed)
         for (int s = 0; s < num_seqs; ++s) {
@@ -205,24 +220,7 @@ int pg_paged_decode_f32(const float *query, int64_t q_row_stride, const float *k
 #define PG_SEQ(G, D)                                                                         \
     attend_sequence(G, D, num_kv_heads, query, q_row_stride, k_cache, v_cache, seq_pages,    \
                     lengths[s], rows[s], out, out_row_stride, lse_row, page_size, scale)
-#define PG_SEQ_CASES(D)                                     \
-    case D:                                                 \
-        switch (group) {                                    \
-            case 1: failed |= PG_SEQ(1, D); continue;       \
-            case 2: failed |= PG_SEQ(2, D); continue;       \
-            case 3: failed |= PG_SEQ(3, D); continue;       \
-            case 4: failed |= PG_SEQ(4, D); continue;       \
-            case 8: failed |= PG_SEQ(8, D); continue;       \
-            default: break;                                 \
-        }                                                   \
-        break;
-            switch (head_dim) {
-                PG_SEQ_CASES(64)
-                PG_SEQ_CASES(128)
-                default: break;
-            }
-            failed |= PG_SEQ(group, head_dim);
-#undef PG_SEQ_CASES
+            PG_DISPATCH(PG_SEQ)
 #undef PG_SEQ
         }
         return failed ? -1 : 0;
@@ -239,25 +237,10 @@ int pg_paged_decode_f32(const float *query, int64_t q_row_stride, const float *k
 #define PG_ITEM(G, D)                                                                      \
     attend_item(G, D, query, q_row_stride, k_cache, v_cache, seq_pages, lengths[s], rows[s], \
                 out, out_row_stride, lse_row, h, num_kv_heads, page_size, scale)
-#define PG_CASES(D)                                        \
-    case D:                                                \
-        switch (group) {                                   \
-            case 1: failed |= PG_ITEM(1, D); continue;     \
-            case 2: failed |= PG_ITEM(2, D); continue;     \
-            case 3: failed |= PG_ITEM(3, D); continue;     \
-            case 4: failed |= PG_ITEM(4, D); continue;     \
-            case 8: failed |= PG_ITEM(8, D); continue;     \
-            default: break;                                \
-        }                                                  \
-        break;
-        switch (head_dim) {
-            PG_CASES(64)
-            PG_CASES(128)
-            default: break;
-        }
-        failed |= PG_ITEM(group, head_dim);
-#undef PG_CASES
+        PG_DISPATCH(PG_ITEM)
 #undef PG_ITEM
     }
+#undef PG_DISPATCH
+#undef PG_GROUP_CASES
     return failed ? -1 : 0;
 }
