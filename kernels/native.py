@@ -52,7 +52,25 @@ def _cache_dir() -> Path:
     if explicit:
         return Path(explicit) / "kernels"
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "prefixgate" / "kernels"
+    preferred = Path(base) / "prefixgate" / "kernels"
+    try:
+        preferred.mkdir(parents=True, exist_ok=True)
+        if os.access(preferred, os.W_OK | os.X_OK):
+            return preferred
+    except OSError:
+        pass
+    # a read-only or missing home (containers, CI sandboxes): a private per-user temp dir
+    return _private_dir(Path(tempfile.gettempdir()) / f"prefixgate-kernels-{os.getuid()}")
+
+
+def _private_dir(path: Path) -> Path:
+    """``path`` created 0700, and refused unless it is ours and nobody else can write it: we
+    load code from it, and /tmp is shared."""
+    path.mkdir(mode=0o700, exist_ok=True)
+    info = path.stat()
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise OSError(f"{path} is not a private directory of this user; not loading code from it")
+    return path
 
 
 def _cpu_flags() -> str:

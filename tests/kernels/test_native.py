@@ -226,3 +226,21 @@ def test_a_plan_without_native_uses_the_torch_path(monkeypatch: pytest.MonkeyPat
     out = paged_attention_ref(*batch.args(), plan)
     assert not calls
     torch.testing.assert_close(out.double(), naive_paged_attention(batch), **FP32_CPU)
+
+
+def test_cache_dir_falls_back_to_a_private_temp_dir(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.delenv("PREFIXGATE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # the usual cache dir cannot exist
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(native.tempfile, "tempdir", str(temp))
+    chosen = native._cache_dir()
+    assert chosen.parent == temp and chosen.stat().st_mode & 0o777 == 0o700
+    # a directory someone else could write into is refused (code is loaded from it)
+    chosen.chmod(0o777)
+    with pytest.raises(OSError, match="not a private directory"):
+        native._cache_dir()
