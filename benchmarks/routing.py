@@ -36,7 +36,6 @@ import shutil
 import socket
 import statistics
 import subprocess
-import threading
 import time
 from collections import Counter
 from typing import Any
@@ -56,7 +55,7 @@ from gateway.router.app import create_router_app
 from gateway.router.serve import router_server
 from gateway.router.settings import RouterSettings
 from gateway.server import ServerSettings, create_app
-from gateway.server.serve import GatewayServer, uvicorn_config
+from gateway.server.serve import GatewayServer, ServersThread, uvicorn_config
 
 POLICIES = ("cache_aware", "round_robin", "random")
 PAGE_SIZE = 16
@@ -74,42 +73,6 @@ def wait_until(predicate, timeout_s: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"timed out waiting for {what}")
         time.sleep(0.05)
-
-
-class ServerThread(threading.Thread):
-    """uvicorn servers (and the engines they use) on one event loop in a daemon thread."""
-
-    def __init__(self, servers: list[Any], engines: list[AsyncEngine]):
-        super().__init__(daemon=True)
-        self.servers, self.engines = servers, engines
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        async def main() -> None:
-            for engine in self.engines:
-                await engine.start()
-            try:
-                await asyncio.gather(*(s.serve() for s in self.servers))
-            finally:
-                for engine in self.engines:
-                    await engine.shutdown()
-
-        try:
-            asyncio.run(main())
-        except BaseException as exc:  # reported by start()/stop()
-            self.error = exc
-
-    def start_and_wait(self) -> None:
-        self.start()
-        wait_until(lambda: self.error is not None or all(s.started for s in self.servers), 300,
-                   "servers to start")
-        if self.error is not None:
-            raise self.error
-
-    def stop(self) -> None:
-        for server in self.servers:
-            server.should_exit = True
-        self.join(60)
 
 
 def start_redis() -> tuple[subprocess.Popen, str]:
@@ -162,7 +125,7 @@ def run_policy(policy: str, urls: list[str], redis_url: str, engines: list[Async
                               page_size=PAGE_SIZE, log_level="warning", seed=config.seed)
     app = create_router_app(settings, tokenizer=tokenizer, model_id=model_id)
     server = router_server(settings, app)
-    thread = ServerThread([server], [])
+    thread = ServersThread([server], [])
     thread.start_and_wait()
     router = app.state.router
     try:
@@ -238,7 +201,7 @@ def main() -> None:
         servers.append(GatewayServer(uvicorn_config(app, settings), engine, settings))
         engines.append(engine)
         urls.append(f"http://127.0.0.1:{port}")
-    thread = ServerThread(servers, engines)
+    thread = ServersThread(servers, engines)
     thread.start_and_wait()
     per_policy: dict[str, dict[str, Any]] = {}
     try:

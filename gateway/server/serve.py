@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
+import time
+from collections.abc import Sequence
 from typing import Any
 
 import uvicorn
@@ -31,6 +35,60 @@ class BoundServer(uvicorn.Server):
         host = self.config.host
         shown = f"[{host}]" if ":" in host else host
         return f"http://{shown}:{self.bound_port}"
+
+
+class ServersThread(threading.Thread):
+    """uvicorn servers (and the engines they use) on one event loop in a daemon thread: for
+    embedding a gateway or router in another program (benchmarks, tests, notebooks).
+
+    Args:
+        servers: uvicorn servers (``serve()``, ``started``, ``should_exit``).
+        engines: objects with ``async start()`` / ``async shutdown()``, run around the servers.
+    """
+
+    def __init__(self, servers: Sequence[Any], engines: Sequence[Any] = (), name: str = "servers"):
+        super().__init__(name=name, daemon=True)
+        self.servers = list(servers)
+        self.engines = list(engines)
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        async def main() -> None:
+            for engine in self.engines:
+                await engine.start()
+            try:
+                await asyncio.gather(*(s.serve() for s in self.servers))
+            finally:
+                for engine in self.engines:
+                    await engine.shutdown()
+
+        try:
+            asyncio.run(main())
+        except BaseException as exc:  # raised again by start_and_wait() / stop()
+            self.error = exc
+
+    def start_and_wait(self, timeout_s: float = 120.0) -> None:
+        """Start the thread; return once every server accepts connections.
+
+        Raises:
+            RuntimeError: the thread died first (its error chained) or the timeout passed.
+        """
+        self.start()
+        deadline = time.monotonic() + timeout_s
+        while not all(s.started for s in self.servers):
+            if self.error is not None or not self.is_alive():
+                raise RuntimeError(f"{self.name} failed to start: {self.error!r}") from self.error
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out after {timeout_s} s waiting for {self.name} to start")
+            time.sleep(0.05)
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Ask every server to exit, wait for the thread, and raise what it died of, if anything."""
+        for server in self.servers:
+            server.should_exit = True
+        self.join(timeout_s)
+        if self.error is not None:
+            raise self.error
 
 
 class GatewayServer(BoundServer):

@@ -7,7 +7,6 @@ Heartbeat TTLs are 1 s so health changes show within a second or two.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import shutil
@@ -15,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,7 +29,7 @@ from gateway.router.app import create_router_app
 from gateway.router.serve import router_server
 from gateway.router.settings import RouterSettings
 from gateway.server import ServerSettings, create_app
-from gateway.server.serve import GatewayServer, uvicorn_config
+from gateway.server.serve import GatewayServer, ServersThread, uvicorn_config
 
 PAGE_SIZE = 16
 NUM_PAGES = 256
@@ -115,48 +113,6 @@ def make_engine(loaded_model, num_pages: int = NUM_PAGES):
                         loaded=loaded_model)
 
 
-class LoopThread(threading.Thread):
-    """Runs uvicorn servers (and the engines they use) on one event loop in a daemon thread."""
-
-    def __init__(self, servers: list[Any], engines: list[Any], name: str):
-        super().__init__(name=name, daemon=True)
-        self.servers = servers
-        self.engines = engines
-        self.error: BaseException | None = None
-        self.loop: asyncio.AbstractEventLoop | None = None
-
-    def run(self) -> None:
-        async def main() -> None:
-            self.loop = asyncio.get_running_loop()
-            for engine in self.engines:
-                await engine.start()
-            try:
-                await asyncio.gather(*(s.serve() for s in self.servers))
-            finally:
-                for engine in self.engines:
-                    await engine.shutdown()
-
-        try:
-            asyncio.run(main())
-        except BaseException as exc:  # surfaced by the fixture, never swallowed
-            self.error = exc
-
-    def wait_started(self) -> None:
-        def started() -> bool:
-            if self.error is not None or not self.is_alive():
-                raise RuntimeError(f"{self.name} failed to start: {self.error!r}")
-            return all(s.started for s in self.servers)
-
-        wait_for(started, 120, f"{self.name} to start")
-
-    def stop(self) -> None:
-        for server in self.servers:
-            server.should_exit = True
-        self.join(timeout=60)
-        if self.error is not None:
-            raise self.error
-
-
 @dataclass
 class Replica:
     replica_id: str
@@ -202,9 +158,8 @@ def running_router(settings: RouterSettings, tokenizer: Any, model_id: str):
     """A router app served on a free port in its own thread; yields (url, app)."""
     app = create_router_app(settings, tokenizer=tokenizer, model_id=model_id)
     server = router_server(settings, app)
-    thread = LoopThread([server], [], "prefixgate-test-router")
-    thread.start()
-    thread.wait_started()
+    thread = ServersThread([server], [], "prefixgate-test-router")
+    thread.start_and_wait()
     try:
         yield server.base_url, app
     finally:
@@ -234,9 +189,8 @@ def fleet(redis_server, loaded_model, one_torch_thread) -> Iterator[Fleet]:
         app = create_app(engine, settings, manage_engine=False)
         servers.append(GatewayServer(uvicorn_config(app, settings), engine, settings))
         replicas.append(Replica(replica_id, f"http://127.0.0.1:{port}", engine, app))
-    thread = LoopThread(servers, [r.engine for r in replicas], "prefixgate-test-replicas")
-    thread.start()
-    thread.wait_started()
+    thread = ServersThread(servers, [r.engine for r in replicas], "prefixgate-test-replicas")
+    thread.start_and_wait()
     tokenizer = loaded_model.tokenizer
     settings = router_settings([r.url for r in replicas], redis_server.url)
     try:

@@ -13,7 +13,7 @@ from gateway.engine.loader.default_model import (
     DefaultModelNotFoundError,
     default_model_path,
 )
-from gateway.engine.loader.gguf import SUPPORTED_TENSOR_TYPES, load_gguf
+from gateway.engine.loader.gguf import SUPPORTED_TENSOR_TYPES, load_gguf, require_gguf_file
 from gateway.engine.loader.hf import load_hf
 from gateway.engine.loader.loaded_model import LoadedModel
 from gateway.engine.model_config import UnsupportedModelError
@@ -30,13 +30,7 @@ def load_model(model: str | Path | None = None, *, progress: bool | None = None)
     if path.is_dir():
         return load_hf(path, progress=progress)
     if path.is_file():
-        with path.open("rb") as handle:
-            magic = handle.read(4)
-        if magic != b"GGUF":
-            raise UnsupportedModelError(
-                f"{path}: not a GGUF file (magic {magic!r}); pass a .gguf file or a Hugging Face "
-                "model directory"
-            )
+        require_gguf_file(path)
         return load_gguf(path, progress=progress)
     raise FileNotFoundError(f"model not found: {path}")
 

@@ -207,6 +207,17 @@ def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
+def require_gguf_file(path: Path) -> None:
+    """Raise UnsupportedModelError unless ``path`` starts with the GGUF magic."""
+    with path.open("rb") as handle:
+        magic = handle.read(4)
+    if magic != b"GGUF":
+        raise UnsupportedModelError(
+            f"{path}: not a GGUF file (magic {magic!r}); pass a .gguf file or a Hugging Face "
+            "model directory"
+        )
+
+
 def load_gguf(path: str | Path, *, progress: bool | None = None) -> LoadedModel:
     """Read a GGUF model file.
 

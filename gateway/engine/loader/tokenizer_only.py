@@ -14,9 +14,8 @@ from pathlib import Path
 from gguf import GGUFReader
 
 from gateway.engine.loader.default_model import default_model_path
-from gateway.engine.loader.gguf import _read_config, _read_vocab
+from gateway.engine.loader.gguf import _read_config, _read_vocab, require_gguf_file
 from gateway.engine.loader.hf import _load_tokenizer, _read_json, config_from_hf
-from gateway.engine.model_config import UnsupportedModelError
 from gateway.engine.tokenizer import Tokenizer
 
 
@@ -46,13 +45,7 @@ def load_tokenizer_only(model: str | Path | None = None) -> TokenizerOnly:
         config = config_from_hf(raw, raw.get("_name_or_path") or path.name)
         tokenizer = _load_tokenizer(path)
     elif path.is_file():
-        with path.open("rb") as handle:
-            magic = handle.read(4)
-        if magic != b"GGUF":
-            raise UnsupportedModelError(
-                f"{path}: not a GGUF file (magic {magic!r}); pass a .gguf file or a Hugging Face "
-                "model directory"
-            )
+        require_gguf_file(path)
         reader = GGUFReader(path)
         shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
         config = _read_config(reader, path, shapes)
