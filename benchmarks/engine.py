@@ -279,7 +279,7 @@ def main() -> None:
         "uncached_over_cached": uncached["wall_s"] / cached["wall_s"],
         "device": info["device"],
         "kernel_backend": info["kernel_backend"],
-        "native_cpu_decode": info["native_cpu_decode"],
+        "native_cpu_kernels": info["native_cpu_kernels"],
         "max_num_batched_tokens": cached_engine.scheduler.max_num_batched_tokens,
     }
     print_table("engine (benchmarks.engine)", [(k, v) for k, v in results.items() if not isinstance(v, dict)])

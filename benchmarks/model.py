@@ -185,7 +185,7 @@ def main() -> None:
         "model": config.name,
         "threads": threads,
         "kernel_backend": runner.kernel_backend,
-        "native_cpu_decode": kernels.native_decode_available()
+        "native_cpu_kernels": kernels.native_decode_available()
         if runner.device.type == "cpu"
         else False,
         "native_status": kernels.native_status(),

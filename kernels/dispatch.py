@@ -115,14 +115,18 @@ def write_kv(
     slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
     *,
     backend: str | None = None,
+    native: bool = False,
 ) -> None:
-    """Scatter each new token's K/V into its cache slot (``slot = page * page_size + offset``)."""
+    """Scatter each new token's K/V into its cache slot (``slot = page * page_size + offset``).
+
+    ``native``: the torch backend may use the native CPU copy (fp32; kernels/native_ops.py).
+    """
     if resolve_backend(key.device, backend) == "triton":
         from kernels.triton_write_kv import write_kv_triton
 
         write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     else:
-        write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+        write_kv_ref(key, value, k_cache, v_cache, slot_mapping, use_native=native)
 
 
 def paged_attention(

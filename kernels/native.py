@@ -6,150 +6,24 @@ together they read and write every K/V byte about three times. The C kernel read
 row once, in place, for all G query heads of its KV head, spread over torch's own OpenMP
 threads (the library links the ``libgomp.so.1`` torch already loaded).
 
-The library is built with the system C compiler on first use into a per-user cache
-(``$PREFIXGATE_CACHE_DIR``, else ``$XDG_CACHE_HOME/prefixgate``, else ``~/.cache/prefixgate``),
-keyed by the source, the flags and the CPU's feature flags (it is built with
-``-march=native``), and loaded with ctypes. No compiler, a failed build, a non-fp32 cache or
-an unsupported shape: the callers fall back to the torch path; the outcome is logged once
-and visible through :func:`native_status`. The switch is the runner's ``native_kernels``
+The library is built and loaded by kernels/native_lib.py (once per machine, with the system C
+compiler). No compiler, a failed build, a non-fp32 cache or an unsupported shape: the callers
+fall back to the torch path; the outcome is logged once and visible through
+:func:`native_status`. The switch is the runner's ``native_kernels``
 (``prefixgate serve --native-kernels off`` / ``PREFIXGATE_NATIVE_KERNELS=off``), carried to
 the kernels by the attention plan's ``use_native``.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
-
 import torch
 
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
-# NOTE: linked in a separate step WITHOUT -ffast-math: linking a shared object with it pulls in
-# crtfastmath.o, whose load-time hook turns on flush-to-zero for the whole process
-LINK_FLAGS = ("-shared", "-fopenmp")
-
-_status = "not loaded yet"
-
-
-def native_status() -> str:
-    """``"native (<path>)"`` once loaded, else why not (``"unavailable: ..."``)."""
-    return _status
-
-
-def _cache_dir() -> Path:
-    explicit = os.environ.get("PREFIXGATE_CACHE_DIR")
-    if explicit:
-        return Path(explicit) / "kernels"
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    preferred = Path(base) / "prefixgate" / "kernels"
-    try:
-        preferred.mkdir(parents=True, exist_ok=True)
-        if os.access(preferred, os.W_OK | os.X_OK):
-            return preferred
-    except OSError:
-        pass
-    # a read-only or missing home (containers, CI sandboxes): a private per-user temp dir
-    return _private_dir(Path(tempfile.gettempdir()) / f"prefixgate-kernels-{os.getuid()}")
-
-
-def _private_dir(path: Path) -> Path:
-    """``path`` created 0700, and refused unless it is ours and nobody else can write it: we
-    load code from it, and /tmp is shared."""
-    path.mkdir(mode=0o700, exist_ok=True)
-    info = path.stat()
-    if info.st_uid != os.getuid() or info.st_mode & 0o022:
-        raise OSError(f"{path} is not a private directory of this user; not loading code from it")
-    return path
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
-    flags = " ".join(COMPILE_FLAGS + LINK_FLAGS).encode()
-    key = hashlib.sha256(
-        b"\0".join([source, flags, compiler.encode(), _cpu_flags().encode()])
-    ).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode-{platform.machine()}-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # build next to the target, then rename: concurrent processes never load a partial file
-    fd, tmp = tempfile.mkstemp(prefix="tmp-paged_decode-", suffix=".so", dir=target.parent)
-    os.close(fd)
-    obj = tmp[: -len(".so")] + ".o"
-    run = functools.partial(subprocess.run, check=True, capture_output=True, text=True, timeout=120)
-    try:
-        run([compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", obj])
-        run([compiler, *LINK_FLAGS, obj, "-o", tmp, "-lm"])
-        os.chmod(tmp, 0o755)  # loadable by every user sharing the cache directory
-        os.replace(tmp, target)
-    finally:
-        for leftover in (tmp, obj):
-            if os.path.exists(leftover):
-                os.unlink(leftover)
-    return target
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    global _status
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        _status = "unavailable: no C compiler (cc/gcc) on PATH"
-        logger.warning("native CPU decode kernel %s; using the torch path", _status)
-        return None
-    try:
-        path = _build(compiler)
-        lib = ctypes.CDLL(str(path))
-    except subprocess.CalledProcessError as exc:
-        _status = f"unavailable: build failed: {(exc.stderr or '').strip()[-500:]}"
-    except (OSError, subprocess.SubprocessError) as exc:
-        _status = f"unavailable: {exc}"
-    else:
-        fn = lib.pg_paged_decode_f32
-        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        # the C signature, in order (kernels/csrc/paged_decode.c)
-        fn.argtypes = [
-            *(p, i64, p, p, p, i64, p, p, p, i64, p),  # tensors and strides
-            *(i32, i32, i32, i32, i32, ctypes.c_float),  # sizes and scale
-            i32,  # num_threads
-            i64,  # num_pages
-            i64,  # num_rows
-        ]
-        fn.restype = ctypes.c_int
-        limits = (ctypes.c_int(), ctypes.c_int())
-        lib.pg_limits(ctypes.byref(limits[0]), ctypes.byref(limits[1]))
-        lib.max_group, lib.max_head_dim = limits[0].value, limits[1].value
-        _status = f"native ({path})"
-        logger.info("native CPU decode kernel loaded: %s", path)
-        return lib
-    logger.warning("native CPU decode kernel %s; using the torch path", _status)
-    return None
+from kernels.native_lib import library, native_status
 
 
 def native_decode_available() -> bool:
     """Whether the native kernel is (or can be) loaded here; builds it on first call."""
-    return _library() is not None
+    return library() is not None
 
 
 def paged_decode_native(
@@ -185,7 +59,7 @@ def paged_decode_native(
         or out.dtype != torch.float32
     ):
         return False
-    lib = _library()
+    lib = library()
     if lib is None:
         return False
     num_q_heads, head_dim = query.shape[1], query.shape[2]
@@ -252,3 +126,6 @@ def paged_decode_native(
     if rc != 0:
         raise MemoryError("native decode kernel could not allocate its score buffer")
     return True
+
+
+__all__ = ["native_decode_available", "native_status", "paged_decode_native"]

@@ -30,6 +30,7 @@ from kernels.attention_plan import (
 )
 from kernels.checks import check_attention_inputs, check_copy_inputs, check_write_inputs
 from kernels.native import paged_decode_native
+from kernels.native_ops import write_kv_native
 from kernels.workspace import gather_pages
 
 
@@ -39,9 +40,16 @@ def write_kv_ref(
     k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
     v_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+    use_native: bool = False,
 ) -> None:
-    """Scatter each new token's K/V into its slot (``slot = page * page_size + offset``)."""
+    """Scatter each new token's K/V into its slot (``slot = page * page_size + offset``).
+
+    ``use_native``: fp32 CPU tensors go through the native copy (kernels/native_ops.py) when it
+    is available; the torch ops below otherwise.
+    """
     check_write_inputs(key, value, k_cache, v_cache, slot_mapping)
+    if use_native and write_kv_native(key, value, k_cache, v_cache, slot_mapping):
+        return
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     k_flat = k_cache.view(-1, *k_cache.shape[2:])  # [num_slots, Hkv, D]

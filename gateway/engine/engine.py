@@ -328,7 +328,7 @@ def build_engine(config: EngineConfig | None = None, *, event_sink=None, loaded=
     core, info = create_llm_engine(config, event_sink=event_sink, loaded=loaded)
     logger.info("engine ready: model=%s device=%s kernels=%s%s pages=%d x %d tokens, step budget %d tokens",
                 info["model_name"], info["device"], info["kernel_backend"],
-                " + native CPU decode" if info.get("native_cpu_decode") else "",
+                " + native CPU kernels" if info.get("native_cpu_kernels") else "",
                 core.cache.num_pages, core.page_size, core.scheduler.max_num_batched_tokens)
     return AsyncEngine(core, model_name=info["model_name"], device=info["device"],
                        kernel_backend=info["kernel_backend"])

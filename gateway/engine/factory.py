@@ -22,7 +22,7 @@ def create_llm_engine(
 
     Returns:
         (engine, info) with info keys model_name, device, dtype, kernel_backend,
-        native_cpu_decode, num_pages.
+        native_cpu_kernels, num_pages.
     """
     if loaded is None:
         loaded = load_model(config.model, progress=progress)
@@ -51,7 +51,7 @@ def create_llm_engine(
         "device": str(runner.device),
         "dtype": str(runner.dtype).removeprefix("torch."),
         "kernel_backend": runner.kernel_backend,
-        "native_cpu_decode": runner.native_cpu_decode,
+        "native_cpu_kernels": runner.native_cpu_kernels,
         "num_pages": runner.num_pages,
     }
     return engine, info

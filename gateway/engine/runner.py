@@ -64,8 +64,9 @@ class ModelRunner:
         kernel_backend: "triton" / "torch" / None (kernels' default for the device).
         shared_prefix_attention: torch backend: decode rows whose contexts start with the same
             pages attend to that run once for all of them (kernels/attention_plan.py).
-        native_kernels: torch backend on CPU in fp32: decode rows use the native C kernel
-            (kernels/native.py) when it builds here; False = torch ops only.
+        native_kernels: torch backend on CPU in fp32: decode attention (kernels/native.py) and
+            the fused layer ops (kernels/native_ops.py) run natively when the library builds
+            here; False = torch ops only.
     """
 
     def __init__(
@@ -94,6 +95,16 @@ class ModelRunner:
         self.config = config
         self.max_model_len = min(config.max_position_embeddings, max_model_len or 1 << 62)
         self.eos_token_ids = tuple(eos_token_ids)
+        self.kernel_backend = kernels.backend_name(self.device, kernel_backend)
+        # fp32 on CPU: decode attention and the fused layer ops run natively when the library
+        # builds here (kernels/native.py, kernels/native_ops.py)
+        self.native_cpu_kernels = (
+            native_kernels
+            and self.device.type == "cpu"
+            and self.dtype == torch.float32
+            and self.kernel_backend == "torch"
+            and kernels.native_decode_available()
+        )
         self.model = build_model(
             config,
             weights,
@@ -101,8 +112,8 @@ class ModelRunner:
             dtype=self.dtype,
             max_positions=self.max_model_len,
             kernel_backend=kernel_backend,
+            native_ops=self.native_cpu_kernels,
         )
-        self.kernel_backend = kernels.backend_name(self.device, kernel_backend)
         self.shared_prefix_attention = shared_prefix_attention
         shape_tail = (page_size, config.num_kv_heads, config.head_dim)
         if kv_pool is not None:
@@ -136,14 +147,6 @@ class ModelRunner:
         self._kv_caches = [
             (self.kv_pool[i, 0], self.kv_pool[i, 1]) for i in range(config.num_layers)
         ]
-        # fp32 decode rows on CPU run the native kernel when it builds here (kernels/native.py)
-        self.native_cpu_decode = (
-            native_kernels
-            and self.device.type == "cpu"
-            and self.dtype == torch.float32
-            and self.kernel_backend == "torch"
-            and kernels.native_decode_available()
-        )
         logger.info(
             "runner: %s on %s/%s, %d pages x %d tokens (%.2f GiB KV), kernels=%s%s",
             config.name,
@@ -153,7 +156,7 @@ class ModelRunner:
             page_size,
             self.kv_pool.numel() * self.kv_pool.element_size() / (1 << 30),
             self.kernel_backend,
-            " + native CPU decode" if self.native_cpu_decode else "",
+            " + native CPU kernels" if self.native_cpu_kernels else "",
         )
 
     @classmethod
@@ -248,7 +251,7 @@ class ModelRunner:
                 kv_row_elems=self.config.num_kv_heads * self.config.head_dim,
                 device=self.device,
                 share_prefixes=self.shared_prefix_attention,
-                use_native=self.native_cpu_decode,
+                use_native=self.native_cpu_kernels,
             )
         width = max(len(t) for t in tables)
         flat_tables: list[int] = []

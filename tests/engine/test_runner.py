@@ -101,19 +101,21 @@ def test_runner_from_memory_budget_and_max_model_len(loaded_model):
     assert logits.shape == (1, 49152) and logits.dtype == torch.float32
 
 
-def test_native_kernels_switch_reaches_the_attention_plan(model_runner, loaded_model):
-    # the shared runner uses the native CPU decode kernel here (a C compiler is present)
-    assert model_runner.native_cpu_decode
+def test_native_kernels_switch_reaches_the_attention_plan_and_the_model(model_runner, loaded_model):
+    # the shared runner uses the native CPU kernels here (a C compiler is present)
+    assert model_runner.native_cpu_kernels and model_runner.model.native_ops
     plan = model_runner._build_batch([SeqChunk([1], 20, [0, 1], True)]).attention_plan
     assert plan is not None and plan.use_native
     off = ModelRunner.from_loaded(loaded_model, num_pages=4, native_kernels=False)
-    assert not off.native_cpu_decode
+    assert not off.native_cpu_kernels and not off.model.native_ops
     assert not off._build_batch([SeqChunk([1], 20, [0, 1], True)]).attention_plan.use_native
-    # both compute the same decode row
+    # both compute the same prefill and decode rows (native: fused layer ops + decode kernel)
     prompt = list(range(100, 121))
-    first = off.execute([SeqChunk(prompt, 0, [0, 1], True)])
     on = ModelRunner.from_loaded(loaded_model, kv_pool=off.kv_pool)
-    assert on.native_cpu_decode
+    assert on.native_cpu_kernels and on.model.native_ops
+    first_on = on.execute([SeqChunk(prompt, 0, [0, 1], True)])
+    first = off.execute([SeqChunk(prompt, 0, [0, 1], True)])
+    assert (first - first_on).abs().max().item() < 1e-4
     nxt = int(first[0].argmax())
     # the same decode step twice over the same pages (rewriting the same K/V into its slot)
     a = off.execute([SeqChunk([nxt], len(prompt), [0, 1], True)])

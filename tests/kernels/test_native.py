@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import native, reference
+from kernels import native_lib, reference
 from kernels.attention_plan import plan_attention
 from kernels.native import native_decode_available, native_status, paged_decode_native
 from kernels.reference import paged_attention_ref
@@ -139,7 +139,7 @@ def test_declines_what_it_does_not_handle() -> None:
 def test_no_compiler_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv("PREFIXGATE_CACHE_DIR", str(tmp_path))  # nothing cached there
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    native._library.cache_clear()
+    native_lib.library.cache_clear()
     try:
         assert not native_decode_available()
         assert native_status().startswith("unavailable")
@@ -149,7 +149,7 @@ def test_no_compiler_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path) -> No
         )
     finally:
         monkeypatch.undo()
-        native._library.cache_clear()
+        native_lib.library.cache_clear()
     assert native_decode_available()
 
 
@@ -237,10 +237,10 @@ def test_cache_dir_falls_back_to_a_private_temp_dir(
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # the usual cache dir cannot exist
     temp = tmp_path / "tmp"
     temp.mkdir()
-    monkeypatch.setattr(native.tempfile, "tempdir", str(temp))
-    chosen = native._cache_dir()
+    monkeypatch.setattr(native_lib.tempfile, "tempdir", str(temp))
+    chosen = native_lib._cache_dir()
     assert chosen.parent == temp and chosen.stat().st_mode & 0o777 == 0o700
     # a directory someone else could write into is refused (code is loaded from it)
     chosen.chmod(0o777)
     with pytest.raises(OSError, match="not a private directory"):
-        native._cache_dir()
+        native_lib._cache_dir()

@@ -22,6 +22,7 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     max_positions: int | None = None,
     kernel_backend: str | None = None,
+    native_ops: bool = False,
 ) -> LlamaModel:
     """Instantiate the model class of ``config.architecture`` with ``weights`` on ``device``."""
     cls = MODEL_CLASSES.get(config.architecture)
@@ -36,6 +37,7 @@ def build_model(
         dtype=dtype,
         max_positions=max_positions,
         kernel_backend=kernel_backend,
+        native_ops=native_ops,
     )
 
 

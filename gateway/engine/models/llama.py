@@ -20,6 +20,7 @@ from gateway.engine.model_config import ModelConfig, check_weights
 from gateway.engine.models.forward_batch import ForwardBatch
 from gateway.engine.models.linear import Linear
 from gateway.engine.models.rope import RotaryEmbedding
+from kernels.native_ops import rms_norm_native, rope_native, silu_mul_native
 
 
 class _Layer(NamedTuple):
@@ -31,8 +32,15 @@ class _Layer(NamedTuple):
     down: Linear  # I -> H, residual add fused
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * x / rms(x)`` over the last dim, computed in fp32 (as the reference does)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, native: bool = False) -> torch.Tensor:
+    """``weight * x / rms(x)`` over the last dim, computed in fp32 (as the reference does).
+
+    ``native``: fp32 CPU rows go through one fused native pass when it is available.
+    """
+    if native:
+        out = rms_norm_native(x, weight, eps)
+        if out is not None:
+            return out
     dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -48,6 +56,9 @@ class LlamaModel:
         device / dtype: where and in what precision to compute.
         max_positions: longest sequence to support (RoPE table size).
         kernel_backend: passed to ``kernels`` ops (None = their default choice).
+        native_ops: on CPU in fp32, run RMSNorm, SiLU-and-multiply, RoPE and the K/V write as
+            fused native ops (kernels/native_ops.py) where the library builds; each falls
+            back to its torch ops otherwise. Same math, fewer passes and dispatches.
     """
 
     def __init__(
@@ -59,12 +70,14 @@ class LlamaModel:
         dtype: torch.dtype = torch.float32,
         max_positions: int | None = None,
         kernel_backend: str | None = None,
+        native_ops: bool = False,
     ) -> None:
         check_weights(config, weights, source=config.name)
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
         self.kernel_backend = kernel_backend
+        self.native_ops = native_ops
         self.scale = config.head_dim**-0.5
 
         def put(tensor: torch.Tensor) -> torch.Tensor:
@@ -121,16 +134,21 @@ class LlamaModel:
         backend = self.kernel_backend
         cos, sin = self.rope.lookup(batch.positions)  # [T, 1, D/2] each, shared by all layers
 
+        native = self.native_ops
         hidden = F.embedding(batch.input_ids, self.embed)  # [T, H]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = rms_norm(hidden, layer.input_norm, eps)
+            x = rms_norm(hidden, layer.input_norm, eps, native)
             qkv = layer.qkv(x)  # [T, Q + 2KV]
-            # q and k rotate together: one set of elementwise ops for both
+            # q and k rotate together: one set of elementwise ops for both (in place natively:
+            # qkv is this layer's fresh output)
             qk = qkv[:, : q_size + kv_size].view(num_tokens, -1, head_dim)  # [T, Hq + Hkv, D]
-            qk = self.rope.rotate(qk, cos, sin)
+            if not (native and rope_native(qk, cos, sin)):
+                qk = self.rope.rotate(qk, cos, sin)
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]  # [T, Hq, D], [T, Hkv, D]
             v = qkv[:, q_size + kv_size :].view(num_tokens, cfg.num_kv_heads, head_dim)
-            kernels.write_kv(k, v, k_cache, v_cache, batch.slot_mapping, backend=backend)
+            kernels.write_kv(
+                k, v, k_cache, v_cache, batch.slot_mapping, backend=backend, native=native
+            )
             attn = kernels.paged_attention(
                 q,
                 k_cache,
@@ -144,12 +162,14 @@ class LlamaModel:
                 plan=batch.attention_plan,
             )  # [T, Hq, D]
             hidden = layer.o.add_to(attn.reshape(num_tokens, q_size), hidden)
-            x = rms_norm(hidden, layer.post_norm, eps)
+            x = rms_norm(hidden, layer.post_norm, eps, native)
             gate_up = layer.gate_up(x)  # [T, 2I]
-            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [T, I]
+            act = silu_mul_native(gate_up) if native else None
+            if act is None:
+                act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [T, I]
             hidden = layer.down.add_to(act, hidden)
 
         # only the rows that sample pay for the final norm and the vocab projection
         last = hidden.index_select(0, batch.logits_indices)  # [N, H]
-        last = rms_norm(last, self.final_norm, eps)
+        last = rms_norm(last, self.final_norm, eps, native)
         return self.lm_head(last).float()  # [N, V]

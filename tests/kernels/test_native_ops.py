@@ -1,0 +1,117 @@
+"""The fused native layer ops (kernels/csrc/cpu_ops.c) against their torch versions."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.native_ops import rms_norm_native, rope_native, silu_mul_native, write_kv_native
+from kernels.reference import write_kv_ref
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="needs a C compiler"
+)
+
+FP32 = {"atol": 2e-6, "rtol": 2e-6}
+
+
+def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x64 = x.double()
+    return (weight.double() * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)).float()
+
+
+# 1 row (decode), a few, and enough rows x dims to take the OpenMP path
+@pytest.mark.parametrize(("rows", "dim"), [(1, 576), (5, 64), (300, 576)])
+def test_rms_norm_matches_torch_on_strided_rows(rows: int, dim: int) -> None:
+    torch.manual_seed(rows)
+    wide = torch.randn(rows, dim + 40) * 3
+    x = wide[:, 7 : 7 + dim]  # rows at a stride, as a slice of a wider activation
+    weight = torch.rand(dim) + 0.5
+    out = rms_norm_native(x, weight, 1e-5)
+    assert out is not None and out.is_contiguous()
+    torch.testing.assert_close(out, _torch_rms_norm(x, weight, 1e-5), **FP32)
+    # eps matters for tiny rows; zeros stay finite
+    zeros = rms_norm_native(torch.zeros(2, dim), weight, 1e-5)
+    assert zeros is not None and torch.equal(zeros, torch.zeros(2, dim))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 100])
+def test_silu_mul_matches_torch(rows: int) -> None:
+    torch.manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * 1536) * 4
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # saturated and zero gates
+    out = silu_mul_native(gate_up)
+    assert out is not None and out.shape == (rows, 1536)
+    expected = F.silu(gate_up[:, :1536]) * gate_up[:, 1536:]
+    torch.testing.assert_close(out, expected, **FP32)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 200])
+def test_rope_rotates_in_place_like_torch(rows: int) -> None:
+    from gateway.engine.models.rope import RotaryEmbedding
+
+    torch.manual_seed(rows)
+    heads_q, heads_kv, head_dim = 9, 3, 64
+    width = (heads_q + 2 * heads_kv) * head_dim
+    qkv = torch.randn(rows, width)
+    qk = qkv[:, : (heads_q + heads_kv) * head_dim].view(rows, -1, head_dim)
+    angles = torch.rand(rows, 1, head_dim // 2) * 50
+    cos, sin = angles.cos(), angles.sin()
+    expected = RotaryEmbedding.rotate(qk, cos, sin)
+    v_before = qkv[:, (heads_q + heads_kv) * head_dim :].clone()
+    assert rope_native(qk, cos, sin)
+    torch.testing.assert_close(qk, expected, **FP32)
+    assert torch.equal(qkv[:, (heads_q + heads_kv) * head_dim :], v_before)  # V untouched
+
+
+def test_write_kv_matches_the_torch_scatter_and_skips_minus_one() -> None:
+    torch.manual_seed(0)
+    num_pages, page_size, heads, head_dim = 6, 4, 3, 8
+    k_cache = torch.full((num_pages, page_size, heads, head_dim), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    qkv = torch.randn(5, 3 * heads * head_dim)  # k/v as strided views of a fused output
+    key = qkv[:, heads * head_dim : 2 * heads * head_dim].view(5, heads, head_dim)
+    value = qkv[:, 2 * heads * head_dim :].view(5, heads, head_dim)
+    slots = torch.tensor([23, 0, -1, 9, 10])
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    write_kv_ref(key, value, k_ref, v_ref, slots)
+    assert write_kv_native(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache.nan_to_num(7.0), k_ref.nan_to_num(7.0))
+    assert torch.equal(v_cache.nan_to_num(7.0), v_ref.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("bad", [24, -2, 1 << 40])
+def test_write_kv_bad_slot_is_an_error_and_writes_nothing(bad: int) -> None:
+    k_cache = torch.zeros(6, 4, 3, 8)
+    v_cache = torch.zeros_like(k_cache)
+    key = torch.ones(3, 3, 8)
+    slots = torch.tensor([1, 2, bad])  # the bad slot comes last: earlier rows are not written
+    with pytest.raises(ValueError, match="slot outside"):
+        write_kv_native(key, key, k_cache, v_cache, slots)
+    with pytest.raises(ValueError, match="slot outside"):
+        write_kv_ref(key, key, k_cache, v_cache, slots, use_native=True)
+    assert k_cache.abs().sum() == 0 and v_cache.abs().sum() == 0
+
+
+def test_what_the_native_ops_do_not_handle_is_declined_untouched() -> None:
+    x16 = torch.randn(4, 64, dtype=torch.bfloat16)
+    assert rms_norm_native(x16, torch.ones(64, dtype=torch.bfloat16), 1e-5) is None
+    assert rms_norm_native(torch.randn(4, 64).t(), torch.ones(4), 1e-5) is None  # strided dim
+    assert rms_norm_native(torch.randn(4, 64), torch.ones(32), 1e-5) is None  # wrong weight
+    assert silu_mul_native(torch.randn(4, 7)) is None  # odd width
+    assert silu_mul_native(torch.randn(2, 4, 8)) is None
+    x = torch.randn(3, 2, 8)
+    before = x.clone()
+    cos = torch.ones(3, 1, 4)
+    assert not rope_native(x.transpose(0, 1), cos, cos)  # heads not dense within a row
+    assert not rope_native(x, torch.ones(2, 1, 4), cos)  # a table row short
+    assert not rope_native(x.double(), cos.double(), cos.double())
+    assert torch.equal(x, before)
+    k_cache = torch.zeros(2, 4, 2, 8)
+    assert not write_kv_native(x, x, k_cache, k_cache.clone(), torch.tensor([0, 1, 2], dtype=torch.int32))
+    assert not write_kv_native(x.transpose(1, 2), x, k_cache, k_cache.clone(), torch.tensor([0, 1, 2]))
+    assert k_cache.abs().sum() == 0
+
