@@ -27,6 +27,27 @@ int pg_limits(int *max_group, int *max_head_dim) {
     return 0;
 }
 
+/* The hardware prefetcher follows a contiguous stream but restarts at every jump to a
+ * scattered page. So while token j of a page is read, token j of the next page is requested
+ * (into L2), keeping one page of requests in flight, unless the next page directly follows
+ * this one in memory (then the hardware stream already covers it, and extra requests cost:
+ * always prefetching measured 14.3 -> 19.3 ms per 16 x 512-token step on contiguous pages,
+ * and 26.6 -> 23 ms on shuffled ones; skipping adjacent pages: 16.7 ms on shuffled ones).
+ *
+ * next_scattered_page: the next page's base (+ offset) when there is one within `len` tokens
+ * and it is not adjacent to page `pg`, else NULL. */
+static inline const float *next_scattered_page(const float *cache, const int64_t *seq_pages,
+                                               int pg, int len, int page_size,
+                                               int64_t page_stride, int64_t offset) {
+    if ((int64_t)(pg + 1) * page_size >= len || seq_pages[pg + 1] == seq_pages[pg] + 1)
+        return NULL;
+    return cache + seq_pages[pg + 1] * page_stride + offset;
+}
+
+static inline void prefetch_row(const float *row, int row_bytes) {
+    for (int b = 0; b < row_bytes; b += 64) __builtin_prefetch((const char *)row + b, 0, 2);
+}
+
 /* Each of `rows` score rows of length `len`, in place: exp(score - row max); the row max and
  * the sum of the numerators go to row_max / denom (softmax = numerator / denom). */
 static inline void softmax_numerators(float *scores, int rows, int len, float *row_max,
@@ -56,6 +77,7 @@ static inline __attribute__((always_inline)) int attend_item(
     int page_size, float scale) {
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
     const int64_t page_stride = token_stride * page_size;
+    const float *base = NULL, *next = NULL; /* the current page (+ head offset), prefetch target */
     float *scores = (float *)malloc(sizeof(float) * (size_t)group * (size_t)len);
     if (scores == NULL) return 1;
     float q[MAX_GROUP][MAX_HEAD_DIM];
@@ -68,9 +90,17 @@ static inline __attribute__((always_inline)) int attend_item(
         }
     }
     /* pass 1: scaled scores of every context token for the G rows */
-    for (int t = 0; t < len; ++t) {
-        const float *k = k_cache + seq_pages[t / page_size] * page_stride +
-                         (int64_t)(t % page_size) * token_stride + (int64_t)h * head_dim;
+    for (int t = 0, j = 0, pg = 0; t < len; ++t, ++j) {
+        if (j == page_size) {
+            j = 0;
+            ++pg;
+        }
+        if (j == 0) {
+            base = k_cache + seq_pages[pg] * page_stride + (int64_t)h * head_dim;
+            next = next_scattered_page(k_cache, seq_pages, pg, len, page_size, page_stride, (int64_t)h * head_dim);
+        }
+        const float *k = base + (int64_t)j * token_stride;
+        if (next != NULL) prefetch_row(next + (int64_t)j * token_stride, (int)(head_dim * sizeof(float)));
         for (int g = 0; g < group; ++g) {
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
@@ -81,9 +111,17 @@ static inline __attribute__((always_inline)) int attend_item(
     float denom[MAX_GROUP], row_max[MAX_GROUP];
     softmax_numerators(scores, group, len, row_max, denom);
     /* pass 2: weighted sum of V rows */
-    for (int t = 0; t < len; ++t) {
-        const float *v = v_cache + seq_pages[t / page_size] * page_stride +
-                         (int64_t)(t % page_size) * token_stride + (int64_t)h * head_dim;
+    for (int t = 0, j = 0, pg = 0; t < len; ++t, ++j) {
+        if (j == page_size) {
+            j = 0;
+            ++pg;
+        }
+        if (j == 0) {
+            base = v_cache + seq_pages[pg] * page_stride + (int64_t)h * head_dim;
+            next = next_scattered_page(v_cache, seq_pages, pg, len, page_size, page_stride, (int64_t)h * head_dim);
+        }
+        const float *v = base + (int64_t)j * token_stride;
+        if (next != NULL) prefetch_row(next + (int64_t)j * token_stride, (int)(head_dim * sizeof(float)));
         for (int g = 0; g < group; ++g) {
             const float p = scores[g * len + t];
 #pragma omp simd
@@ -111,6 +149,7 @@ static inline __attribute__((always_inline)) int attend_sequence(
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
     const int64_t page_stride = token_stride * page_size;
     const size_t qd = (size_t)num_q_heads * head_dim;
+    const float *base = NULL, *next = NULL; /* the current page, prefetch target */
     float *q = (float *)malloc(sizeof(float) * (2 * qd + (size_t)num_q_heads * (size_t)len + 2 * num_q_heads));
     if (q == NULL) return 1;
     float *acc = q + qd;
@@ -121,9 +160,17 @@ static inline __attribute__((always_inline)) int attend_sequence(
     for (size_t i = 0; i < qd; ++i) q[i] = src[i] * scale;
     memset(acc, 0, sizeof(float) * qd);
     /* pass 1: each token's K row (all heads) is one contiguous read */
-    for (int t = 0; t < len; ++t) {
-        const float *k = k_cache + seq_pages[t / page_size] * page_stride +
-                         (int64_t)(t % page_size) * token_stride;
+    for (int t = 0, j = 0, pg = 0; t < len; ++t, ++j) {
+        if (j == page_size) {
+            j = 0;
+            ++pg;
+        }
+        if (j == 0) {
+            base = k_cache + seq_pages[pg] * page_stride + 0;
+            next = next_scattered_page(k_cache, seq_pages, pg, len, page_size, page_stride, 0);
+        }
+        const float *k = base + (int64_t)j * token_stride;
+        if (next != NULL) prefetch_row(next + (int64_t)j * token_stride, (int)(token_stride * sizeof(float)));
         for (int h = 0; h < num_kv_heads; ++h) {
             for (int g = 0; g < group; ++g) {
                 const float *qr = q + (size_t)(h * group + g) * head_dim;
@@ -136,9 +183,17 @@ static inline __attribute__((always_inline)) int attend_sequence(
     }
     softmax_numerators(scores, num_q_heads, len, row_max, denom);
     /* pass 2: weighted sum of V rows, same streaming order */
-    for (int t = 0; t < len; ++t) {
-        const float *v = v_cache + seq_pages[t / page_size] * page_stride +
-                         (int64_t)(t % page_size) * token_stride;
+    for (int t = 0, j = 0, pg = 0; t < len; ++t, ++j) {
+        if (j == page_size) {
+            j = 0;
+            ++pg;
+        }
+        if (j == 0) {
+            base = v_cache + seq_pages[pg] * page_stride + 0;
+            next = next_scattered_page(v_cache, seq_pages, pg, len, page_size, page_stride, 0);
+        }
+        const float *v = base + (int64_t)j * token_stride;
+        if (next != NULL) prefetch_row(next + (int64_t)j * token_stride, (int)(token_stride * sizeof(float)));
         for (int h = 0; h < num_kv_heads; ++h) {
             for (int g = 0; g < group; ++g) {
                 const float p = scores[(int64_t)(h * group + g) * len + t];
