@@ -116,17 +116,21 @@ def write_kv(
     *,
     backend: str | None = None,
     native: bool = False,
+    check: bool = True,
 ) -> None:
     """Scatter each new token's K/V into its cache slot (``slot = page * page_size + offset``).
 
     ``native``: the torch backend may use the native CPU copy (fp32; kernels/native_ops.py).
+    ``check=False``: the torch backend skips the shape/dtype/device validation, for a caller
+    that validated the same layout already this step (the model checks its first layer; every
+    layer's caches are views of one pool). Slot values are still bounds-checked.
     """
     if resolve_backend(key.device, backend) == "triton":
         from kernels.triton_write_kv import write_kv_triton
 
         write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     else:
-        write_kv_ref(key, value, k_cache, v_cache, slot_mapping, use_native=native)
+        write_kv_ref(key, value, k_cache, v_cache, slot_mapping, native, check)
 
 
 def paged_attention(
@@ -141,6 +145,7 @@ def paged_attention(
     max_query_len: int | None = None,
     backend: str | None = None,
     plan: AttentionPlan | None = None,
+    check: bool = True,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of each sequence's new query rows over its paged context.
 
@@ -153,6 +158,8 @@ def paged_attention(
         plan: the torch backend's per-step plan (``plan_attention``), built once for all
             layers; None = planned per call. Ignored by the Triton backend.
         backend: ``"auto"``, ``"triton"`` or ``"torch"`` (default: env, then auto).
+        check: False = the torch backend skips the shape/dtype/device validation (as for
+            ``write_kv``); the Triton launcher always reads its shapes through it.
     """
     if resolve_backend(query.device, backend) == "triton":
         from kernels.triton_attention import paged_attention_triton
@@ -168,7 +175,7 @@ def paged_attention(
             max_query_len=max_query_len,
         )
     return paged_attention_ref(
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, plan
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, plan, check
     )
 
 

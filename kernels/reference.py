@@ -41,13 +41,16 @@ def write_kv_ref(
     v_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
     use_native: bool = False,
+    check: bool = True,
 ) -> None:
     """Scatter each new token's K/V into its slot (``slot = page * page_size + offset``).
 
     ``use_native``: fp32 CPU tensors go through the native copy (kernels/native_ops.py) when it
-    is available; the torch ops below otherwise.
+    is available; the torch ops below otherwise. ``check=False`` skips the layout validation
+    (the caller validated this layout already).
     """
-    check_write_inputs(key, value, k_cache, v_cache, slot_mapping)
+    if check:
+        check_write_inputs(key, value, k_cache, v_cache, slot_mapping)
     if use_native and write_kv_native(key, value, k_cache, v_cache, slot_mapping):
         return
     keep = slot_mapping >= 0
@@ -67,14 +70,17 @@ def paged_attention_ref(
     query_start_loc: torch.Tensor,  # [S + 1] int32
     scale: float,
     plan: AttentionPlan | None = None,
+    check: bool = True,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of each sequence's new query rows over its paged context.
 
     ``plan``: the step's :class:`AttentionPlan` when the caller built it once for all layers
     (it must describe these same tables and lengths); None = plan here, from one host copy of
-    the metadata.
+    the metadata. ``check=False`` skips the layout validation (the caller validated this
+    layout already); the plan-fits-query check below always runs.
     """
-    check_attention_inputs(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    if check:
+        check_attention_inputs(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     if plan is None:
         plan = plan_attention(
             block_tables.tolist(),

@@ -17,23 +17,40 @@
 /* below this many elements a call stays on one thread */
 #define PARALLEL_MIN_ELEMS (1 << 16)
 
+/* for (r = 0; r < rows; ++r) BODY, over OpenMP threads only when `par`. NOTE: a plain branch,
+ * not `parallel for if (par)`: libgomp sets up a (one-thread) team even when the clause is
+ * false, which doubled the cost of a 16-row decode call. */
+#define PG_FOR_ROWS(par, num_threads, rows, r, BODY)                                      \
+    if (par) {                                                                          \
+        _Pragma("omp parallel for num_threads(num_threads) schedule(static)")            \
+        for (int64_t r = 0; r < (rows); ++r) BODY                                        \
+    } else {                                                                            \
+        for (int64_t r = 0; r < (rows); ++r) BODY                                        \
+    }
+
+static inline void rms_norm_row(const float *src, const float *weight, float *dst, int dim,
+                                float eps) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int d = 0; d < dim; ++d) sum += src[d] * src[d];
+    const float inv = (float)(1.0 / sqrt((double)sum / dim + (double)eps));
+#pragma omp simd
+    for (int d = 0; d < dim; ++d) dst[d] = weight[d] * (src[d] * inv);
+}
+
 /* out[r] = weight * x[r] / sqrt(mean(x[r]^2) + eps); rows of `dim` floats at the given
  * strides (out may alias x). The mean and the reciprocal square root are taken in double
  * so the result does not depend on -ffast-math's reassociation beyond the sum order. */
 void pg_rms_norm_f32(const float *x, int64_t x_stride, const float *weight, float *out,
                      int64_t out_stride, int64_t rows, int dim, float eps, int num_threads) {
     const int par = (int64_t)rows * dim >= PARALLEL_MIN_ELEMS && num_threads > 1;
-#pragma omp parallel for if (par) num_threads(num_threads) schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-        const float *src = x + r * x_stride;
-        float *dst = out + r * out_stride;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int d = 0; d < dim; ++d) sum += src[d] * src[d];
-        const float inv = (float)(1.0 / sqrt((double)sum / dim + (double)eps));
+    PG_FOR_ROWS(par, num_threads, rows, r, { rms_norm_row(x + r * x_stride, weight, out + r * out_stride, dim, eps); })
+}
+
+static inline void silu_mul_row(const float *g, float *dst, int inter) {
+    const float *u = g + inter;
 #pragma omp simd
-        for (int d = 0; d < dim; ++d) dst[d] = weight[d] * (src[d] * inv);
-    }
+    for (int i = 0; i < inter; ++i) dst[i] = g[i] / (1.0f + expf(fminf(-g[i], 88.0f))) * u[i];
 }
 
 /* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i]; gate_up rows at `gu_stride`,
@@ -43,13 +60,21 @@ void pg_rms_norm_f32(const float *x, int64_t x_stride, const float *weight, floa
 void pg_silu_mul_f32(const float *gate_up, int64_t gu_stride, float *out, int64_t rows,
                      int inter, int num_threads) {
     const int par = (int64_t)rows * inter >= PARALLEL_MIN_ELEMS && num_threads > 1;
-#pragma omp parallel for if (par) num_threads(num_threads) schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-        const float *g = gate_up + r * gu_stride;
-        const float *u = g + inter;
-        float *dst = out + r * (int64_t)inter;
+    PG_FOR_ROWS(par, num_threads, rows, r, { silu_mul_row(gate_up + r * gu_stride, out + r * (int64_t)inter, inter); })
+}
+
+static inline void rope_row(float *x, int num_heads, int head_dim, const float *c,
+                            const float *s) {
+    const int half = head_dim / 2;
+    for (int h = 0; h < num_heads; ++h) {
+        float *x1 = x + (int64_t)h * head_dim;
+        float *x2 = x1 + half;
 #pragma omp simd
-        for (int i = 0; i < inter; ++i) dst[i] = g[i] / (1.0f + expf(fminf(-g[i], 88.0f))) * u[i];
+        for (int i = 0; i < half; ++i) {
+            const float a = x1[i], b = x2[i];
+            x1[i] = a * c[i] - b * s[i];
+            x2[i] = b * c[i] + a * s[i];
+        }
     }
 }
 
@@ -60,21 +85,9 @@ void pg_rope_f32(float *x, int64_t row_stride, int num_heads, int head_dim, cons
                  const float *sin_t, int64_t rows, int num_threads) {
     const int half = head_dim / 2;
     const int par = (int64_t)rows * num_heads * head_dim >= PARALLEL_MIN_ELEMS && num_threads > 1;
-#pragma omp parallel for if (par) num_threads(num_threads) schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-        const float *c = cos_t + r * half;
-        const float *s = sin_t + r * half;
-        for (int h = 0; h < num_heads; ++h) {
-            float *x1 = x + r * row_stride + (int64_t)h * head_dim;
-            float *x2 = x1 + half;
-#pragma omp simd
-            for (int i = 0; i < half; ++i) {
-                const float a = x1[i], b = x2[i];
-                x1[i] = a * c[i] - b * s[i];
-                x2[i] = b * c[i] + a * s[i];
-            }
-        }
-    }
+    PG_FOR_ROWS(par, num_threads, rows, r, {
+        rope_row(x + r * row_stride, num_heads, head_dim, cos_t + r * half, sin_t + r * half);
+    })
 }
 
 /* K/V of token r (row_elems floats each, at k + r * k_stride / v + r * v_stride) into slot

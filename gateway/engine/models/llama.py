@@ -76,7 +76,8 @@ class LlamaModel:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
-        self.kernel_backend = kernel_backend
+        # resolved once: a per-call resolution reads the environment 60 times a step
+        self.kernel_backend = kernels.backend_name(self.device, kernel_backend)
         self.native_ops = native_ops
         self.scale = config.head_dim**-0.5
 
@@ -136,7 +137,10 @@ class LlamaModel:
 
         native = self.native_ops
         hidden = F.embedding(batch.input_ids, self.embed)  # [T, H]
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        for index, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            # every layer's caches are views of one pool with one layout: the kernels validate
+            # it on the first layer of the step, not 30 times
+            check = index == 0
             x = rms_norm(hidden, layer.input_norm, eps, native)
             qkv = layer.qkv(x)  # [T, Q + 2KV]
             # q and k rotate together: one set of elementwise ops for both (in place natively:
@@ -147,7 +151,8 @@ class LlamaModel:
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]  # [T, Hq, D], [T, Hkv, D]
             v = qkv[:, q_size + kv_size :].view(num_tokens, cfg.num_kv_heads, head_dim)
             kernels.write_kv(
-                k, v, k_cache, v_cache, batch.slot_mapping, backend=backend, native=native
+                k, v, k_cache, v_cache, batch.slot_mapping, backend=backend, native=native,
+                check=check,
             )
             attn = kernels.paged_attention(
                 q,
@@ -160,6 +165,7 @@ class LlamaModel:
                 max_query_len=batch.max_query_len,  # host int: no device sync to learn it
                 backend=backend,
                 plan=batch.attention_plan,
+                check=check,
             )  # [T, Hq, D]
             hidden = layer.o.add_to(attn.reshape(num_tokens, q_size), hidden)
             x = rms_norm(hidden, layer.post_norm, eps, native)
