@@ -208,7 +208,7 @@ def main() -> None:
     parser.add_argument("--num-pages", type=int, default=4096)
     parser.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help="step token budget (default: the engine's, 256 on CPU / 2048 on GPU)")
+                        help="step token budget (default: the engine's, 192 on CPU / 2048 on GPU)")
     parser.add_argument("--tool-latency-s", type=float, default=1.0,
                         help="mean tool pause between turns in the second cached run (exponential)")
     args = parser.parse_args()

@@ -1,15 +1,18 @@
 """Paged-attention kernels: Triton on CUDA, plain torch on CPU. Knows nothing of the gateway.
 
 Public API (layout in kernels/layout.py; backend choice in kernels/dispatch.py):
-    write_kv(key, value, k_cache, v_cache, slot_mapping, *, backend=None)
+    write_kv(key, value, k_cache, v_cache, slot_mapping, *, backend=None, native=False,
+             check=True)
     paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                    *, max_query_len=None, backend=None, plan=None) -> [T, Hq, D]
+                    *, max_query_len=None, backend=None, plan=None, check=True) -> [T, Hq, D]
     plan_attention(block_tables, seq_lens, query_start_loc, *, page_size, kv_row_elems, ...)
         -> AttentionPlan (torch backend: one step's addressing, planned once for all layers)
     copy_pages(kv_pool, src, dst, *, backend=None)
     backend_name(device, backend=None) -> "triton" | "torch"
-    native_decode_available() / native_status(): the native CPU decode kernel the torch
-        backend uses for fp32 decode rows (kernels/native.py)
+    native_decode_available() / native_status(): the native CPU library (kernels/csrc/*.c,
+        kernels/native_lib.py): the decode kernel the torch backend uses for fp32 decode rows
+        (kernels/native.py) and fused per-token layer ops (kernels/native_ops.py: RMSNorm,
+        SiLU-and-multiply, in-place RoPE, the K/V scatter)
 
 ``triton`` is optional: it is imported only when the Triton backend is first used.
 """

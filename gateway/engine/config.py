@@ -47,12 +47,15 @@ class EngineConfig:
             raise ValueError("watermark must be in [0, 1)")
 
 
-# Default step token budget per device type. On CPU the GEMMs are compute-bound from ~128 rows
-# on, so a bigger step buys no prefill throughput, while every running decode waits for the
-# whole step: 256 tokens is ~0.4 s on 2 cores where 2,048 is ~4 s (measured with
-# benchmarks.engine: the swarm's wall time is unchanged and the median warm TTFT halves).
-# A GPU gains throughput from larger steps up to thousands of tokens.
-STEP_TOKEN_BUDGET = {"cpu": 256, "cuda": 2048}
+# Default step budget per device type, in context-free tokens (the scheduler counts a prefill
+# chunk's attention on top of its tokens: gateway/engine/scheduler.py). On CPU the GEMMs are
+# compute-bound from ~128 rows on, so a bigger step buys little prefill throughput while every
+# running decode and every new request waits for the whole step. 192 is about one warm agent
+# suffix (~60 tokens over a 2k cached prompt = ~100 units) plus the running decodes per step;
+# measured with benchmarks.engine (16-agent swarm, 2 cores): median warm TTFT 1.25-1.55x its
+# floor in the lockstep burst at 192 vs 1.7-2.0x at 256 (3.2x at 256 without the attention
+# cost), swarm wall time 22-24 s vs 20-23 s. A GPU gains throughput from larger steps.
+STEP_TOKEN_BUDGET = {"cpu": 192, "cuda": 2048}
 
 
 def step_token_budget(config: EngineConfig, device_type: str) -> int:

@@ -114,6 +114,8 @@ class LLMEngine:
             ),
             max_num_seqs=config.max_num_seqs,
             enable_dedup=config.enable_prefix_caching,
+            # the model's attention-vs-linear FLOP ratio; stand-in runners have none
+            context_scale=getattr(runner, "attention_context_scale", None),
         )
         if chunk_factory is None:
             from gateway.engine.runner import SeqChunk

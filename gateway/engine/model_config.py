@@ -124,6 +124,21 @@ class ModelConfig:
         """Width of the key (or value) projection output (all KV heads)."""
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def attention_context_scale(self) -> int:
+        """Context length at which one token's attention FLOPs equal its linear-layer FLOPs.
+
+        Per layer a token costs ``2 * params`` in its projections and MLP, and
+        ``4 * context * q_size`` in attention (QK and PV). The scheduler counts a prefill
+        chunk's attention in these units, so a step's budget bounds its compute, not just its
+        token count (3,072 for SmolLM2-135M: a 56-token suffix over 2,200 cached tokens costs
+        like 97 context-free tokens).
+        """
+        hidden = self.hidden_size
+        params = hidden * (self.q_size + 2 * self.kv_size) + self.q_size * hidden
+        params += 3 * hidden * self.intermediate_size
+        return max(1, params // (2 * self.q_size))
+
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF parameter name -> shape, for every tensor a Llama-family model of ``config`` needs."""

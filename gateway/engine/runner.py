@@ -169,6 +169,11 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
+    @property
+    def attention_context_scale(self) -> int:
+        """See ``ModelConfig.attention_context_scale`` (the scheduler's chunk cost unit)."""
+        return self.config.attention_context_scale
+
     def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
         if self.device.type == "cpu":
             return torch.tensor(values, dtype=dtype)

@@ -8,6 +8,7 @@ One step = ``schedule()`` → runner forward → ``commit()`` → the engine sam
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -57,6 +58,19 @@ class Scheduler:
         enable_dedup: hold back a request whose next uncached blocks another running
             sequence is computing right now; it is admitted once they are cached (in-flight
             prefix dedup: a burst sharing a cold prompt computes it once).
+        context_scale: count a prefill chunk's attention in the budget: ``n`` tokens from
+            position ``s`` cost ``n * (1 + (s + n / 2) / context_scale)`` (the model's
+            ``attention_context_scale``: the context at which attention FLOPs equal the
+            linear layers'). None = every token costs 1. A decode token always costs 1.
+
+    Two rules keep time-to-first-token low without giving up throughput:
+      * the budget bounds a step's compute, not its token count (``context_scale``): a chunk
+        deep into a long prompt, or a short suffix over a long cached prefix, is mostly
+        attention, and a step packed with them by token count alone runs several times longer
+        than one of fresh tokens, stalling every running decode and every request behind it;
+      * a new prompt that would fit a step on its own is not split to fill a step's leftover
+        budget when that step already carries a prefill: the split would cost it a second
+        step for its first token; it goes first in the next step instead.
     """
 
     def __init__(
@@ -66,6 +80,7 @@ class Scheduler:
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 64,
         enable_dedup: bool = True,
+        context_scale: int | None = None,
     ):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
@@ -73,6 +88,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.enable_dedup = enable_dedup
+        if context_scale is not None and context_scale < 1:
+            raise ValueError("context_scale must be >= 1")
+        self.context_scale = context_scale
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: preemption takes from the end
         self._admission = itertools.count()
@@ -139,11 +157,12 @@ class Scheduler:
         # budget: n > 1 forks can put more sequences in `running` than the budget has tokens,
         # and a skipped decode would wait until older ones finish.
         scheduled: set[int] = set()
+        has_prefill = False  # a prefill chunk is in this step already
         for decodes in (True, False):
             for seq in list(self.running):
                 if seq.status is not SeqStatus.RUNNING or (seq.num_uncomputed == 1) != decodes:
                     continue
-                n = 1 if decodes else min(seq.num_uncomputed, budget)
+                n = 1 if decodes else self._fit(seq.num_computed, seq.num_uncomputed, budget)
                 if n <= 0:
                     continue
                 while self.cache.pages_needed(seq.seq_id, n) > self.cache.num_free_pages:
@@ -158,7 +177,8 @@ class Scheduler:
                 pairs += self.cache.prepare_write(seq.seq_id, n)
                 chunks.append(self._chunk(seq, n))
                 scheduled.add(seq.seq_id)
-                budget -= n
+                budget -= 1 if decodes else self._cost(seq.num_computed, n)
+                has_prefill = has_prefill or not decodes
 
         # 2. Admit waiting sequences while pages (above the watermark) and budget allow.
         unschedulable: list[Sequence] = []
@@ -173,6 +193,16 @@ class Scheduler:
                 deferred.append(seq)
                 self.num_dedup_waits += 1
                 continue
+            start, remaining = match.num_cached_tokens, len(seq.token_ids) - match.num_cached_tokens
+            n = self._fit(start, remaining, budget)
+            if n < remaining and has_prefill and self._cost(start, remaining) <= self.max_num_batched_tokens:
+                # NOTE: it would fit a step of its own: split here, its first token would wait
+                # a second step. Keep FIFO order: nothing behind it is admitted either.
+                self.waiting.appendleft(seq)
+                break
+            if n <= 0:
+                self.waiting.appendleft(seq)
+                break
             needed = self.cache.pages_needed_for_prompt(len(seq.token_ids), match)
             if not self.cache.can_allocate(needed):
                 idle = not self.running and not chunks
@@ -198,10 +228,11 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             seq.admitted_order = next(self._admission)
             self.running.append(seq)
-            n = min(seq.num_uncomputed, budget)
+            n = self._fit(seq.num_computed, seq.num_uncomputed, budget)
             pairs += self.cache.prepare_write(seq.seq_id, n)
             chunks.append(self._chunk(seq, n))
-            budget -= n
+            budget -= self._cost(seq.num_computed, n)
+            has_prefill = True
         self.waiting.extendleft(reversed(deferred))
         for seq in unschedulable:
             seq.status = SeqStatus.FINISHED
@@ -217,6 +248,26 @@ class Scheduler:
             seq.num_computed += chunk.num_tokens
 
     # ------------------------------------------------------------------ internals
+
+    def _cost(self, start: int, n: int) -> float:
+        """Budget units of computing ``n`` prompt tokens from position ``start``."""
+        if self.context_scale is None:
+            return n
+        return n * (1 + (start + n / 2) / self.context_scale)
+
+    def _fit(self, start: int, remaining: int, budget: float) -> int:
+        """How many of the ``remaining`` tokens from ``start`` fit ``budget`` (at least one
+        while any budget is left: a prompt deep into a long context always progresses)."""
+        if budget <= 0:
+            return 0
+        if self.context_scale is None:
+            return min(remaining, int(budget))
+        # the largest n with n * (C + start + n / 2) <= budget * C
+        c = self.context_scale + start
+        n = int(-c + math.sqrt(c * c + 2 * budget * self.context_scale))
+        while n > 1 and self._cost(start, n) > budget:  # float rounding
+            n -= 1
+        return max(1, min(remaining, n))
 
     def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
         start = seq.num_computed

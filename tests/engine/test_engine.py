@@ -224,10 +224,20 @@ def test_async_engine_streams_and_cancel_frees_pages(make_engine, tokenizer):
 
 
 def test_step_token_budget_defaults_by_device() -> None:
-    assert step_token_budget(EngineConfig(), "cpu") == 256
+    assert step_token_budget(EngineConfig(), "cpu") == 192
     assert step_token_budget(EngineConfig(), "cuda") == 2048
     # never below the running-sequence cap, and an explicit budget wins
     assert step_token_budget(EngineConfig(max_num_seqs=300), "cpu") == 300
     assert step_token_budget(EngineConfig(max_num_batched_tokens=4096), "cpu") == 4096
     with pytest.raises(ValueError, match="must be >= max_num_seqs"):
         EngineConfig(max_num_batched_tokens=32, max_num_seqs=64)
+
+
+def test_the_scheduler_counts_attention_with_the_models_flop_ratio(make_engine, loaded_model) -> None:
+    cfg = loaded_model.config
+    # SmolLM2-135M per layer: 3,538,944 projection/MLP weights; attention 4 * 576 FLOPs per
+    # context token -> equal at 3,538,944 * 2 / (4 * 576) = 3,072 tokens of context
+    assert cfg.attention_context_scale == 3072
+    engine = make_engine()
+    assert engine.scheduler.context_scale == 3072
+    assert engine.scheduler.max_num_batched_tokens == 192

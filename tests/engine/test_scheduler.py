@@ -172,3 +172,48 @@ def test_forked_decodes_beyond_the_budget_all_advance():
         assert all(c.num_tokens == 1 for c in out.chunks)
     # no budget left for prefill and no room to admit: the late request waits
     assert late.status is SeqStatus.WAITING
+
+
+def test_the_budget_counts_a_chunks_attention_over_its_context():
+    # context_scale 100: n tokens from position s cost n * (1 + (s + n/2) / 100)
+    s = Scheduler(KVCacheManager(512, 4, watermark=0), max_num_batched_tokens=100, context_scale=100)
+    a = seq(range(1000))
+    s.add(a)
+    sizes = [step(s).chunks[0].num_tokens for _ in range(3)]
+    # 73 * (1 + 36.5/100) = 99.6 <= 100 < 74 * 1.37; then from 73: 50 * (1 + 98/100) = 99
+    assert sizes[:2] == [73, 50]
+    for start, n in ((0, 73), (73, 50), (123, sizes[2])):
+        assert s._cost(start, n) <= 100 < s._cost(start, n + 1)
+    # deep into a long context one token may cost more than the whole budget: still progress
+    deep = Scheduler(KVCacheManager(2048, 4, watermark=0), max_num_batched_tokens=2, context_scale=1)
+    b = seq(range(3000))
+    deep.add(b)
+    assert [step(deep).chunks[0].num_tokens for _ in range(2)] == [1, 1]
+    # without a scale every token costs one (the stand-in runners' budget)
+    plain = Scheduler(KVCacheManager(512, 4, watermark=0), max_num_batched_tokens=100)
+    plain.add(seq(range(1000)))
+    assert step(plain).chunks[0].num_tokens == 100
+
+
+def test_a_short_prompt_is_not_split_to_fill_a_steps_leftover():
+    s = Scheduler(KVCacheManager(256, 4, watermark=0), max_num_batched_tokens=40)
+    first, second, third = seq(range(30), "first"), seq(range(100, 125), "second"), seq(range(200, 210), "third")
+    for x in (first, second, third):
+        s.add(x)
+    out = step(s)
+    # second would get 10 of its 25 tokens here and its first token a step later: it waits,
+    # and FIFO holds (third, which would fit, is not admitted ahead of it)
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [("first", 30)]
+    out = step(s)
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [
+        ("first", 1), ("second", 25), ("third", 10)]
+    # a prompt longer than a whole step is still chunked into a step's leftover
+    long = seq(range(300, 400), "long")
+    s.add(long)
+    out = step(s)
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks][-1] == ("long", 37)
+    # and next to another prefill too: waiting for a step of its own would not help it
+    s2 = Scheduler(KVCacheManager(256, 4, watermark=0), max_num_batched_tokens=40)
+    s2.add(seq(range(30), "p"))
+    s2.add(seq(range(500, 600), "big"))
+    assert [(c.seq.request_id, c.num_tokens) for c in step(s2).chunks] == [("p", 30), ("big", 10)]
