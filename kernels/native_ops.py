@@ -74,6 +74,7 @@ def rope_native(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         head_dim % 2
         or x.stride(2) != 1
         or x.stride(1) != head_dim
+        or x.stride(0) < heads * head_dim  # overlapping rows would rotate twice
         or cos.numel() != rows * half
         or sin.numel() != rows * half
         or not (cos.is_contiguous() and sin.is_contiguous())
@@ -106,6 +107,7 @@ def write_kv_native(
         or value.shape != key.shape
         or slot_mapping.shape != (key.shape[0],)
         or slot_mapping.dtype != torch.int64
+        or slot_mapping.device.type != "cpu"
         or not slot_mapping.is_contiguous()
         or key.shape[1:] != k_cache.shape[2:]
         or v_cache.shape != k_cache.shape

@@ -107,15 +107,19 @@ class LLMEngine:
             hash_seed=config.hash_seed,
             event_sink=event_sink,
         )
+        device_type = torch.device(getattr(runner, "device", "cpu")).type
         self.scheduler = Scheduler(
             self.cache,
-            max_num_batched_tokens=step_token_budget(
-                config, torch.device(getattr(runner, "device", "cpu")).type
-            ),
+            max_num_batched_tokens=step_token_budget(config, device_type),
             max_num_seqs=config.max_num_seqs,
             enable_dedup=config.enable_prefix_caching,
-            # the model's attention-vs-linear FLOP ratio; stand-in runners have none
-            context_scale=getattr(runner, "attention_context_scale", None),
+            # CPU steps are compute-bound: count attention by the model's attention-vs-linear
+            # FLOP ratio. NOTE: not on GPU until measured there (small-model GPU steps are
+            # dominated by per-step overhead; smaller long-context chunks could cost more).
+            # Stand-in runners have no ratio.
+            context_scale=(
+                getattr(runner, "attention_context_scale", None) if device_type == "cpu" else None
+            ),
         )
         if chunk_factory is None:
             from gateway.engine.runner import SeqChunk

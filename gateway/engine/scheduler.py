@@ -158,11 +158,15 @@ class Scheduler:
         # and a skipped decode would wait until older ones finish.
         scheduled: set[int] = set()
         has_prefill = False  # a prefill chunk is in this step already
+        num_decodes = 0
         for decodes in (True, False):
             for seq in list(self.running):
                 if seq.status is not SeqStatus.RUNNING or (seq.num_uncomputed == 1) != decodes:
                     continue
-                n = 1 if decodes else self._fit(seq.num_computed, seq.num_uncomputed, budget)
+                if decodes:
+                    n = 1
+                else:
+                    n = self._fit(seq.num_computed, seq.num_uncomputed, budget, not has_prefill)
                 if n <= 0:
                     continue
                 while self.cache.pages_needed(seq.seq_id, n) > self.cache.num_free_pages:
@@ -178,6 +182,7 @@ class Scheduler:
                 chunks.append(self._chunk(seq, n))
                 scheduled.add(seq.seq_id)
                 budget -= 1 if decodes else self._cost(seq.num_computed, n)
+                num_decodes += decodes
                 has_prefill = has_prefill or not decodes
 
         # 2. Admit waiting sequences while pages (above the watermark) and budget allow.
@@ -194,13 +199,11 @@ class Scheduler:
                 self.num_dedup_waits += 1
                 continue
             start, remaining = match.num_cached_tokens, len(seq.token_ids) - match.num_cached_tokens
-            n = self._fit(start, remaining, budget)
-            if n < remaining and has_prefill and self._cost(start, remaining) <= self.max_num_batched_tokens:
-                # NOTE: it would fit a step of its own: split here, its first token would wait
-                # a second step. Keep FIFO order: nothing behind it is admitted either.
-                self.waiting.appendleft(seq)
-                break
-            if n <= 0:
+            n = self._fit(start, remaining, budget, not has_prefill)
+            own_step = self.max_num_batched_tokens - num_decodes  # what a step would leave it
+            if n <= 0 or (n < remaining and has_prefill and self._cost(start, remaining) <= own_step):
+                # NOTE: nothing fits, or it would fit the next step whole: split here, its first
+                # token would wait a second step anyway. FIFO: nothing behind it goes first.
                 self.waiting.appendleft(seq)
                 break
             needed = self.cache.pages_needed_for_prompt(len(seq.token_ids), match)
@@ -228,7 +231,7 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             seq.admitted_order = next(self._admission)
             self.running.append(seq)
-            n = self._fit(seq.num_computed, seq.num_uncomputed, budget)
+            n = self._fit(seq.num_computed, seq.num_uncomputed, budget, not has_prefill)
             pairs += self.cache.prepare_write(seq.seq_id, n)
             chunks.append(self._chunk(seq, n))
             budget -= self._cost(seq.num_computed, n)
@@ -255,19 +258,25 @@ class Scheduler:
             return n
         return n * (1 + (start + n / 2) / self.context_scale)
 
-    def _fit(self, start: int, remaining: int, budget: float) -> int:
-        """How many of the ``remaining`` tokens from ``start`` fit ``budget`` (at least one
-        while any budget is left: a prompt deep into a long context always progresses)."""
-        if budget <= 0:
+    def _fit(self, start: int, remaining: int, budget: float, force_one: bool) -> int:
+        """How many of the ``remaining`` tokens from ``start`` fit ``budget``.
+
+        ``force_one``: at least one token even when it costs more than what is left, so the
+        first prefill of a step always progresses (deep into a long context one token can
+        cost more than a whole budget). Later chunks never take a crumb of leftover budget: a
+        long prompt admitted for one token a step would hold its pages and a running slot.
+        """
+        if remaining <= 0 or (budget <= 0 and not force_one):
             return 0
         if self.context_scale is None:
-            return min(remaining, int(budget))
-        # the largest n with n * (C + start + n / 2) <= budget * C
-        c = self.context_scale + start
-        n = int(-c + math.sqrt(c * c + 2 * budget * self.context_scale))
-        while n > 1 and self._cost(start, n) > budget:  # float rounding
-            n -= 1
-        return max(1, min(remaining, n))
+            n = int(budget)
+        else:
+            # the largest n with n * (C + start + n / 2) <= budget * C
+            c = self.context_scale + start
+            n = int(-c + math.sqrt(c * c + 2 * max(budget, 0) * self.context_scale))
+            while n > 0 and self._cost(start, n) > budget:  # float rounding
+                n -= 1
+        return min(remaining, max(n, 1 if force_one else 0))
 
     def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
         start = seq.num_computed

@@ -39,7 +39,7 @@ static inline void rms_norm_row(const float *src, const float *weight, float *ds
 }
 
 /* out[r] = weight * x[r] / sqrt(mean(x[r]^2) + eps); rows of `dim` floats at the given
- * strides (out may alias x). The mean and the reciprocal square root are taken in double
+ * strides (out may be x itself, not a partial overlap). The mean and the reciprocal square root are taken in double
  * so the result does not depend on -ffast-math's reassociation beyond the sum order. */
 void pg_rms_norm_f32(const float *x, int64_t x_stride, const float *weight, float *out,
                      int64_t out_stride, int64_t rows, int dim, float eps, int num_threads) {

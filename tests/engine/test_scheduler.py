@@ -207,7 +207,7 @@ def test_a_short_prompt_is_not_split_to_fill_a_steps_leftover():
     out = step(s)
     assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [
         ("first", 1), ("second", 25), ("third", 10)]
-    # a prompt longer than a whole step is still chunked into a step's leftover
+    # with only decodes in the step, a prompt longer than what is left is chunked into it
     long = seq(range(300, 400), "long")
     s.add(long)
     out = step(s)
@@ -217,3 +217,28 @@ def test_a_short_prompt_is_not_split_to_fill_a_steps_leftover():
     s2.add(seq(range(30), "p"))
     s2.add(seq(range(500, 600), "big"))
     assert [(c.seq.request_id, c.num_tokens) for c in step(s2).chunks] == [("p", 30), ("big", 10)]
+
+
+
+def test_a_crumb_of_leftover_budget_admits_nothing():
+    # 192 with C = 3072: a 3,000-token prompt takes 186 tokens (191.6 units); the 0.4 left
+    # must not admit a second long prompt for one token a step
+    s = Scheduler(KVCacheManager(2048, 16, watermark=0), max_num_batched_tokens=192, context_scale=3072)
+    s.add(seq(range(3000), "l1"))
+    s.add(seq(range(10_000, 14_000), "l2"))
+    for _ in range(3):
+        out = step(s)
+        assert [c.seq.request_id for c in out.chunks] == ["l1"]
+        assert s._cost(out.chunks[0].start_pos, out.chunks[0].num_tokens) <= 192
+    assert s.num_waiting == 1 and s.num_running == 1  # l2 holds no pages, no running slot
+
+
+def test_a_bounced_prompt_keeps_its_place_behind_dedup_deferred_ones():
+    s = Scheduler(KVCacheManager(512, 4, watermark=0), max_num_batched_tokens=40, context_scale=1000)
+    shared = list(range(500, 520))
+    s.add(seq(shared + [1], "cold"))  # computes the shared blocks
+    s.add(seq(shared + [2], "dup"))  # deferred by dedup while they are in flight
+    s.add(seq(range(900, 925), "short"))  # 25 tokens: would be split into the leftover
+    out = s.schedule()
+    assert [c.seq.request_id for c in out.chunks] == ["cold"]
+    assert [x.request_id for x in s.waiting] == ["dup", "short"]  # order kept

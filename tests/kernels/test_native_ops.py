@@ -106,12 +106,18 @@ def test_what_the_native_ops_do_not_handle_is_declined_untouched() -> None:
     x = torch.randn(3, 2, 8)
     before = x.clone()
     cos = torch.ones(3, 1, 4)
-    assert not rope_native(x.transpose(0, 1), cos, cos)  # heads not dense within a row
+    rows_t = x.transpose(0, 1)  # [2, 3, 8]: heads 24 floats apart, not dense in a row
+    assert not rope_native(rows_t, cos[:2], cos[:2])
     assert not rope_native(x, torch.ones(2, 1, 4), cos)  # a table row short
-    assert not rope_native(x.double(), cos.double(), cos.double())
+    assert not rope_native(x[:1].expand(3, 2, 8), cos, cos)  # rows overlap (stride 0)
     assert torch.equal(x, before)
+    x64 = x.double()
+    assert not rope_native(x64, cos.double(), cos.double())
+    assert torch.equal(x64, before.double())
     k_cache = torch.zeros(2, 4, 2, 8)
-    assert not write_kv_native(x, x, k_cache, k_cache.clone(), torch.tensor([0, 1, 2], dtype=torch.int32))
-    assert not write_kv_native(x.transpose(1, 2), x, k_cache, k_cache.clone(), torch.tensor([0, 1, 2]))
+    slots = torch.tensor([0, 1, 2])
+    assert not write_kv_native(x, x, k_cache, k_cache.clone(), slots.int())
+    strided_key = torch.randn(3, 8, 2).transpose(1, 2)  # right shape, head dim not dense
+    assert not write_kv_native(strided_key, x, k_cache, k_cache.clone(), slots)
     assert k_cache.abs().sum() == 0
 
