@@ -34,18 +34,42 @@ int pg_limits(int *max_group, int *max_head_dim) {
  * always prefetching measured 14.3 -> 19.3 ms per 16 x 512-token step on contiguous pages,
  * and 26.6 -> 23 ms on shuffled ones; skipping adjacent pages: 16.7 ms on shuffled ones).
  *
- * next_scattered_page: the next page's base (+ offset) when there is one within `len` tokens
- * and it is not adjacent to page `pg`, else NULL. */
-static inline const float *next_scattered_page(const float *cache, const int64_t *seq_pages,
-                                               int pg, int len, int page_size,
-                                               int64_t page_stride, int64_t offset) {
-    if ((int64_t)(pg + 1) * page_size >= len || seq_pages[pg + 1] == seq_pages[pg] + 1)
-        return NULL;
-    return cache + seq_pages[pg + 1] * page_stride + offset;
+ * A page_walk visits a sequence's token rows in order (one head's slice at `offset`, or the
+ * whole row), issuing those requests as it goes. */
+typedef struct {
+    const float *cache;       /* k_cache or v_cache */
+    const int64_t *seq_pages; /* the sequence's page ids */
+    int64_t page_stride, token_stride, offset;
+    int len, page_size, row_bytes;
+    int j, pg;                /* token within the page, page index */
+    const float *base, *next; /* this page (+ offset); the next page when scattered, else NULL */
+} page_walk;
+
+static inline page_walk walk_start(const float *cache, const int64_t *seq_pages, int len,
+                                   int page_size, int64_t token_stride, int64_t offset,
+                                   int row_floats) {
+    page_walk w = {cache, seq_pages, token_stride * page_size, token_stride, offset, len,
+                   page_size, row_floats * (int)sizeof(float), page_size, -1, NULL, NULL};
+    return w;
 }
 
-static inline void prefetch_row(const float *row, int row_bytes) {
-    for (int b = 0; b < row_bytes; b += 64) __builtin_prefetch((const char *)row + b, 0, 2);
+/* The next token's row (call exactly `len` times). */
+static inline const float *walk_next(page_walk *w) {
+    if (w->j == w->page_size) {
+        w->j = 0;
+        ++w->pg;
+        const int64_t *pages = w->seq_pages;
+        w->base = w->cache + pages[w->pg] * w->page_stride + w->offset;
+        const int last = (int64_t)(w->pg + 1) * w->page_size >= w->len;
+        w->next = last || pages[w->pg + 1] == pages[w->pg] + 1
+                      ? NULL
+                      : w->cache + pages[w->pg + 1] * w->page_stride + w->offset;
+    }
+    const int64_t at = (int64_t)w->j++ * w->token_stride;
+    if (w->next != NULL)
+        for (int b = 0; b < w->row_bytes; b += 64)
+            __builtin_prefetch((const char *)(w->next + at) + b, 0, 2);
+    return w->base + at;
 }
 
 /* Each of `rows` score rows of length `len`, in place: exp(score - row max); the row max and
@@ -76,8 +100,6 @@ static inline __attribute__((always_inline)) int attend_item(
     float *out, int64_t out_row_stride, float *lse_row, int h, int num_kv_heads,
     int page_size, float scale) {
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
-    const int64_t page_stride = token_stride * page_size;
-    const float *base = NULL, *next = NULL; /* the current page (+ head offset), prefetch target */
     float *scores = (float *)malloc(sizeof(float) * (size_t)group * (size_t)len);
     if (scores == NULL) return 1;
     float q[MAX_GROUP][MAX_HEAD_DIM];
@@ -90,17 +112,11 @@ static inline __attribute__((always_inline)) int attend_item(
         }
     }
     /* pass 1: scaled scores of every context token for the G rows */
-    for (int t = 0, j = 0, pg = 0; t < len; ++t, ++j) {
-        if (j == page_size) {
-            j = 0;
-            ++pg;
-        }
-        if (j == 0) {
-            base = k_cache + seq_pages[pg] * page_stride + (int64_t)h * head_dim;
-            next = next_scattered_page(k_cache, seq_pages, pg, len, page_size, page_stride, (int64_t)h * head_dim);
-        }
-        const float *k = base + (int64_t)j * token_stride;
-        if (next != NULL) prefetch_row(next + (int64_t)j * token_stride, (int)(head_dim * sizeof(float)));
+    const int64_t head_offset = (int64_t)h * head_dim;
+    page_walk walk_k =
+        walk_start(k_cache, seq_pages, len, page_size, token_stride, head_offset, head_dim);
+    for (int t = 0; t < len; ++t) {
+        const float *k = walk_next(&walk_k);
         for (int g = 0; g < group; ++g) {
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
@@ -111,17 +127,10 @@ static inline __attribute__((always_inline)) int attend_item(
     float denom[MAX_GROUP], row_max[MAX_GROUP];
     softmax_numerators(scores, group, len, row_max, denom);
     /* pass 2: weighted sum of V rows */
-    for (int t = 0, j = 0, pg = 0; t < len; ++t, ++j) {
-        if (j == page_size) {
-            j = 0;
-            ++pg;
-        }
-        if (j == 0) {
-            base = v_cache + seq_pages[pg] * page_stride + (int64_t)h * head_dim;
-            next = next_scattered_page(v_cache, seq_pages, pg, len, page_size, page_stride, (int64_t)h * head_dim);
-        }
-        const float *v = base + (int64_t)j * token_stride;
-        if (next != NULL) prefetch_row(next + (int64_t)j * token_stride, (int)(head_dim * sizeof(float)));
+    page_walk walk_v =
+        walk_start(v_cache, seq_pages, len, page_size, token_stride, head_offset, head_dim);
+    for (int t = 0; t < len; ++t) {
+        const float *v = walk_next(&walk_v);
         for (int g = 0; g < group; ++g) {
             const float p = scores[g * len + t];
 #pragma omp simd
@@ -147,9 +156,7 @@ static inline __attribute__((always_inline)) int attend_sequence(
     float scale) {
     const int num_q_heads = group * num_kv_heads;
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
-    const int64_t page_stride = token_stride * page_size;
     const size_t qd = (size_t)num_q_heads * head_dim;
-    const float *base = NULL, *next = NULL; /* the current page, prefetch target */
     float *q = (float *)malloc(sizeof(float) * (2 * qd + (size_t)num_q_heads * (size_t)len + 2 * num_q_heads));
     if (q == NULL) return 1;
     float *acc = q + qd;
@@ -160,17 +167,10 @@ static inline __attribute__((always_inline)) int attend_sequence(
     for (size_t i = 0; i < qd; ++i) q[i] = src[i] * scale;
     memset(acc, 0, sizeof(float) * qd);
     /* pass 1: each token's K row (all heads) is one contiguous read */
-    for (int t = 0, j = 0, pg = 0; t < len; ++t, ++j) {
-        if (j == page_size) {
-            j = 0;
-            ++pg;
-        }
-        if (j == 0) {
-            base = k_cache + seq_pages[pg] * page_stride + 0;
-            next = next_scattered_page(k_cache, seq_pages, pg, len, page_size, page_stride, 0);
-        }
-        const float *k = base + (int64_t)j * token_stride;
-        if (next != NULL) prefetch_row(next + (int64_t)j * token_stride, (int)(token_stride * sizeof(float)));
+    page_walk walk_k =
+        walk_start(k_cache, seq_pages, len, page_size, token_stride, 0, (int)token_stride);
+    for (int t = 0; t < len; ++t) {
+        const float *k = walk_next(&walk_k);
         for (int h = 0; h < num_kv_heads; ++h) {
             for (int g = 0; g < group; ++g) {
                 const float *qr = q + (size_t)(h * group + g) * head_dim;
@@ -183,17 +183,10 @@ static inline __attribute__((always_inline)) int attend_sequence(
     }
     softmax_numerators(scores, num_q_heads, len, row_max, denom);
     /* pass 2: weighted sum of V rows, same streaming order */
-    for (int t = 0, j = 0, pg = 0; t < len; ++t, ++j) {
-        if (j == page_size) {
-            j = 0;
-            ++pg;
-        }
-        if (j == 0) {
-            base = v_cache + seq_pages[pg] * page_stride + 0;
-            next = next_scattered_page(v_cache, seq_pages, pg, len, page_size, page_stride, 0);
-        }
-        const float *v = base + (int64_t)j * token_stride;
-        if (next != NULL) prefetch_row(next + (int64_t)j * token_stride, (int)(token_stride * sizeof(float)));
+    page_walk walk_v =
+        walk_start(v_cache, seq_pages, len, page_size, token_stride, 0, (int)token_stride);
+    for (int t = 0; t < len; ++t) {
+        const float *v = walk_next(&walk_v);
         for (int h = 0; h < num_kv_heads; ++h) {
             for (int g = 0; g < group; ++g) {
                 const float p = scores[(int64_t)(h * group + g) * len + t];
