@@ -130,6 +130,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pg_rope_f32.restype = None
     lib.pg_write_kv_f32.argtypes = [p, i64, p, i64, p, p, p, i64, i64, i64]
     lib.pg_write_kv_f32.restype = i32
+    # linear.c
+    lib.pg_linear_f32.argtypes = [p, i64, p, p, p, i64, p, i64, i32, i32, i32, i32]
+    lib.pg_linear_f32.restype = None
     limits = (ctypes.c_int(), ctypes.c_int())
     lib.pg_limits(ctypes.byref(limits[0]), ctypes.byref(limits[1]))
     lib.max_group, lib.max_head_dim = limits[0].value, limits[1].value

@@ -1,5 +1,6 @@
 """Fused per-token layer ops on CPU, fp32 (kernels/csrc/cpu_ops.c): RMSNorm, SiLU-and-multiply,
-in-place rotary embedding, and the K/V scatter into the pages.
+in-place rotary embedding, and the K/V scatter into the pages; and the linear layer
+(kernels/csrc/linear.c) over weights packed once by :func:`pack_linear_weight`.
 
 Each function returns None / False, touching nothing, when the native library is not
 available here or the tensors are not what it handles (non-CPU, non-fp32, a layout it does
@@ -128,4 +129,64 @@ def write_kv_native(
     return True
 
 
-__all__ = ["rms_norm_native", "rope_native", "silu_mul_native", "write_kv_native"]
+LINEAR_COLS = 16  # output columns per packed block (linear.c's COLS)
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight [N, K]`` as ``[ceil(N / 16), K, 16]`` (zero-padded columns) for
+    :func:`linear_native`; None when the native library is not available or the weight is not
+    fp32 on CPU."""
+    if library() is None or weight.dim() != 2 or not _fp32_cpu(weight):
+        return None
+    n, k = weight.shape
+    blocks = -(-n // LINEAR_COLS)
+    padded = torch.zeros(blocks * LINEAR_COLS, k, dtype=weight.dtype)
+    padded[:n] = weight
+    return padded.view(blocks, LINEAR_COLS, k).transpose(1, 2).contiguous()
+
+
+def linear_native(
+    x: torch.Tensor,  # [M, K]
+    packed: torch.Tensor,  # from pack_linear_weight
+    out_features: int,
+    bias: torch.Tensor | None = None,  # [N]
+    residual: torch.Tensor | None = None,  # [M, N]: returns residual + x @ W.T (+ bias)
+) -> torch.Tensor | None:
+    """``x @ W.T (+ bias) (+ residual)`` as a new ``[M, N]`` tensor; None (nothing computed)
+    for inputs it does not take: rows of ``x`` must be dense, everything fp32 on CPU."""
+    lib = library()
+    k = packed.shape[1] if packed.dim() == 3 else -1
+    if (
+        lib is None
+        or x.dim() != 2
+        or x.shape[1] != k
+        or x.stride(1) != 1
+        or packed.shape[0] * LINEAR_COLS < out_features
+        or not _fp32_cpu(x, packed)
+        or (bias is not None and (bias.shape != (out_features,) or not bias.is_contiguous()
+                                  or not _fp32_cpu(bias)))
+        or (residual is not None and (residual.shape != (x.shape[0], out_features)
+                                      or residual.stride(1) != 1 or not _fp32_cpu(residual)))
+    ):
+        return None
+    rows = x.shape[0]
+    out = torch.empty((rows, out_features), dtype=torch.float32)
+    if rows:
+        lib.pg_linear_f32(
+            x.data_ptr(), x.stride(0), packed.data_ptr(),
+            bias.data_ptr() if bias is not None else None,
+            residual.data_ptr() if residual is not None else None,
+            residual.stride(0) if residual is not None else 0,
+            out.data_ptr(), out.stride(0), rows, out_features, k, torch.get_num_threads(),
+        )
+    return out
+
+
+__all__ = [
+    "linear_native",
+    "pack_linear_weight",
+    "rms_norm_native",
+    "rope_native",
+    "silu_mul_native",
+    "write_kv_native",
+]

@@ -137,20 +137,26 @@ def test_rms_norm_matches_transformers():
     assert torch.allclose(rms_norm(x, norm.weight.detach(), 1e-5), norm(x).detach(), atol=1e-6)
 
 
-@pytest.mark.parametrize("pack", [True, False])
-@pytest.mark.parametrize("rows", [1, 5, 64])
-def test_linear_layouts_agree_with_f_linear(pack, rows):
-    weight = torch.randn(96, 256)
-    bias = torch.randn(96)
+@pytest.mark.parametrize(("pack", "native"), [(True, False), (False, False), (False, True)])
+# rows: a decode row, a partial 16-row tile, full tiles + a tail; 100 columns: a partial block
+@pytest.mark.parametrize("rows", [1, 5, 16, 64, 37])
+def test_linear_layouts_agree_with_f_linear(pack, native, rows):
+    weight = torch.randn(100, 256)
+    bias = torch.randn(100)
     x = torch.randn(rows, 256)
-    residual = torch.randn(rows, 96)
-    layer = Linear(weight, bias, pack=pack)
-    assert (layer.packed is not None) == (pack and onednn_linear_available())
+    residual = torch.randn(rows, 100)
+    layer = Linear(weight, bias, pack=pack, native=native)
+    assert (layer.native is not None) == native  # a C compiler is present here
+    assert (layer.packed is not None) == (pack and not native and onednn_linear_available())
     ref = F.linear(x, weight, bias)
     assert torch.allclose(layer(x), ref, atol=1e-4)
     assert torch.allclose(layer.add_to(x, residual), ref + residual, atol=1e-4)
-    no_bias = Linear(weight, pack=pack)
+    no_bias = Linear(weight, pack=pack, native=native)
     assert torch.allclose(no_bias.add_to(x, residual), F.linear(x, weight) + residual, atol=1e-4)
+    # strided rows (a slice of a wider activation) and an empty batch
+    wide = torch.randn(rows, 300)
+    assert torch.allclose(layer(wide[:, 20:276]), F.linear(wide[:, 20:276], weight, bias), atol=1e-4)
+    assert layer(torch.randn(0, 256)).shape == (0, 100)
 
 
 def test_model_config_rejects_bad_shapes():

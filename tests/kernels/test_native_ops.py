@@ -8,7 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.native_ops import rms_norm_native, rope_native, silu_mul_native, write_kv_native
+from kernels.native_ops import (
+    linear_native,
+    pack_linear_weight,
+    rms_norm_native,
+    rope_native,
+    silu_mul_native,
+    write_kv_native,
+)
 from kernels.reference import write_kv_ref
 
 pytestmark = pytest.mark.skipif(
@@ -121,3 +128,30 @@ def test_what_the_native_ops_do_not_handle_is_declined_untouched() -> None:
     assert not write_kv_native(strided_key, x, k_cache, k_cache.clone(), slots)
     assert k_cache.abs().sum() == 0
 
+
+
+@pytest.mark.parametrize(("rows", "out_features", "in_features"), [(1, 16, 8), (17, 50, 33), (32, 3072, 576)])
+def test_linear_matches_a_float64_reference(rows: int, out_features: int, in_features: int) -> None:
+    torch.manual_seed(rows)
+    weight = torch.randn(out_features, in_features)
+    bias, residual = torch.randn(out_features), torch.randn(rows, out_features)
+    x = torch.randn(rows, in_features)
+    packed = pack_linear_weight(weight)
+    assert packed is not None and packed.shape == (-(-out_features // 16), in_features, 16)
+    assert torch.all(packed.transpose(1, 2).reshape(-1, in_features)[out_features:] == 0)  # padding
+    expected = (x.double() @ weight.double().t() + bias.double() + residual.double()).float()
+    out = linear_native(x, packed, out_features, bias, residual)
+    assert out is not None
+    torch.testing.assert_close(out, expected, atol=2e-5 * in_features**0.5, rtol=1e-5)
+
+
+def test_linear_declines_what_it_does_not_take() -> None:
+    packed = pack_linear_weight(torch.randn(32, 8))
+    assert packed is not None
+    assert linear_native(torch.randn(4, 8).t().contiguous().t(), packed, 32) is None  # strided
+    assert linear_native(torch.randn(4, 7), packed, 32) is None  # wrong in_features
+    assert linear_native(torch.randn(4, 8), packed, 33) is None  # more outputs than packed
+    assert linear_native(torch.randn(4, 8).double(), packed, 32) is None
+    assert linear_native(torch.randn(4, 8), packed, 32, bias=torch.randn(31)) is None
+    assert linear_native(torch.randn(4, 8), packed, 32, residual=torch.randn(3, 32)) is None
+    assert pack_linear_weight(torch.randn(4, 8, dtype=torch.bfloat16)) is None

@@ -1,6 +1,8 @@
 """A linear layer whose weight is laid out once for the fastest GEMM on its device.
 
-On x86 CPUs the weight is reordered into oneDNN's blocked format
+With the native CPU kernels on (fp32), the weight is packed for kernels/csrc/linear.c (16-column
+blocks streamed k-major; faster than oneDNN for decode-sized batches, equal for prefill; see
+there). Otherwise, on x86 CPUs the weight is reordered into oneDNN's blocked format
 (``torch.ops.mkldnn._reorder_linear_weight``) and applied with ``_linear_pointwise``: on the
 AMD EPYC these benchmarks run on, that is ~1.8x faster than MKL's sgemm for decode-sized
 batches (M = 1..32) and ~1.2x for prefill, and it fuses the residual add. Elsewhere (GPU, a
@@ -14,6 +16,8 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
+from kernels.native_ops import linear_native, pack_linear_weight
 
 # oneDNN picks its blocked layout for this many rows; measured flat from 16 to 128 rows, and
 # still the fastest choice for 1-row decode and 2048-row prefill
@@ -40,17 +44,26 @@ class Linear:
         weight: ``[out_features, in_features]`` on the compute device, in the compute dtype.
         bias: ``[out_features]`` or None.
         pack: reorder for oneDNN (CPU fp32 only; ignored where unavailable).
+        native: pack for the native CPU kernel (kernels/native_ops.py) when it is available;
+            takes precedence over ``pack``.
     """
 
-    __slots__ = ("bias", "in_features", "out_features", "packed", "weight")
+    __slots__ = ("bias", "in_features", "native", "out_features", "packed", "weight")
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool = True
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        pack: bool = True,
+        native: bool = False,
     ):
         self.out_features, self.in_features = weight.shape
         self.bias = bias
+        self.native = pack_linear_weight(weight) if native else None
         use_onednn = (
-            pack
+            self.native is None
+            and pack
             and weight.device.type == "cpu"
             and weight.dtype == torch.float32
             and onednn_linear_available()
@@ -61,21 +74,39 @@ class Linear:
             else None
         )
         # BLAS takes the transposed view as is; no second copy of the weight
-        self.weight = None if use_onednn else weight
+        self.weight = None if use_onednn or self.native is not None else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if self.native is not None:
+            return self._native(x, None)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + x @ weight.T`` (+ bias), the add fused into the GEMM."""
+        if self.native is not None:
+            return self._native(x, residual)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise.binary(
                 x, residual, self.packed, self.bias, "add"
             )
         out = torch.addmm(residual, x, self.weight.t())
         return out if self.bias is None else out + self.bias
+
+    def _native(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        assert self.native is not None
+        out = linear_native(x, self.native, self.out_features, self.bias, residual)
+        if out is None:  # strided rows: one dense copy, then the same kernel
+            x = x.contiguous()
+            residual = None if residual is None else residual.contiguous()
+            out = linear_native(x, self.native, self.out_features, self.bias, residual)
+        if out is None:
+            raise ValueError(
+                f"linear: input {tuple(x.shape)} {x.dtype} on {x.device} does not fit the "
+                f"[{self.out_features}, {self.in_features}] fp32 CPU weight"
+            )
+        return out
 
 
 __all__ = ["Linear", "onednn_linear_available"]

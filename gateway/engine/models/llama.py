@@ -86,7 +86,8 @@ class LlamaModel:
 
         self.embed = put(weights["model.embed_tokens.weight"])  # [V, H]
         self.lm_head = Linear(
-            self.embed if config.tie_word_embeddings else put(weights["lm_head.weight"])
+            self.embed if config.tie_word_embeddings else put(weights["lm_head.weight"]),
+            native=native_ops,
         )
         self.final_norm = put(weights["model.norm.weight"])
         self.layers: list[_Layer] = []
@@ -104,11 +105,11 @@ class LlamaModel:
             self.layers.append(
                 _Layer(
                     input_norm=put(weights[p + "input_layernorm.weight"]),
-                    qkv=Linear(put(qkv), bias),
-                    o=Linear(put(weights[attn + "o_proj.weight"]), o_bias),
+                    qkv=Linear(put(qkv), bias, native=native_ops),
+                    o=Linear(put(weights[attn + "o_proj.weight"]), o_bias, native=native_ops),
                     post_norm=put(weights[p + "post_attention_layernorm.weight"]),
-                    gate_up=Linear(put(gate_up)),
-                    down=Linear(put(weights[mlp + "down_proj.weight"])),
+                    gate_up=Linear(put(gate_up), native=native_ops),
+                    down=Linear(put(weights[mlp + "down_proj.weight"]), native=native_ops),
                 )
             )
         self.max_positions = max_positions or config.max_position_embeddings
