@@ -132,7 +132,8 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         "--native-kernels",
         type=_on_off,
         metavar="on|off",
-        help="CPU fp32: native C decode attention, built on first use with cc (default on)",
+        help="CPU fp32: native C kernels (decode attention, linear layers, fused layer ops), "
+        "built on first use with cc (default on)",
     )
     sched = p.add_argument_group("scheduling")
     sched.add_argument(

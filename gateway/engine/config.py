@@ -22,7 +22,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     hash_seed: int = 0  # replicas of one fleet must agree
     kernel_backend: str | None = None  # None = triton on CUDA, torch on CPU
-    native_kernels: bool = True  # CPU fp32: the native C decode kernel when it builds here
+    native_kernels: bool = True  # CPU fp32: the native C kernels (kernels/csrc) when they build here
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
