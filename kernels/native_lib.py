@@ -133,6 +133,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     # linear.c
     lib.pg_linear_f32.argtypes = [p, i64, p, p, p, i64, p, i64, i32, i32, i32, i32]
     lib.pg_linear_f32.restype = None
+    lib.pg_linear_preferred.argtypes = []
+    lib.pg_linear_preferred.restype = i32
     limits = (ctypes.c_int(), ctypes.c_int())
     lib.pg_limits(ctypes.byref(limits[0]), ctypes.byref(limits[1]))
     lib.max_group, lib.max_head_dim = limits[0].value, limits[1].value

@@ -134,15 +134,20 @@ LINEAR_COLS = 16  # output columns per packed block (linear.c's COLS)
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight [N, K]`` as ``[ceil(N / 16), K, 16]`` (zero-padded columns) for
-    :func:`linear_native`; None when the native library is not available or the weight is not
-    fp32 on CPU."""
-    if library() is None or weight.dim() != 2 or not _fp32_cpu(weight):
+    :func:`linear_native`; None when the native library is not available, was not built for
+    AVX-512 (its tiles would spill; the vendor GEMM is better there) or the weight is not fp32
+    on CPU."""
+    lib = library()
+    if lib is None or not lib.pg_linear_preferred() or weight.dim() != 2 or not _fp32_cpu(weight):
         return None
     n, k = weight.shape
     blocks = -(-n // LINEAR_COLS)
-    padded = torch.zeros(blocks * LINEAR_COLS, k, dtype=weight.dtype)
-    padded[:n] = weight
-    return padded.view(blocks, LINEAR_COLS, k).transpose(1, 2).contiguous()
+    packed = torch.zeros(blocks, k, LINEAR_COLS, dtype=weight.dtype)
+    full = n // LINEAR_COLS
+    packed[:full] = weight[: full * LINEAR_COLS].view(full, LINEAR_COLS, k).transpose(1, 2)
+    if full < blocks:  # the last, partial block: its missing columns stay zero
+        packed[full, :, : n - full * LINEAR_COLS] = weight[full * LINEAR_COLS :].t()
+    return packed
 
 
 def linear_native(
@@ -160,13 +165,16 @@ def linear_native(
         lib is None
         or x.dim() != 2
         or x.shape[1] != k
-        or x.stride(1) != 1
+        or (x.stride(1) != 1 and k > 1)
+        or packed.shape[2] != LINEAR_COLS
+        or not packed.is_contiguous()
         or packed.shape[0] * LINEAR_COLS < out_features
         or not _fp32_cpu(x, packed)
         or (bias is not None and (bias.shape != (out_features,) or not bias.is_contiguous()
                                   or not _fp32_cpu(bias)))
         or (residual is not None and (residual.shape != (x.shape[0], out_features)
-                                      or residual.stride(1) != 1 or not _fp32_cpu(residual)))
+                                      or (residual.stride(1) != 1 and out_features > 1)
+                                      or not _fp32_cpu(residual)))
     ):
         return None
     rows = x.shape[0]

@@ -19,6 +19,17 @@
 
 #define COLS 16
 
+/* 1 where this build has 32 vector registers of 16 floats (AVX-512): the 16 named
+ * accumulators of a tile stay in registers. Elsewhere GCC splits each into 2-4 narrower
+ * registers and spills, so callers keep their vendor GEMM (oneDNN) instead. */
+int pg_linear_preferred(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 typedef float v16 __attribute__((vector_size(COLS * sizeof(float))));
 
 /* Stores one 16-row x 16-column accumulator tile: columns [0, ncols) of rows [0, nrows). */

@@ -155,3 +155,18 @@ def test_linear_declines_what_it_does_not_take() -> None:
     assert linear_native(torch.randn(4, 8), packed, 32, bias=torch.randn(31)) is None
     assert linear_native(torch.randn(4, 8), packed, 32, residual=torch.randn(3, 32)) is None
     assert pack_linear_weight(torch.randn(4, 8, dtype=torch.bfloat16)) is None
+    assert linear_native(torch.randn(4, 8), torch.randn(2, 8, 8), 16) is None  # not 16 columns
+    assert linear_native(torch.randn(4, 8), packed.transpose(0, 1).contiguous().transpose(0, 1), 32) is None
+    # a size-1 dimension may have any stride
+    w1 = torch.randn(3, 1)
+    x1 = torch.randn(1, 6).t()  # [6, 1], stride (1, 6)
+    torch.testing.assert_close(linear_native(x1, pack_linear_weight(w1), 3), x1 @ w1.t())
+
+
+def test_linear_leaves_the_next_row_alone_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A partial column block computed on one thread: nothing spills into the next row."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    weight = torch.randn(20, 12)  # 16 + 4 columns
+    packed = pack_linear_weight(weight)
+    x = torch.randn(3, 12)
+    torch.testing.assert_close(linear_native(x, packed, 20), x @ weight.t(), atol=1e-5, rtol=1e-5)

@@ -59,8 +59,9 @@ class Linear:
         native: bool = False,
     ):
         self.out_features, self.in_features = weight.shape
-        self.bias = bias
         self.native = pack_linear_weight(weight) if native else None
+        # the native kernel reads the bias as one dense row
+        self.bias = bias.contiguous() if bias is not None and self.native is not None else bias
         use_onednn = (
             self.native is None
             and pack
@@ -97,7 +98,7 @@ class Linear:
     def _native(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         assert self.native is not None
         out = linear_native(x, self.native, self.out_features, self.bias, residual)
-        if out is None:  # strided rows: one dense copy, then the same kernel
+        if out is None:  # a column stride other than 1: one dense copy, then the same kernel
             x = x.contiguous()
             residual = None if residual is None else residual.contiguous()
             out = linear_native(x, self.native, self.out_features, self.bias, residual)
