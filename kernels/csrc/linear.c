@@ -49,7 +49,7 @@ static inline void store_tile(const v16 *acc, int nrows, int ncols, const float 
     }
 }
 
-/* `rows` rows (1..16) of one column block. Always inlined into call sites where `rows` is a
+/* `rows` rows (1..15) of one column block. Always inlined into call sites where `rows` is a
  * compile-time constant (the switch below), so the accumulator array is unrolled into
  * registers; the weight stream is prefetched 16 k-steps (1 KB) ahead. */
 static inline __attribute__((always_inline)) void tile_rows(const int rows, const float *x,
@@ -66,13 +66,30 @@ static inline __attribute__((always_inline)) void tile_rows(const int rows, cons
     for (int m = 0; m < rows; ++m) out[m] = acc[m];
 }
 
-static void tile(int rows, const float *x, int64_t ldx, const float *wp, int K, v16 *out) {
+/* 16 full rows: the 16 accumulators are named so they stay in registers. */
+static inline void tile_16_rows(const float *x, int64_t ldx, const float *wp, int K, v16 *out) {
+    v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+    v16 a8 = {0}, a9 = {0}, a10 = {0}, a11 = {0}, a12 = {0}, a13 = {0}, a14 = {0}, a15 = {0};
+    for (int k = 0; k < K; ++k) {
+        v16 w;
+        memcpy(&w, wp + (int64_t)k * COLS, sizeof(w));
+        __builtin_prefetch(wp + (int64_t)(k + 16) * COLS, 0, 0);
+#define PG_FMA(i) a##i += x[(i) * ldx + k] * w;
+        PG_FMA(0) PG_FMA(1) PG_FMA(2) PG_FMA(3) PG_FMA(4) PG_FMA(5) PG_FMA(6) PG_FMA(7)
+        PG_FMA(8) PG_FMA(9) PG_FMA(10) PG_FMA(11) PG_FMA(12) PG_FMA(13) PG_FMA(14) PG_FMA(15)
+#undef PG_FMA
+    }
+    out[0] = a0, out[1] = a1, out[2] = a2, out[3] = a3, out[4] = a4, out[5] = a5;
+    out[6] = a6, out[7] = a7, out[8] = a8, out[9] = a9, out[10] = a10, out[11] = a11;
+    out[12] = a12, out[13] = a13, out[14] = a14, out[15] = a15;
+}
+
+static void tile_few_rows(int rows, const float *x, int64_t ldx, const float *wp, int K, v16 *out) {
     switch (rows) {
 #define PG_ROWS(r) \
     case r: tile_rows(r, x, ldx, wp, K, out); break;
         PG_ROWS(1) PG_ROWS(2) PG_ROWS(3) PG_ROWS(4) PG_ROWS(5) PG_ROWS(6) PG_ROWS(7) PG_ROWS(8)
         PG_ROWS(9) PG_ROWS(10) PG_ROWS(11) PG_ROWS(12) PG_ROWS(13) PG_ROWS(14) PG_ROWS(15)
-        PG_ROWS(16)
 #undef PG_ROWS
         default: break;
     }
@@ -99,7 +116,12 @@ void pg_linear_f32(const float *x, int64_t ldx, const float *packed, const float
         v16 acc[16];
         for (int m0 = 0; m0 < M; m0 += 16) {
             const int nrows = M - m0 < 16 ? M - m0 : 16;
-            tile(nrows, x + m0 * ldx, ldx, wp, K, acc);
+            /* NOTE: full tiles inline, with named accumulators: through the row-count switch
+             * (even its 16-row case) prefill 2,048 ran 529-538 instead of 569-570 tok/s */
+            if (nrows == 16)
+                tile_16_rows(x + m0 * ldx, ldx, wp, K, acc);
+            else
+                tile_few_rows(nrows, x + m0 * ldx, ldx, wp, K, acc);
             store_tile(acc, nrows, ncols, bias_b,
                        residual != NULL ? residual + m0 * ld_res + col : NULL, ld_res,
                        y + m0 * ldy + col, ldy);
