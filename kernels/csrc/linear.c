@@ -4,8 +4,9 @@
  * from DRAM once per step and the GEMM must compute while they arrive. In a 16-sequence decode
  * step of SmolLM2 (121 matrices, 540 MB of fp32 weights) oneDNN's packed sgemm took 35.9 ms;
  * this kernel, 16 rows x 16 columns of accumulators in vector registers fed by one contiguous
- * weight stream with a software prefetch 16 k-steps ahead, 30.6 ms (without the prefetch it
- * was slower than oneDNN there, 38 ms, though faster in isolation). With the weights in cache it
+ * weight stream with a software prefetch (see PREFETCH_STEPS), 30.6 ms at first and ~22 ms
+ * with the L2 prefetch distance below (without any prefetch it was slower than oneDNN
+ * there, 38 ms, though faster in isolation). With the weights in cache it
  * matches oneDNN from 64 to 2,048 rows (219-225 GFLOPS) and beats it below (M = 1: 50 vs 36),
  * so it replaces oneDNN for every fp32 CPU linear instead of keeping a second weight copy.
  *
@@ -18,6 +19,15 @@
 #include <string.h>
 
 #define COLS 16
+
+/* The weight stream is requested PREFETCH_STEPS k-steps (8 KB) ahead into L2 (prefetcht1):
+ * one DRAM latency at the rate a 16-row tile consumes weights is ~2 KB, and the hardware
+ * stream prefetcher alone leaves the FMAs waiting. Past a block's end it runs into the next
+ * block, which is this thread's next one (static schedule). Measured on the 121 matrices of
+ * a 16-row decode step from DRAM (C harness, medians of 9, 3 rounds): 1 KB ahead into L1
+ * (prefetchnta, the first version) 27.1-28.1 ms; 8 KB into L2 21.8-23.4 ms; 2 KB 23.9-25.9;
+ * 4-64 KB 21.7-24.8; none 31-34. 8 rows: 17.7-19.9 -> 14.5-15.0 ms; 32 rows: 45-47.5 -> 41. */
+#define PREFETCH_STEPS 128
 
 /* 1 where this build has 32 vector registers of 16 floats (AVX-512): the 16 named
  * accumulators of a tile stay in registers. Elsewhere GCC splits each into 2-4 narrower
@@ -51,7 +61,7 @@ static inline void store_tile(const v16 *acc, int nrows, int ncols, const float 
 
 /* `rows` rows (1..15) of one column block. Always inlined into call sites where `rows` is a
  * compile-time constant (the switch below), so the accumulator array is unrolled into
- * registers; the weight stream is prefetched 16 k-steps (1 KB) ahead. */
+ * registers; the weight stream is prefetched as in tile_16_rows. */
 static inline __attribute__((always_inline)) void tile_rows(const int rows, const float *x,
                                                             int64_t ldx, const float *wp, int K,
                                                             v16 *out) {
@@ -60,7 +70,7 @@ static inline __attribute__((always_inline)) void tile_rows(const int rows, cons
     for (int k = 0; k < K; ++k) {
         v16 w;
         memcpy(&w, wp + (int64_t)k * COLS, sizeof(w));
-        __builtin_prefetch(wp + (int64_t)(k + 16) * COLS, 0, 0);
+        __builtin_prefetch(wp + (int64_t)(k + PREFETCH_STEPS) * COLS, 0, 2);
         for (int m = 0; m < rows; ++m) acc[m] += x[m * ldx + k] * w;
     }
     for (int m = 0; m < rows; ++m) out[m] = acc[m];
@@ -73,7 +83,7 @@ static inline void tile_16_rows(const float *x, int64_t ldx, const float *wp, in
     for (int k = 0; k < K; ++k) {
         v16 w;
         memcpy(&w, wp + (int64_t)k * COLS, sizeof(w));
-        __builtin_prefetch(wp + (int64_t)(k + 16) * COLS, 0, 0);
+        __builtin_prefetch(wp + (int64_t)(k + PREFETCH_STEPS) * COLS, 0, 2);
 #define PG_FMA(i) a##i += x[(i) * ldx + k] * w;
         PG_FMA(0) PG_FMA(1) PG_FMA(2) PG_FMA(3) PG_FMA(4) PG_FMA(5) PG_FMA(6) PG_FMA(7)
         PG_FMA(8) PG_FMA(9) PG_FMA(10) PG_FMA(11) PG_FMA(12) PG_FMA(13) PG_FMA(14) PG_FMA(15)
