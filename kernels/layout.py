@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.host_memory import empty_huge
+
 
 def allocate_kv_pool(
     num_layers: int,
@@ -35,7 +37,8 @@ def allocate_kv_pool(
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> torch.Tensor:
-    """Allocate the KV pool ``[L, 2, num_pages, page_size, Hkv, D]`` (zero-filled)."""
+    """Allocate the KV pool ``[L, 2, num_pages, page_size, Hkv, D]`` (zero-filled; on CPU in
+    huge pages where available: decode attention reads it from scattered pages)."""
     for name, value in (
         ("num_layers", num_layers),
         ("num_pages", num_pages),
@@ -45,9 +48,10 @@ def allocate_kv_pool(
     ):
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
-    return torch.zeros(
-        (num_layers, 2, num_pages, page_size, num_kv_heads, head_dim), dtype=dtype, device=device
-    )
+    shape = (num_layers, 2, num_pages, page_size, num_kv_heads, head_dim)
+    if torch.device(device).type == "cpu":
+        return empty_huge(shape, dtype).zero_()
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def page_bytes(

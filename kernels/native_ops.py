@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.host_memory import HugePageArena
 from kernels.native_lib import library
 
 
@@ -132,20 +133,27 @@ def write_kv_native(
 LINEAR_COLS = 16  # output columns per packed block (linear.c's COLS)
 
 
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
+def pack_linear_weight(
+    weight: torch.Tensor, arena: HugePageArena | None = None
+) -> torch.Tensor | None:
     """``weight [N, K]`` as ``[ceil(N / 16), K, 16]`` (zero-padded columns) for
-    :func:`linear_native`; None when the native library is not available, was not built for
-    AVX-512 (its tiles would spill; the vendor GEMM is better there) or the weight is not fp32
-    on CPU."""
+    :func:`linear_native`, allocated from ``arena`` when given; None when the native library
+    is not available, was not built for AVX-512 (its tiles would spill; the vendor GEMM is
+    better there) or the weight is not fp32 on CPU."""
     lib = library()
     if lib is None or not lib.pg_linear_preferred() or weight.dim() != 2 or not _fp32_cpu(weight):
         return None
     n, k = weight.shape
     blocks = -(-n // LINEAR_COLS)
-    packed = torch.zeros(blocks, k, LINEAR_COLS, dtype=weight.dtype)
+    shape = (blocks, k, LINEAR_COLS)
+    if arena is not None:
+        packed = arena.empty(shape, weight.dtype)
+    else:
+        packed = torch.empty(shape, dtype=weight.dtype)
     full = n // LINEAR_COLS
     packed[:full] = weight[: full * LINEAR_COLS].view(full, LINEAR_COLS, k).transpose(1, 2)
-    if full < blocks:  # the last, partial block: its missing columns stay zero
+    if full < blocks:  # the last, partial block: its missing columns are zero
+        packed[full].zero_()
         packed[full, :, : n - full * LINEAR_COLS] = weight[full * LINEAR_COLS :].t()
     return packed
 

@@ -17,6 +17,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from kernels.host_memory import HugePageArena
 from kernels.native_ops import linear_native, pack_linear_weight
 
 # oneDNN picks its blocked layout for this many rows; measured flat from 16 to 128 rows, and
@@ -46,6 +47,8 @@ class Linear:
         pack: reorder for oneDNN (CPU fp32 only; ignored where unavailable).
         native: pack for the native CPU kernel (kernels/native_ops.py) when it is available;
             takes precedence over ``pack``.
+        arena: where the natively packed weight is allocated (huge pages; see
+            kernels/host_memory.py); None: an ordinary allocation.
     """
 
     __slots__ = ("bias", "in_features", "native", "out_features", "packed", "weight")
@@ -57,9 +60,10 @@ class Linear:
         *,
         pack: bool = True,
         native: bool = False,
+        arena: HugePageArena | None = None,
     ):
         self.out_features, self.in_features = weight.shape
-        self.native = pack_linear_weight(weight) if native else None
+        self.native = pack_linear_weight(weight, arena) if native else None
         # the native kernel reads the bias as one dense row
         self.bias = bias.contiguous() if bias is not None and self.native is not None else bias
         use_onednn = (

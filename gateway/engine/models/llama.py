@@ -20,6 +20,7 @@ from gateway.engine.model_config import ModelConfig, check_weights
 from gateway.engine.models.forward_batch import ForwardBatch
 from gateway.engine.models.linear import Linear
 from gateway.engine.models.rope import RotaryEmbedding
+from kernels.host_memory import HugePageArena
 from kernels.native_ops import rms_norm_native, rope_native, silu_mul_native
 
 
@@ -84,10 +85,15 @@ class LlamaModel:
         def put(tensor: torch.Tensor) -> torch.Tensor:
             return tensor.to(device=self.device, dtype=dtype).contiguous()
 
+        # packed native weights sit in huge pages, in the order a step reads them
+        arena = HugePageArena() if native_ops and self.device.type == "cpu" else None
+
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+            return Linear(weight, bias, native=native_ops, arena=arena)
+
         self.embed = put(weights["model.embed_tokens.weight"])  # [V, H]
-        self.lm_head = Linear(
-            self.embed if config.tie_word_embeddings else put(weights["lm_head.weight"]),
-            native=native_ops,
+        self.lm_head = linear(
+            self.embed if config.tie_word_embeddings else put(weights["lm_head.weight"])
         )
         self.final_norm = put(weights["model.norm.weight"])
         self.layers: list[_Layer] = []
@@ -105,11 +111,11 @@ class LlamaModel:
             self.layers.append(
                 _Layer(
                     input_norm=put(weights[p + "input_layernorm.weight"]),
-                    qkv=Linear(put(qkv), bias, native=native_ops),
-                    o=Linear(put(weights[attn + "o_proj.weight"]), o_bias, native=native_ops),
+                    qkv=linear(put(qkv), bias),
+                    o=linear(put(weights[attn + "o_proj.weight"]), o_bias),
                     post_norm=put(weights[p + "post_attention_layernorm.weight"]),
-                    gate_up=Linear(put(gate_up), native=native_ops),
-                    down=Linear(put(weights[mlp + "down_proj.weight"]), native=native_ops),
+                    gate_up=linear(put(gate_up)),
+                    down=linear(put(weights[mlp + "down_proj.weight"])),
                 )
             )
         self.max_positions = max_positions or config.max_position_embeddings

@@ -1,0 +1,129 @@
+"""CPU tensors backed by transparent huge pages (2 MB) where the kernel allows it.
+
+Why: a CPU decode step streams every weight and the whole K/V context from DRAM, through
+pages scattered over hundreds of MB. With 4 KB pages that is a TLB miss every 4 KB; with 2 MB
+pages, almost none. Measured on the default model's shapes (2 cores, AVX-512, THP in
+``madvise`` mode): the 121 linear matrices of a 16-sequence decode step 22.7-25.5 -> 20.3 ms,
+and 16 x 512-token paged decode attention over 30 layers 15.2-15.6 -> 14.2 ms.
+
+Linux only, and only when ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or
+``madvise``: the memory is advised with ``madvise(MADV_HUGEPAGE)`` before it is first touched,
+so its page faults map huge pages. Anywhere else (or if the call fails) the tensors are
+ordinary allocations; nothing depends on the advice being taken.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import sys
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+_THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+@functools.cache
+def huge_pages_mode() -> str:
+    """The kernel's THP mode (``always`` / ``madvise`` / ``never``), or ``unavailable``."""
+    if not sys.platform.startswith("linux"):
+        return "unavailable"
+    try:
+        with open(_THP_SETTING, encoding="ascii") as f:
+            text = f.read()
+    except OSError:
+        return "unavailable"
+    # e.g. "always [madvise] never": the bracketed word is the active mode
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else "unavailable"
+
+
+@functools.cache
+def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _advised_buffer(nbytes: int) -> tuple[torch.Tensor, int] | None:
+    """An untouched byte buffer holding ``nbytes`` at a 2 MB-aligned offset, advised for huge
+    pages; (buffer, offset), or None when huge pages are not to be had here."""
+    madvise = _madvise()
+    if huge_pages_mode() not in ("always", "madvise") or madvise is None:
+        return None
+    span = _round_up(nbytes, HUGE_PAGE)
+    raw = torch.empty(span + HUGE_PAGE, dtype=torch.uint8)  # large: fresh, untouched pages
+    offset = (-raw.data_ptr()) % HUGE_PAGE
+    if madvise(raw.data_ptr() + offset, span, _MADV_HUGEPAGE) != 0:
+        logger.debug("madvise(MADV_HUGEPAGE) failed (errno %d)", ctypes.get_errno())
+        return None
+    return raw, offset
+
+
+def _view(raw: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    return raw[offset : offset + nbytes].view(dtype).view(shape)
+
+
+def empty_huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype)`` on CPU, in huge pages where available (contiguous;
+    its contents are undefined, as with ``torch.empty``)."""
+    shape = tuple(int(d) for d in shape)
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    advised = _advised_buffer(nbytes) if nbytes >= HUGE_PAGE else None
+    if advised is None:
+        return torch.empty(shape, dtype=dtype)
+    return _view(*advised, shape, dtype)
+
+
+class HugePageArena:
+    """Carves many CPU tensors (e.g. a model's packed weights) out of a few huge-page chunks,
+    so tensors smaller than a huge page, or not a multiple of one, still get huge pages
+    without rounding each up to 2 MB.
+
+    Tensors are 64-byte aligned and stay valid after the arena is dropped (each is a view of
+    its chunk). Requests of more than half a chunk get a dedicated :func:`empty_huge`.
+    """
+
+    ALIGN = 64
+
+    def __init__(self, chunk_bytes: int = 64 << 20):
+        self.chunk_bytes = _round_up(chunk_bytes, HUGE_PAGE)
+        self._chunk: torch.Tensor | None = None  # the current chunk's bytes (aligned view)
+        self._used = 0
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised contiguous tensor (see :func:`empty_huge`)."""
+        shape = tuple(int(d) for d in shape)
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if nbytes > self.chunk_bytes // 2:
+            return empty_huge(shape, dtype)
+        start = _round_up(self._used, self.ALIGN)
+        if self._chunk is None or start + nbytes > self._chunk.numel():
+            advised = _advised_buffer(self.chunk_bytes)
+            if advised is None:
+                return torch.empty(shape, dtype=dtype)
+            raw, offset = advised
+            self._chunk = raw[offset : offset + self.chunk_bytes]
+            start = 0
+        self._used = start + nbytes
+        return _view(self._chunk, start, shape, dtype)
+
+
+__all__ = ["HUGE_PAGE", "HugePageArena", "empty_huge", "huge_pages_mode"]
