@@ -7,16 +7,19 @@ pages, almost none. Measured on the default model's shapes (2 cores, AVX-512, TH
 and 16 x 512-token paged decode attention over 30 layers 15.2-15.6 -> 14.2 ms.
 
 Linux only, and only when ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or
-``madvise``: the memory is advised with ``madvise(MADV_HUGEPAGE)`` before it is first touched,
-so its page faults map huge pages. Anywhere else (or if the call fails) the tensors are
-ordinary allocations; nothing depends on the advice being taken.
+``madvise``: the memory is a fresh anonymous ``mmap`` (never reused heap, whatever the malloc)
+advised with ``madvise(MADV_HUGEPAGE)`` before it is first touched, so its page faults map
+huge pages. Anywhere else, or once the advice has failed, the tensors are ordinary
+allocations; nothing depends on the advice being taken. With THP ``defrag`` set to
+``madvise`` the first touch may compact memory synchronously, so zeroing a multi-GB KV pool
+can take longer at startup on a fragmented host (serving itself is unaffected).
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
+import mmap
 import sys
 
 import torch
@@ -24,7 +27,6 @@ import torch
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
 _THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -43,15 +45,12 @@ def huge_pages_mode() -> str:
     return text[start + 1 : end] if 0 <= start < end else "unavailable"
 
 
-@functools.cache
-def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+_advice_failed = False  # set once madvise has failed: later requests skip the attempt
+
+
+def _advise(region: mmap.mmap, offset: int, length: int) -> None:
+    """madvise(MADV_HUGEPAGE) on ``length`` bytes of ``region`` from ``offset``."""
+    region.madvise(mmap.MADV_HUGEPAGE, offset, length)
 
 
 def _round_up(n: int, to: int) -> int:
@@ -59,25 +58,31 @@ def _round_up(n: int, to: int) -> int:
 
 
 def _advised_buffer(nbytes: int) -> tuple[torch.Tensor, int] | None:
-    """An untouched byte buffer holding ``nbytes`` at a 2 MB-aligned offset, advised for huge
-    pages; (buffer, offset), or None when huge pages are not to be had here."""
-    madvise = _madvise()
-    if huge_pages_mode() not in ("always", "madvise") or madvise is None:
+    """A fresh, untouched byte buffer holding ``nbytes`` at a 2 MB-aligned offset, advised for
+    huge pages; (buffer, offset), or None when huge pages are not to be had here."""
+    global _advice_failed
+    if _advice_failed or huge_pages_mode() not in ("always", "madvise"):
         return None
     span = _round_up(nbytes, HUGE_PAGE)
-    raw = torch.empty(span + HUGE_PAGE, dtype=torch.uint8)  # large: fresh, untouched pages
+    try:
+        region = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:  # out of address space / memory: let the ordinary allocation report it
+        return None
+    raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive
     offset = (-raw.data_ptr()) % HUGE_PAGE
-    if madvise(raw.data_ptr() + offset, span, _MADV_HUGEPAGE) != 0:
-        logger.debug("madvise(MADV_HUGEPAGE) failed (errno %d)", ctypes.get_errno())
+    try:
+        _advise(region, offset, span)
+    except (AttributeError, OSError, ValueError) as exc:  # no MADV_HUGEPAGE, or refused
+        _advice_failed = True
+        logger.info("huge pages unavailable (%s); using ordinary allocations", exc)
         return None
     return raw, offset
 
 
-def _view(raw: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    numel = 1
-    for dim in shape:
-        numel *= dim
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+def _view(
+    raw: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     return raw[offset : offset + nbytes].view(dtype).view(shape)
 
 
@@ -98,7 +103,8 @@ class HugePageArena:
     without rounding each up to 2 MB.
 
     Tensors are 64-byte aligned and stay valid after the arena is dropped (each is a view of
-    its chunk). Requests of more than half a chunk get a dedicated :func:`empty_huge`.
+    its chunk, which lives as long as any of them). Requests of more than half a chunk get a
+    dedicated :func:`empty_huge`. Not thread-safe: one arena per model, filled while it loads.
     """
 
     ALIGN = 64

@@ -23,11 +23,20 @@
 /* The weight stream is requested PREFETCH_STEPS k-steps (8 KB) ahead into L2 (prefetcht1):
  * one DRAM latency at the rate a 16-row tile consumes weights is ~2 KB, and the hardware
  * stream prefetcher alone leaves the FMAs waiting. Past a block's end it runs into the next
- * block, which is this thread's next one (static schedule). Measured on the 121 matrices of
- * a 16-row decode step from DRAM (C harness, medians of 9, 3 rounds): 1 KB ahead into L1
- * (prefetchnta, the first version) 27.1-28.1 ms; 8 KB into L2 21.8-23.4 ms; 2 KB 23.9-25.9;
- * 4-64 KB 21.7-24.8; none 31-34. 8 rows: 17.7-19.9 -> 14.5-15.0 ms; 32 rows: 45-47.5 -> 41. */
+ * block, usually this thread's next one (static schedule); at the end of a thread's range or
+ * of the buffer, and when more row tiles re-read the block, those requests are wasted (a
+ * prefetch never faults; the address is formed as an integer, see ahead()). Measured on the
+ * 121 matrices of a 16-row decode step from DRAM (C harness, medians of 9, 3 rounds): 1 KB
+ * ahead into L1 (prefetchnta, the first version) 27.1-28.1 ms; 8 KB into L2 21.8-23.4 ms;
+ * 2 KB 23.9-25.9; 4-64 KB 21.7-24.8; none 31-34. 8 rows: 17.7-19.9 -> 14.5-15.0 ms;
+ * 32 rows: 45-47.5 -> 41 ms; 1 row (DRAM-bound): 17-17.8 -> 14.4-18.3 ms (noise). */
 #define PREFETCH_STEPS 128
+
+/* The weight row PREFETCH_STEPS k-steps after row k, possibly past the end of the buffer:
+ * integer arithmetic, since a pointer that far out of its object is undefined in C. */
+static inline const void *ahead(const float *wp, int k) {
+    return (const void *)((uintptr_t)wp + ((uintptr_t)k + PREFETCH_STEPS) * COLS * sizeof(float));
+}
 
 /* 1 where this build has 32 vector registers of 16 floats (AVX-512): the 16 named
  * accumulators of a tile stay in registers. Elsewhere GCC splits each into 2-4 narrower
@@ -70,7 +79,7 @@ static inline __attribute__((always_inline)) void tile_rows(const int rows, cons
     for (int k = 0; k < K; ++k) {
         v16 w;
         memcpy(&w, wp + (int64_t)k * COLS, sizeof(w));
-        __builtin_prefetch(wp + (int64_t)(k + PREFETCH_STEPS) * COLS, 0, 2);
+        __builtin_prefetch(ahead(wp, k), 0, 2);
         for (int m = 0; m < rows; ++m) acc[m] += x[m * ldx + k] * w;
     }
     for (int m = 0; m < rows; ++m) out[m] = acc[m];
@@ -83,7 +92,7 @@ static inline void tile_16_rows(const float *x, int64_t ldx, const float *wp, in
     for (int k = 0; k < K; ++k) {
         v16 w;
         memcpy(&w, wp + (int64_t)k * COLS, sizeof(w));
-        __builtin_prefetch(wp + (int64_t)(k + PREFETCH_STEPS) * COLS, 0, 2);
+        __builtin_prefetch(ahead(wp, k), 0, 2);
 #define PG_FMA(i) a##i += x[(i) * ldx + k] * w;
         PG_FMA(0) PG_FMA(1) PG_FMA(2) PG_FMA(3) PG_FMA(4) PG_FMA(5) PG_FMA(6) PG_FMA(7)
         PG_FMA(8) PG_FMA(9) PG_FMA(10) PG_FMA(11) PG_FMA(12) PG_FMA(13) PG_FMA(14) PG_FMA(15)
