@@ -83,7 +83,8 @@ class AttentionPlan:
         prefill: sequences with more than one new row (per-sequence SDPA).
         padded: decode groups for the padded gather path.
         shared: decode groups that share a prefix run of pages.
-        use_native: decode rows may use the native CPU kernel (kernels/native.py).
+        use_native: decode rows and prefill chunks may use the native CPU kernels
+            (kernels/native.py, kernels/native_prefill.py).
     """
 
     starts: list[int]
@@ -115,7 +116,8 @@ def plan_attention(
         kv_row_elems: ``Hkv * head_dim`` (sizes the gather budget).
         device: where the plan's index tensors live (the cache's device).
         share_prefixes: detect shared page runs among decode rows (cascade attention).
-        use_native: let decode rows use the native CPU kernel where it applies.
+        use_native: let decode rows and prefill chunks use the native CPU kernels where they
+            apply.
 
     Raises:
         ValueError: lengths that do not fit together (rows beyond a context, a table shorter

@@ -135,9 +135,18 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pg_linear_f32.restype = None
     lib.pg_linear_preferred.argtypes = []
     lib.pg_linear_preferred.restype = i32
+    # paged_prefill.c
+    lib.pg_paged_prefill_f32.argtypes = [
+        *(p, i64, p, p, p, i64),  # query, its row stride, k/v caches, pages, pages given
+        *(i32, i32, p, i64),  # ctx_len, n_rows, out, its row stride
+        *(i32, i32, i32, i32, f32, i32, i64),  # heads, head_dim, page_size, scale, threads, pool
+    ]
+    lib.pg_paged_prefill_f32.restype = i32
     limits = (ctypes.c_int(), ctypes.c_int())
     lib.pg_limits(ctypes.byref(limits[0]), ctypes.byref(limits[1]))
     lib.max_group, lib.max_head_dim = limits[0].value, limits[1].value
+    lib.pg_prefill_limits(ctypes.byref(limits[0]), ctypes.byref(limits[1]))
+    lib.prefill_max_group, lib.prefill_max_head_dim = limits[0].value, limits[1].value
 
 
 @functools.cache

@@ -10,8 +10,10 @@ exact (no approximations beyond the dtype) and reasonably fast:
   loop per sequence;
 * decode rows of sequences that share a run of prefix pages attend to that run once, all
   together (cascade attention, merged by log-sum-exp), then each to its own pages;
-* prefill chunks (``n_s > 1``) use SDPA per sequence with a lower-right causal bias (the
-  flash path skips the masked half) and ``enable_gqa`` (K/V never expanded per query head);
+* prefill chunks (``n_s > 1``) of fp32 CPU caches go through the native kernel reading the
+  pages in place (kernels/native_prefill.py) when the plan allows native kernels; otherwise
+  SDPA per sequence with a lower-right causal bias (the flash path skips the masked half) and
+  ``enable_gqa`` (K/V never expanded per query head);
 * decode folds each GQA group into SDPA's row dim; both gather pages into reused buffers
   (kernels/workspace.py) read by SDPA as strided views.
 """
@@ -31,6 +33,7 @@ from kernels.attention_plan import (
 from kernels.checks import check_attention_inputs, check_copy_inputs, check_write_inputs
 from kernels.native import paged_decode_native
 from kernels.native_ops import write_kv_native
+from kernels.native_prefill import paged_prefill_native
 from kernels.workspace import gather_pages
 
 
@@ -99,9 +102,12 @@ def paged_attention_ref(
     # dense rows even when query is a strided view (q sliced out of a fused qkv)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     for s in plan.prefill:
-        out[starts[s] : starts[s + 1]] = _prefill_one(
-            query[starts[s] : starts[s + 1]], k_cache, v_cache, block_tables[s], lens[s], scale
-        )
+        rows = slice(starts[s], starts[s + 1])
+        if plan.use_native and _prefill_native(
+            out[rows], query[rows], k_cache, v_cache, block_tables[s], lens[s], scale
+        ):
+            continue
+        out[rows] = _prefill_one(query[rows], k_cache, v_cache, block_tables[s], lens[s], scale)
     for chunk in plan.padded:
         _decode_padded(out, query, k_cache, v_cache, chunk, scale, plan.use_native)
     for group in plan.shared:
@@ -124,6 +130,23 @@ def _gather_context(
     v = v.view(batch, n_pages * v_cache.shape[1], *v_cache.shape[2:])
     # SDPA takes the head-major view as is: no transposing copy
     return k[:, :ctx_len].transpose(1, 2), v[:, :ctx_len].transpose(1, 2)
+
+
+def _prefill_native(
+    out: torch.Tensor,  # [n, Hq, D], written when True is returned
+    q: torch.Tensor,  # [n, Hq, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [max_pages] int32
+    ctx_len: int,
+    scale: float,
+) -> bool:
+    """The native CPU prefill kernel on the pages in place, where it applies (fp32 on CPU)."""
+    if q.device.type != "cpu" or k_cache.dtype != torch.float32:
+        return False
+    page_size = k_cache.shape[1]
+    pages = block_table[: (ctx_len + page_size - 1) // page_size].long()
+    return paged_prefill_native(out, q, k_cache, v_cache, pages, ctx_len, scale)
 
 
 def _prefill_one(

@@ -1,0 +1,98 @@
+"""The native CPU prefill attention kernel (kernels/native_prefill.py) against SDPA on the same
+pages (kernels/reference.py's torch path): shuffled pages, contexts off the page grid, GQA
+1/3/8, page sizes 16/32, fresh prompts and suffixes after a cached prefix; bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.native_lib import library
+from kernels.native_prefill import paged_prefill_native
+from kernels.reference import _prefill_one
+
+pytestmark = pytest.mark.skipif(library() is None, reason="native CPU library not built here")
+
+
+def _case(n: int, ctx: int, hq: int, hkv: int, d: int, page_size: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    used = -(-ctx // page_size)
+    pool = used + 7
+    k_cache = torch.randn(pool, page_size, hkv, d, generator=gen)
+    v_cache = torch.randn(pool, page_size, hkv, d, generator=gen)
+    pages = torch.randperm(pool, generator=gen)[:used]  # scattered, in no order
+    query = torch.randn(n, hq, d, generator=gen)
+    return query, k_cache, v_cache, pages
+
+
+@pytest.mark.parametrize(
+    ("n", "ctx", "hq", "hkv", "d", "page_size"),
+    [
+        (1, 1, 3, 1, 64, 16),  # one token
+        (37, 37, 9, 3, 64, 16),  # a fresh prompt off the page grid, SmolLM2's heads
+        (70, 70, 8, 1, 64, 32),  # GQA 8, page 32, more than one row block
+        (33, 33, 4, 4, 128, 16),  # GQA 1, head dim 128
+        (5, 203, 9, 3, 64, 16),  # a short suffix after a cached prefix
+        (64, 100, 6, 2, 48, 32),  # a chunk after earlier chunks; a generic head dim
+        (1, 150, 8, 2, 32, 16),  # the whole prefix cached, one new token
+    ],
+)
+def test_matches_sdpa_on_scattered_pages(
+    n: int, ctx: int, hq: int, hkv: int, d: int, page_size: int
+) -> None:
+    query, k_cache, v_cache, pages = _case(n, ctx, hq, hkv, d, page_size)
+    out = torch.full_like(query, float("nan"))
+    assert paged_prefill_native(out, query, k_cache, v_cache, pages, ctx, d**-0.5)
+    expected = _prefill_one(query, k_cache, v_cache, pages.int(), ctx, d**-0.5)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+
+
+def test_strided_query_rows_and_thread_counts() -> None:
+    """q sliced out of a fused qkv row; every thread count gives the same bits."""
+    n, ctx, hq, hkv, d = 45, 60, 9, 3, 64
+    _, k_cache, v_cache, pages = _case(n, ctx, hq, hkv, d, 16, seed=1)
+    qkv = torch.randn(n, (hq + 2 * hkv) * d)
+    query = qkv[:, : hq * d].view(n, hq, d)  # rows at stride (hq + 2 hkv) d
+    outs = []
+    for threads in (1, 2, 3):
+        out = torch.empty(n, hq, d)
+        assert paged_prefill_native(out, query, k_cache, v_cache, pages, ctx, 0.125, threads)
+        outs.append(out)
+    expected = _prefill_one(query, k_cache, v_cache, pages.int(), ctx, 0.125)
+    torch.testing.assert_close(outs[0], expected, atol=2e-6, rtol=1e-5)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_bad_addressing_raises_and_writes_nothing() -> None:
+    query, k_cache, v_cache, pages = _case(8, 40, 4, 2, 64, 16)
+    out = torch.zeros_like(query)
+    with pytest.raises(ValueError, match="shorter than"):
+        paged_prefill_native(out, query, k_cache, v_cache, pages, 7, 0.125)  # ctx < n
+    with pytest.raises(ValueError, match="pages"):
+        paged_prefill_native(out, query, k_cache, v_cache, pages[:2], 40, 0.125)  # 3 needed
+    bad = pages.clone()
+    bad[1] = k_cache.shape[0]
+    with pytest.raises(ValueError, match="outside the pool"):
+        paged_prefill_native(out, query, k_cache, v_cache, bad, 40, 0.125)
+    bad[1] = -1
+    with pytest.raises(ValueError, match="outside the pool"):
+        paged_prefill_native(out, query, k_cache, v_cache, bad, 40, 0.125)
+    with pytest.raises(ValueError, match="inconsistent shapes"):
+        paged_prefill_native(out[:, :3], query[:, :3], k_cache, v_cache, pages, 40, 0.125)
+    assert int(torch.count_nonzero(out)) == 0
+
+
+def test_declines_what_it_does_not_take() -> None:
+    query, k_cache, v_cache, pages = _case(8, 40, 4, 2, 64, 16)
+    out = torch.zeros_like(query)
+    args = (pages, 40, 0.125)
+    assert not paged_prefill_native(out.double(), query.double(), k_cache.double(),
+                                    v_cache.double(), *args)
+    q24, k24, v24, p24 = _case(8, 40, 4, 2, 24, 16)  # head dim not a multiple of 16
+    assert not paged_prefill_native(torch.zeros_like(q24), q24, k24, v24, p24, 40, 0.125)
+    strided_cache = k_cache.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not paged_prefill_native(out, query, strided_cache, v_cache, *args)
+    assert not paged_prefill_native(out, query, k_cache, v_cache, pages.int(), 40, 0.125)
+    q_big, k1, v1, p1 = _case(4, 20, 17, 1, 16, 16)  # GQA group 17 > 16
+    assert not paged_prefill_native(torch.zeros_like(q_big), q_big, k1, v1, p1, 20, 0.25)
+    assert int(torch.count_nonzero(out)) == 0
