@@ -10,9 +10,10 @@ Public API (layout in kernels/layout.py; backend choice in kernels/dispatch.py):
     copy_pages(kv_pool, src, dst, *, backend=None)
     backend_name(device, backend=None) -> "triton" | "torch"
     native_decode_available() / native_status(): the native CPU library (kernels/csrc/*.c,
-        kernels/native_lib.py): the decode kernel the torch backend uses for fp32 decode rows
-        (kernels/native.py) and fused per-token layer ops (kernels/native_ops.py: RMSNorm,
-        SiLU-and-multiply, in-place RoPE, the K/V scatter)
+        kernels/native_lib.py): the decode and prefill attention kernels the torch backend
+        uses for fp32 rows (kernels/native.py, kernels/native_prefill.py) and fused per-token
+        layer ops (kernels/native_ops.py: RMSNorm, SiLU-and-multiply, in-place RoPE, the K/V
+        scatter, the linear layer)
 
 ``triton`` is optional: it is imported only when the Triton backend is first used.
 """

@@ -27,28 +27,31 @@ def paged_prefill_native(
     """Causal attention of ``n`` new rows, row ``i`` at position ``ctx_len - n + i``.
 
     Returns False (touching nothing) when the kernel is unavailable or the inputs are not what
-    it handles (non-fp32, non-CPU, non-contiguous caches, head dim not a multiple of 16 or
-    above its limit, GQA group above its limit); the caller then runs the torch path.
+    it handles (non-fp32, non-CPU, non-contiguous caches, overlapping output rows or an
+    output that partly overlaps the query, head dim not a multiple of 16 or above its limit,
+    GQA group above its limit); the caller then runs the torch path.
 
     Raises:
-        ValueError: ``ctx_len < n``, too few pages, or a page id outside the pool (checked
-            before anything is read or written).
+        ValueError: inconsistent shapes, ``ctx_len < n``, too few pages, or a page id outside
+            the pool (checked before anything is read or written).
     """
+    tensors = (out, query, k_cache, v_cache, pages)
     if not (
-        query.device.type == "cpu"
+        all(t.device.type == "cpu" for t in tensors)
         and query.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.float32
     ):
         return False
     lib = library()
     if lib is None:
         return False
-    n_rows, num_q_heads, head_dim = query.shape
-    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if (
-        out.shape != query.shape
+        query.dim() != 3
+        or out.shape != query.shape
+        or k_cache.dim() != 4
         or v_cache.shape != k_cache.shape
-        or k_cache.shape[3] != head_dim
-        or num_q_heads % num_kv_heads
+        or k_cache.shape[3] != query.shape[2]
+        or k_cache.shape[2] < 1
+        or query.shape[1] % k_cache.shape[2]
         or pages.dim() != 1
     ):
         raise ValueError(
@@ -56,8 +59,22 @@ def paged_prefill_native(
             f"{tuple(out.shape)}, k/v cache {tuple(k_cache.shape)}/{tuple(v_cache.shape)}, "
             f"pages {tuple(pages.shape)}"
         )
+    n_rows, num_q_heads, head_dim = query.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if not n_rows <= ctx_len < 2**31:
+        raise ValueError(f"paged prefill: context {ctx_len} shorter than its {n_rows} new rows")
+    if pages.shape[0] * page_size < ctx_len:
+        raise ValueError(
+            f"paged prefill: {pages.shape[0]} pages of {page_size} cannot hold {ctx_len} tokens"
+        )
+    overlaps = (
+        out.untyped_storage().data_ptr() == query.untyped_storage().data_ptr()
+        and out.data_ptr() != query.data_ptr()
+    )
     if (
-        head_dim % 16
+        overlaps  # a shifted view of the query would be overwritten while read
+        or (n_rows > 1 and out.stride(0) < num_q_heads * head_dim)
+        or head_dim % 16
         or head_dim > lib.prefill_max_head_dim
         or num_q_heads // num_kv_heads > lib.prefill_max_group
         or not (k_cache.is_contiguous() and v_cache.is_contiguous())
@@ -91,12 +108,8 @@ def paged_prefill_native(
         num_threads or torch.get_num_threads(),
         k_cache.shape[0],
     )
-    if rc == -2:
-        raise ValueError(
-            f"paged prefill: context {ctx_len} shorter than its {n_rows} new rows, fewer than "
-            f"ceil({ctx_len} / {page_size}) pages ({pages.shape[0]} given), or a page id "
-            f"outside the pool [0, {k_cache.shape[0]})"
-        )
+    if rc == -2:  # the sizes were checked above: a page id is out of range
+        raise ValueError(f"paged prefill: a page id outside the pool [0, {k_cache.shape[0]})")
     if rc != 0:
         raise MemoryError("native prefill kernel could not allocate its scratch")
     return True

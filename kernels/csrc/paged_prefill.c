@@ -133,10 +133,11 @@ static inline __attribute__((always_inline)) int prefill_item(
                 for (int j = 0; j < KEYS; ++j) mb = j < visible && p[i][j] > mb ? p[i][j] : mb;
                 alpha[i] = expf(m[r + i] - mb);
                 float sum = 0.0f;
-                /* all 16 lanes through the vector exp; keys past the position weigh 0 */
+                /* all 16 lanes through the vector exp; keys past the position weigh 0 (their
+                 * argument replaced before the exp, so a NaN score still propagates) */
 #pragma omp simd reduction(+ : sum)
                 for (int j = 0; j < KEYS; ++j) {
-                    const float e = expf(fminf(p[i][j] - mb, 0.0f));
+                    const float e = expf(j < visible ? p[i][j] - mb : -1e30f);
                     p[i][j] = j < visible ? e : 0.0f;
                     sum += p[i][j];
                 }

@@ -35,6 +35,15 @@ def _case(n: int, ctx: int, hq: int, hkv: int, d: int, page_size: int, seed: int
         (5, 203, 9, 3, 64, 16),  # a short suffix after a cached prefix
         (64, 100, 6, 2, 48, 32),  # a chunk after earlier chunks; a generic head dim
         (1, 150, 8, 2, 32, 16),  # the whole prefix cached, one new token
+        # every (group, head dim) the kernel specialises
+        (20, 30, 2, 2, 64, 16),  # G 1, D 64
+        (20, 30, 8, 2, 64, 16),  # G 4, D 64
+        (20, 30, 8, 2, 128, 16),  # G 4, D 128
+        (20, 30, 16, 2, 128, 16),  # G 8, D 128
+        # key blocks of 16 that straddle pages
+        (19, 45, 9, 3, 64, 8),
+        (19, 45, 9, 3, 64, 12),
+        (7, 23, 4, 2, 16, 1),
     ],
 )
 def test_matches_sdpa_on_scattered_pages(
@@ -45,6 +54,27 @@ def test_matches_sdpa_on_scattered_pages(
     assert paged_prefill_native(out, query, k_cache, v_cache, pages, ctx, d**-0.5)
     expected = _prefill_one(query, k_cache, v_cache, pages.int(), ctx, d**-0.5)
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("query_scale", [60.0, -60.0])
+def test_extreme_scores(query_scale: float) -> None:
+    """Scores in the hundreds either way: the running max must track them exactly."""
+    query, k_cache, v_cache, pages = _case(40, 90, 9, 3, 64, 16, seed=2)
+    query = query * query_scale
+    k_cache[pages] = k_cache[pages].abs() + 1  # all keys positive: every score one sign
+    out = torch.empty_like(query)
+    assert paged_prefill_native(out, query, k_cache, v_cache, pages, 90, 0.125)
+    expected = _prefill_one(query, k_cache, v_cache, pages.int(), 90, 0.125)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_a_nan_score_propagates_like_sdpa() -> None:
+    query, k_cache, v_cache, pages = _case(6, 20, 4, 2, 64, 16, seed=3)
+    k_cache[pages[0], 3, 1] = float("nan")  # token 3, KV head 1: seen by every row
+    out = torch.empty_like(query)
+    assert paged_prefill_native(out, query, k_cache, v_cache, pages, 20, 0.125)
+    assert torch.isnan(out[:, 2:]).all()  # query heads 2, 3 read KV head 1
+    assert not torch.isnan(out[:, :2]).any()
 
 
 def test_strided_query_rows_and_thread_counts() -> None:
@@ -66,10 +96,10 @@ def test_strided_query_rows_and_thread_counts() -> None:
 def test_bad_addressing_raises_and_writes_nothing() -> None:
     query, k_cache, v_cache, pages = _case(8, 40, 4, 2, 64, 16)
     out = torch.zeros_like(query)
-    with pytest.raises(ValueError, match="shorter than"):
-        paged_prefill_native(out, query, k_cache, v_cache, pages, 7, 0.125)  # ctx < n
-    with pytest.raises(ValueError, match="pages"):
-        paged_prefill_native(out, query, k_cache, v_cache, pages[:2], 40, 0.125)  # 3 needed
+    with pytest.raises(ValueError, match="context 7 shorter than its 8 new rows"):
+        paged_prefill_native(out, query, k_cache, v_cache, pages, 7, 0.125)
+    with pytest.raises(ValueError, match="2 pages of 16 cannot hold 40 tokens"):
+        paged_prefill_native(out, query, k_cache, v_cache, pages[:2], 40, 0.125)
     bad = pages.clone()
     bad[1] = k_cache.shape[0]
     with pytest.raises(ValueError, match="outside the pool"):
@@ -79,6 +109,8 @@ def test_bad_addressing_raises_and_writes_nothing() -> None:
         paged_prefill_native(out, query, k_cache, v_cache, bad, 40, 0.125)
     with pytest.raises(ValueError, match="inconsistent shapes"):
         paged_prefill_native(out[:, :3], query[:, :3], k_cache, v_cache, pages, 40, 0.125)
+    with pytest.raises(ValueError, match="inconsistent shapes"):
+        paged_prefill_native(out[0], query[0], k_cache, v_cache, pages, 40, 0.125)
     assert int(torch.count_nonzero(out)) == 0
 
 
@@ -93,6 +125,11 @@ def test_declines_what_it_does_not_take() -> None:
     strided_cache = k_cache.transpose(0, 1).contiguous().transpose(0, 1)
     assert not paged_prefill_native(out, query, strided_cache, v_cache, *args)
     assert not paged_prefill_native(out, query, k_cache, v_cache, pages.int(), 40, 0.125)
+    assert not paged_prefill_native(out, query, k_cache, v_cache, pages.to("meta"), 40, 0.125)
+    rows_share = torch.zeros(1, 4, 64).expand(8, 4, 64)  # every output row the same memory
+    assert not paged_prefill_native(rows_share, query, k_cache, v_cache, *args)
+    both = torch.zeros(9, 4, 64)
+    assert not paged_prefill_native(both[1:], both[:8], k_cache, v_cache, *args)  # shifted
     q_big, k1, v1, p1 = _case(4, 20, 17, 1, 16, 16)  # GQA group 17 > 16
     assert not paged_prefill_native(torch.zeros_like(q_big), q_big, k1, v1, p1, 20, 0.25)
     assert int(torch.count_nonzero(out)) == 0
