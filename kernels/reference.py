@@ -144,9 +144,13 @@ def _prefill_native(
     """The native CPU prefill kernel on the pages in place, where it applies (fp32 on CPU)."""
     if q.device.type != "cpu" or k_cache.dtype != torch.float32:
         return False
-    page_size = k_cache.shape[1]
-    pages = block_table[: (ctx_len + page_size - 1) // page_size].long()
+    pages = _sequence_pages(block_table, ctx_len, k_cache.shape[1])
     return paged_prefill_native(out, q, k_cache, v_cache, pages, ctx_len, scale)
+
+
+def _sequence_pages(block_table: torch.Tensor, ctx_len: int, page_size: int) -> torch.Tensor:
+    """The int64 ids of the pages that hold a sequence's first ``ctx_len`` tokens."""
+    return block_table[: (ctx_len + page_size - 1) // page_size].long()
 
 
 def _prefill_one(
@@ -157,9 +161,8 @@ def _prefill_one(
     ctx_len: int,
     scale: float,
 ) -> torch.Tensor:  # [n, Hq, D]
-    page_size = k_cache.shape[1]
     n_new = q.shape[0]
-    pages = block_table[: (ctx_len + page_size - 1) // page_size].long()
+    pages = _sequence_pages(block_table, ctx_len, k_cache.shape[1])
     k, v = _gather_context(k_cache, v_cache, pages[None], ctx_len)  # [1, Hkv, C, D]
     q_heads = q.to(k.dtype).transpose(0, 1)[None]  # [1, Hq, n, D]
     # Row j sits at position ctx_len - n_new + j and sees keys 0..that position: a causal mask
