@@ -48,6 +48,15 @@ def huge_pages_mode() -> str:
 _advice_failed = False  # set once madvise has failed: later requests skip the attempt
 
 
+def huge_pages_status() -> str:
+    """How large CPU tensors from this module are backed, for logs and stats: ``on (THP
+    madvise)`` / ``on (THP always)``, or ``off (...)`` with the reason."""
+    mode = huge_pages_mode()
+    if mode not in ("always", "madvise"):
+        return f"off (THP {mode})"
+    return "off (madvise refused)" if _advice_failed else f"on (THP {mode})"
+
+
 def _advise(region: mmap.mmap, offset: int, length: int) -> None:
     """madvise(MADV_HUGEPAGE) on ``length`` bytes of ``region`` from ``offset``."""
     region.madvise(mmap.MADV_HUGEPAGE, offset, length)
@@ -132,4 +141,4 @@ class HugePageArena:
         return _view(self._chunk, start, shape, dtype)
 
 
-__all__ = ["HUGE_PAGE", "HugePageArena", "empty_huge", "huge_pages_mode"]
+__all__ = ["HUGE_PAGE", "HugePageArena", "empty_huge", "huge_pages_mode", "huge_pages_status"]

@@ -22,7 +22,8 @@ def create_llm_engine(
 
     Returns:
         (engine, info) with info keys model_name, device, dtype, kernel_backend,
-        native_cpu_kernels, num_pages.
+        native_cpu_kernels, huge_pages (CPU: whether the KV pool and weights sit in huge
+        pages, kernels/host_memory.py; None on GPU), num_pages.
     """
     if loaded is None:
         loaded = load_model(config.model, progress=progress)
@@ -52,6 +53,7 @@ def create_llm_engine(
         "dtype": str(runner.dtype).removeprefix("torch."),
         "kernel_backend": runner.kernel_backend,
         "native_cpu_kernels": runner.native_cpu_kernels,
+        "huge_pages": runner.huge_pages,
         "num_pages": runner.num_pages,
     }
     return engine, info

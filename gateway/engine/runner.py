@@ -21,6 +21,7 @@ from gateway.engine.kv_budget import plan_kv_budget, resolve_device, resolve_dty
 from gateway.engine.loader.loaded_model import LoadedModel
 from gateway.engine.model_config import ModelConfig
 from gateway.engine.models import ForwardBatch, build_model
+from kernels.host_memory import huge_pages_status
 
 logger = logging.getLogger(__name__)
 
@@ -147,8 +148,10 @@ class ModelRunner:
         self._kv_caches = [
             (self.kv_pool[i, 0], self.kv_pool[i, 1]) for i in range(config.num_layers)
         ]
+        # after the pool and the weights were allocated: a refused advice shows here
+        self.huge_pages = huge_pages_status() if self.device.type == "cpu" else None
         logger.info(
-            "runner: %s on %s/%s, %d pages x %d tokens (%.2f GiB KV), kernels=%s%s",
+            "runner: %s on %s/%s, %d pages x %d tokens (%.2f GiB KV), kernels=%s%s%s",
             config.name,
             self.device,
             self.dtype,
@@ -157,6 +160,7 @@ class ModelRunner:
             self.kv_pool.numel() * self.kv_pool.element_size() / (1 << 30),
             self.kernel_backend,
             " + native CPU kernels" if self.native_cpu_kernels else "",
+            f", huge pages {self.huge_pages}" if self.huge_pages else "",
         )
 
     @classmethod

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kernels.host_memory as hm
 from gateway.engine.kv_budget import GIB, kv_page_bytes
 from gateway.engine.runner import ModelRunner, SeqChunk
 
@@ -104,6 +105,7 @@ def test_runner_from_memory_budget_and_max_model_len(loaded_model):
 def test_native_kernels_switch_reaches_the_attention_plan_and_the_model(model_runner, loaded_model):
     # the shared runner uses the native CPU kernels here (a C compiler is present)
     assert model_runner.native_cpu_kernels and model_runner.model.native_ops
+    assert model_runner.huge_pages == hm.huge_pages_status()  # reported for the CPU runner
     plan = model_runner._build_batch([SeqChunk([1], 20, [0, 1], True)]).attention_plan
     assert plan is not None and plan.use_native
     off = ModelRunner.from_loaded(loaded_model, num_pages=4, native_kernels=False)

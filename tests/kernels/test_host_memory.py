@@ -156,3 +156,13 @@ def test_the_kernel_records_the_advice() -> None:
         pytest.skip("this kernel refused MADV_HUGEPAGE")
     assert "hg" in _vm_flags(t.data_ptr())
     assert "hg" not in _vm_flags(torch.empty(1 << 20).data_ptr())  # the control
+
+
+def test_status_says_whether_and_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hm, "_advice_failed", False)
+    monkeypatch.setattr(hm, "huge_pages_mode", lambda: "never")
+    assert hm.huge_pages_status() == "off (THP never)"
+    monkeypatch.setattr(hm, "huge_pages_mode", lambda: "madvise")
+    assert hm.huge_pages_status() == "on (THP madvise)"
+    monkeypatch.setattr(hm, "_advice_failed", True)
+    assert hm.huge_pages_status() == "off (madvise refused)"
