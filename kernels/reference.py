@@ -103,8 +103,10 @@ def paged_attention_ref(
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     for s in plan.prefill:
         rows = slice(starts[s], starts[s + 1])
-        if plan.use_native and _prefill_native(
-            out[rows], query[rows], k_cache, v_cache, block_tables[s], lens[s], scale
+        # native (fp32 CPU): in place on the pages; it declines anything else
+        if plan.use_native and paged_prefill_native(
+            out[rows], query[rows], k_cache, v_cache,
+            _sequence_pages(block_tables[s], lens[s], k_cache.shape[1]), lens[s], scale,
         ):
             continue
         out[rows] = _prefill_one(query[rows], k_cache, v_cache, block_tables[s], lens[s], scale)
@@ -130,22 +132,6 @@ def _gather_context(
     v = v.view(batch, n_pages * v_cache.shape[1], *v_cache.shape[2:])
     # SDPA takes the head-major view as is: no transposing copy
     return k[:, :ctx_len].transpose(1, 2), v[:, :ctx_len].transpose(1, 2)
-
-
-def _prefill_native(
-    out: torch.Tensor,  # [n, Hq, D], written when True is returned
-    q: torch.Tensor,  # [n, Hq, D]
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,  # [max_pages] int32
-    ctx_len: int,
-    scale: float,
-) -> bool:
-    """The native CPU prefill kernel on the pages in place, where it applies (fp32 on CPU)."""
-    if q.device.type != "cpu" or k_cache.dtype != torch.float32:
-        return False
-    pages = _sequence_pages(block_table, ctx_len, k_cache.shape[1])
-    return paged_prefill_native(out, q, k_cache, v_cache, pages, ctx_len, scale)
 
 
 def _sequence_pages(block_table: torch.Tensor, ctx_len: int, page_size: int) -> torch.Tensor:
