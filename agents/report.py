@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from rich.table import Table
 
-from agents.runner import RequestRecord, RunResult
+from prefixgate.agents.runner import RequestRecord, RunResult
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

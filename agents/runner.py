@@ -21,8 +21,8 @@ from typing import NamedTuple
 
 import httpx
 
-from agents.ideal import SentPrompt, ideal_hits
-from agents.workload import Agent, Workload
+from prefixgate.agents.ideal import SentPrompt, ideal_hits
+from prefixgate.agents.workload import Agent, Workload
 
 
 class Endpoint(NamedTuple):

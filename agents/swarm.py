@@ -1,4 +1,4 @@
-"""``python -m agents.swarm``: drive an agent swarm against OpenAI-compatible servers and report
+"""``python -m prefixgate.agents.swarm``: drive an agent swarm against OpenAI-compatible servers and report
 latency, throughput and prefix-cache hit rates (achieved vs ideal)."""
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from agents.report import summarize, table, write_json
-from agents.runner import Endpoint, RequestRecord, RunResult, run_workload
-from agents.workload import ARRIVALS, SwarmConfig, build_workload
+from prefixgate.agents.report import summarize, table, write_json
+from prefixgate.agents.runner import Endpoint, RequestRecord, RunResult, run_workload
+from prefixgate.agents.workload import ARRIVALS, SwarmConfig, build_workload
 
 DESCRIPTION = """\
 Run a swarm of agents against an OpenAI-compatible server (POST /v1/chat/completions, streamed).
@@ -51,9 +51,9 @@ come from the server's POST /tokenize after the run; without it the ideal is "un
 
 EPILOG = """\
 examples:
-  python -m agents.swarm --url http://127.0.0.1:8000 --groups 4 --agents-per-group 8 --turns 6
-  python -m agents.swarm --arrival poisson --rate 2 --json out/swarm.json
-  python -m agents.swarm --url http://127.0.0.1:8000 --compare http://127.0.0.1:8001
+  python -m prefixgate.agents.swarm --url http://127.0.0.1:8000 --groups 4 --agents-per-group 8 --turns 6
+  python -m prefixgate.agents.swarm --arrival poisson --rate 2 --json out/swarm.json
+  python -m prefixgate.agents.swarm --url http://127.0.0.1:8000 --compare http://127.0.0.1:8001
 
 --compare runs the identical workload (same seed, same requests) against a second server,
 alternating whole runs (A, B, A, B... for --rounds), never concurrently, and prints ratios
@@ -71,7 +71,7 @@ summaries: [...], comparison}. Exit status: 0 when every server answered at leas
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     defaults = SwarmConfig()
-    parser = argparse.ArgumentParser(prog="python -m agents.swarm", description=DESCRIPTION,
+    parser = argparse.ArgumentParser(prog="python -m prefixgate.agents.swarm", description=DESCRIPTION,
                                      epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     server = parser.add_argument_group("server")

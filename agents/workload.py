@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from agents import texts
+from prefixgate.agents import texts
 
 Arrival = Literal["burst", "staggered", "poisson"]
 ARRIVALS: tuple[str, ...] = ("burst", "staggered", "poisson")

@@ -18,7 +18,13 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-out/device_check}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+# Nothing is installed there, so the prefixgate.* namespace is made by links: a folder holding
+# prefixgate/<folder> -> <folder>/ for the four packages (an implicit namespace package), then the
+# repository root last, for tests.* and benchmarks.*.
+NS=$(mktemp -d)
+mkdir -p "$NS/prefixgate"
+for pkg in gateway cache kernels agents; do ln -s "$PWD/$pkg" "$NS/prefixgate/$pkg"; done
+export PYTHONUNBUFFERED=1 PYTHONPATH=$NS${PYTHONPATH:+:$PYTHONPATH}:$PWD
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     export TRITON_INTERPRET=1  # no GPU: the Triton kernels run only in the interpreter
 fi

@@ -37,8 +37,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-import kernels
 from benchmarks.common import base_parser, print_table, write_json
+from prefixgate import kernels
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CUDA_DEFAULTS = {"batch": 64, "context": 4096, "dtype": "bf16", "repeats": 20, "warmup": 3}
@@ -190,9 +190,9 @@ def main(argv: list[str] | None = None) -> dict:
         "max_abs_diff": diff,
     }
     if backend == "triton":
-        from kernels.triton_attention import paged_attention_triton
-        from kernels.triton_common import device_sms
-        from kernels.triton_decode import plan_decode_splits
+        from prefixgate.kernels.triton_attention import paged_attention_triton
+        from prefixgate.kernels.triton_common import device_sms
+        from prefixgate.kernels.triton_decode import plan_decode_splits
 
         pages = w["block_tables"].shape[1]
         plan = plan_decode_splits(

@@ -21,7 +21,7 @@ import random
 import time
 
 from benchmarks.common import base_parser, median_time, print_table, write_json
-from cache import KVCacheManager
+from prefixgate.cache import KVCacheManager
 
 PAGE_SIZE = 16
 CONTEXT = 8192

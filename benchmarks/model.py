@@ -34,10 +34,10 @@ from collections.abc import Callable
 
 import torch
 
-import kernels
 from benchmarks.common import base_parser, print_table, write_json
-from gateway.engine.loader import load_model
-from gateway.engine.runner import ModelRunner, SeqChunk
+from prefixgate import kernels
+from prefixgate.gateway.engine.loader import load_model
+from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
 
 FIRST_ORDINARY_TOKEN = 100  # skip the special tokens at the start of the vocabulary
 

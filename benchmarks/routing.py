@@ -44,18 +44,18 @@ import httpx
 import redis
 import torch
 
-from agents.runner import Endpoint, RunResult, run_workload
-from agents.workload import SwarmConfig, build_workload
 from benchmarks.common import base_parser, print_table, write_json
-from gateway.engine.config import EngineConfig
-from gateway.engine.engine import AsyncEngine
-from gateway.engine.factory import create_llm_engine
-from gateway.engine.loader import load_model
-from gateway.router.app import create_router_app
-from gateway.router.serve import router_server
-from gateway.router.settings import RouterSettings
-from gateway.server import ServerSettings, create_app
-from gateway.server.serve import GatewayServer, ServersThread, uvicorn_config
+from prefixgate.agents.runner import Endpoint, RunResult, run_workload
+from prefixgate.agents.workload import SwarmConfig, build_workload
+from prefixgate.gateway.engine.config import EngineConfig
+from prefixgate.gateway.engine.engine import AsyncEngine
+from prefixgate.gateway.engine.factory import create_llm_engine
+from prefixgate.gateway.engine.loader import load_model
+from prefixgate.gateway.router.app import create_router_app
+from prefixgate.gateway.router.serve import router_server
+from prefixgate.gateway.router.settings import RouterSettings
+from prefixgate.gateway.server import ServerSettings, create_app
+from prefixgate.gateway.server.serve import GatewayServer, ServersThread, uvicorn_config
 
 POLICIES = ("cache_aware", "round_robin", "random")
 PAGE_SIZE = 16

@@ -3,8 +3,8 @@
 Pure Python (xxhash + stdlib). Knows nothing of torch, HTTP or Redis.
 """
 
-from cache.block_pool import BlockPool
-from cache.errors import (
+from prefixgate.cache.block_pool import BlockPool
+from prefixgate.cache.errors import (
     CacheError,
     DuplicateSequenceError,
     IntegrityError,
@@ -12,10 +12,10 @@ from cache.errors import (
     OutOfPagesError,
     UnknownSequenceError,
 )
-from cache.events import BlockRemoved, BlockStored, CacheEvent, EventSink
-from cache.hashing import BlockHasher, HashedBlock, make_extra_keys, xxh3_128_hash_fn
-from cache.manager import Allocation, KVCacheManager, PrefixMatch
-from cache.stats import CacheStats, HitStats, SharedPrefix
+from prefixgate.cache.events import BlockRemoved, BlockStored, CacheEvent, EventSink
+from prefixgate.cache.hashing import BlockHasher, HashedBlock, make_extra_keys, xxh3_128_hash_fn
+from prefixgate.cache.manager import Allocation, KVCacheManager, PrefixMatch
+from prefixgate.cache.stats import CacheStats, HitStats, SharedPrefix
 
 __all__ = [
     "Allocation",

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from cache.errors import InvalidArgumentError, OutOfPagesError
-from cache.events import BlockRemoved, BlockStored, EventSink
-from cache.free_queue import FreePageQueue
-from cache.hashing import BlockHash, HashedBlock
-from cache.page import Page
+from prefixgate.cache.errors import InvalidArgumentError, OutOfPagesError
+from prefixgate.cache.events import BlockRemoved, BlockStored, EventSink
+from prefixgate.cache.free_queue import FreePageQueue
+from prefixgate.cache.hashing import BlockHash, HashedBlock
+from prefixgate.cache.page import Page
 
 
 class BlockPool:

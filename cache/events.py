@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cache.hashing import BlockHash
+from prefixgate.cache.hashing import BlockHash
 
 
 @dataclass(frozen=True, slots=True)

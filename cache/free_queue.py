@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from cache.page import Page
+from prefixgate.cache.page import Page
 
 
 class FreePageQueue:

@@ -16,19 +16,19 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
-from cache.block_pool import BlockPool
-from cache.errors import (
+from prefixgate.cache.block_pool import BlockPool
+from prefixgate.cache.errors import (
     DuplicateSequenceError,
     IntegrityError,
     InvalidArgumentError,
     OutOfPagesError,
     UnknownSequenceError,
 )
-from cache.events import EventSink
-from cache.hashing import BlockHasher, HashedBlock, HashFn
-from cache.page import Page
-from cache.sequence import SequenceBlocks
-from cache.stats import CacheStats, HitCounter, SharedPrefix
+from prefixgate.cache.events import EventSink
+from prefixgate.cache.hashing import BlockHasher, HashedBlock, HashFn
+from prefixgate.cache.page import Page
+from prefixgate.cache.sequence import SequenceBlocks
+from prefixgate.cache.stats import CacheStats, HitCounter, SharedPrefix
 
 OTHER_LABEL = "other"  # per-agent counters beyond max_tracked_agents are folded into this one
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cache.hashing import BlockHash
+from prefixgate.cache.hashing import BlockHash
 
 
 @dataclass(slots=True, eq=False)

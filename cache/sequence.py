@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from cache.hashing import HashedBlock
+from prefixgate.cache.hashing import HashedBlock
 
 
 @dataclass(slots=True, eq=False)

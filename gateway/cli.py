@@ -14,9 +14,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gateway.engine.config import EngineConfig
-from gateway.router.cli import ROUTE_DEFAULTS, add_route_parser, route_settings
-from gateway.server.settings import ServerSettings, env_var, merge_api_keys
+from prefixgate.gateway.engine.config import EngineConfig
+from prefixgate.gateway.router.cli import ROUTE_DEFAULTS, add_route_parser, route_settings
+from prefixgate.gateway.server.settings import ServerSettings, env_var, merge_api_keys
 
 DEFAULTS: dict[str, Any] = {
     "model": None,
@@ -313,7 +313,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     logging.basicConfig(
         level=values["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from gateway.server.serve import serve  # uvicorn and the app only when serving
+    from prefixgate.gateway.server.serve import serve  # uvicorn and the app only when serving
 
     try:
         serve(engine_config, settings)
@@ -334,7 +334,9 @@ def _route(
     logging.basicConfig(
         level=values["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from gateway.router.serve import serve_router  # uvicorn, the tokenizer only when routing
+    from prefixgate.gateway.router.serve import (
+        serve_router,  # uvicorn, the tokenizer only when routing
+    )
 
     try:
         serve_router(settings)

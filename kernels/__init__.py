@@ -18,10 +18,16 @@ Public API (layout in kernels/layout.py; backend choice in kernels/dispatch.py):
 ``triton`` is optional: it is imported only when the Triton backend is first used.
 """
 
-from kernels.attention_plan import AttentionPlan, plan_attention
-from kernels.dispatch import BACKEND_ENV, backend_name, copy_pages, paged_attention, write_kv
-from kernels.layout import allocate_kv_pool, page_bytes
-from kernels.native import native_decode_available, native_status
+from prefixgate.kernels.attention_plan import AttentionPlan, plan_attention
+from prefixgate.kernels.dispatch import (
+    BACKEND_ENV,
+    backend_name,
+    copy_pages,
+    paged_attention,
+    write_kv,
+)
+from prefixgate.kernels.layout import allocate_kv_pool, page_bytes
+from prefixgate.kernels.native import native_decode_available, native_status
 
 __all__ = [
     "BACKEND_ENV",

@@ -21,8 +21,8 @@ import os
 
 import torch
 
-from kernels.attention_plan import AttentionPlan
-from kernels.reference import copy_pages_ref, paged_attention_ref, write_kv_ref
+from prefixgate.kernels.attention_plan import AttentionPlan
+from prefixgate.kernels.reference import copy_pages_ref, paged_attention_ref, write_kv_ref
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def write_kv(
     layer's caches are views of one pool). Slot values are still bounds-checked.
     """
     if resolve_backend(key.device, backend) == "triton":
-        from kernels.triton_write_kv import write_kv_triton
+        from prefixgate.kernels.triton_write_kv import write_kv_triton
 
         write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     else:
@@ -162,7 +162,7 @@ def paged_attention(
             ``write_kv``); the Triton launcher always reads its shapes through it.
     """
     if resolve_backend(query.device, backend) == "triton":
-        from kernels.triton_attention import paged_attention_triton
+        from prefixgate.kernels.triton_attention import paged_attention_triton
 
         return paged_attention_triton(
             query,
@@ -191,7 +191,7 @@ def copy_pages(
     NOTE: ``dst`` ids must be distinct and disjoint from ``src`` (pairs copy in parallel).
     """
     if resolve_backend(kv_pool.device, backend) == "triton":
-        from kernels.triton_copy_pages import copy_pages_triton
+        from prefixgate.kernels.triton_copy_pages import copy_pages_triton
 
         copy_pages_triton(kv_pool, src, dst)
     else:

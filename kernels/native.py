@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.native_lib import library, native_status
+from prefixgate.kernels.native_lib import library, native_status
 
 
 def native_decode_available() -> bool:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.host_memory import HugePageArena
-from kernels.native_lib import library
+from prefixgate.kernels.host_memory import HugePageArena
+from prefixgate.kernels.native_lib import library
 
 
 def _fp32_cpu(*tensors: torch.Tensor) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.native_lib import library
+from prefixgate.kernels.native_lib import library
 
 
 def paged_prefill_native(

@@ -24,17 +24,17 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from kernels.attention_plan import (
+from prefixgate.kernels.attention_plan import (
     AttentionPlan,
     PaddedDecode,
     SharedPrefixDecode,
     plan_attention,
 )
-from kernels.checks import check_attention_inputs, check_copy_inputs, check_write_inputs
-from kernels.native import paged_decode_native
-from kernels.native_ops import write_kv_native
-from kernels.native_prefill import paged_prefill_native
-from kernels.workspace import gather_pages
+from prefixgate.kernels.checks import check_attention_inputs, check_copy_inputs, check_write_inputs
+from prefixgate.kernels.native import paged_decode_native
+from prefixgate.kernels.native_ops import write_kv_native
+from prefixgate.kernels.native_prefill import paged_prefill_native
+from prefixgate.kernels.workspace import gather_pages
 
 
 def write_kv_ref(

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels.checks import check_attention_inputs, require
-from kernels.triton_common import check_triton_device
-from kernels.triton_decode import paged_decode_triton
-from kernels.triton_prefill import paged_prefill_triton
+from prefixgate.kernels.checks import check_attention_inputs, require
+from prefixgate.kernels.triton_common import check_triton_device
+from prefixgate.kernels.triton_decode import paged_decode_triton
+from prefixgate.kernels.triton_prefill import paged_prefill_triton
 
 
 def paged_attention_triton(

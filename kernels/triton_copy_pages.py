@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import check_copy_inputs, require
-from kernels.triton_common import check_triton_device
+from prefixgate.kernels.checks import check_copy_inputs, require
+from prefixgate.kernels.triton_common import check_triton_device
 
 COPY_BLOCK = 4096  # elements per program
 

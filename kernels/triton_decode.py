@@ -36,9 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import AttentionShapes, require
-from kernels.triton_common import compute_dtype, device_sms, dot_precision
-from kernels.triton_decode_reduce import decode_reduce_triton
+from prefixgate.kernels.checks import AttentionShapes, require
+from prefixgate.kernels.triton_common import compute_dtype, device_sms, dot_precision
+from prefixgate.kernels.triton_decode_reduce import decode_reduce_triton
 
 # Tokens one loop iteration reads (a multiple of the page size when pages are smaller).
 DECODE_BLOCK_N = 64

@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import AttentionShapes, require
-from kernels.triton_common import compute_dtype, dot_precision
+from prefixgate.kernels.checks import AttentionShapes, require
+from prefixgate.kernels.triton_common import compute_dtype, dot_precision
 
 # Flattened (token, head) rows per program: 128 rows x 8 warps feed Hopper's wgmma well on long
 # chunks (184 registers, no spills at D=128 bf16, checked offline for sm_90); batches of short

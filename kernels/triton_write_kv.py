@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import check_write_inputs, require
-from kernels.triton_common import check_triton_device
+from prefixgate.kernels.checks import check_write_inputs, require
+from prefixgate.kernels.triton_common import check_triton_device
 
 
 @triton.jit

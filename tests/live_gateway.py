@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from gateway.engine.config import EngineConfig
-from gateway.server import ServerSettings, create_app
-from gateway.server.serve import GatewayServer, uvicorn_config
+from prefixgate.gateway.engine.config import EngineConfig
+from prefixgate.gateway.server import ServerSettings, create_app
+from prefixgate.gateway.server.serve import GatewayServer, uvicorn_config
 
 PAGE_SIZE = 16
 NUM_PAGES = 384  # ~290 MB of fp32 KV for SmolLM2-135M; plenty for the 50-stream test
@@ -77,7 +77,7 @@ def _wait_started(thread: _ServerThread, servers: list[GatewayServer]) -> None:
 
 @pytest.fixture(scope="session")
 def engine(loaded_model):
-    from gateway.engine.engine import build_engine
+    from prefixgate.gateway.engine.engine import build_engine
 
     return build_engine(
         EngineConfig(num_pages=NUM_PAGES, page_size=PAGE_SIZE, max_waiting=MAX_WAITING),

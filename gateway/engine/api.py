@@ -164,7 +164,7 @@ class OverloadedError(EngineError):
 from collections.abc import AsyncIterator, Sequence  # noqa: E402
 from typing import Any, Protocol  # noqa: E402
 
-from cache.stats import CacheStats  # noqa: E402
+from prefixgate.cache.stats import CacheStats  # noqa: E402
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,9 +16,9 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
-from cache.events import CacheEvent, EventSink
-from cache.stats import CacheStats
-from gateway.engine.api import (
+from prefixgate.cache.events import CacheEvent, EventSink
+from prefixgate.cache.stats import CacheStats
+from prefixgate.gateway.engine.api import (
     Delta,
     EngineError,
     EngineStats,
@@ -28,8 +28,8 @@ from gateway.engine.api import (
     SamplingParams,
     new_request_id,
 )
-from gateway.engine.config import EngineConfig
-from gateway.engine.llm_engine import LLMEngine
+from prefixgate.gateway.engine.config import EngineConfig
+from prefixgate.gateway.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("prefixgate.engine")
 
@@ -322,7 +322,7 @@ def build_engine(config: EngineConfig | None = None, *, event_sink=None, loaded=
 
     ``loaded`` reuses an already loaded model (a LoadedModel: tests share one across engines).
     """
-    from gateway.engine.factory import create_llm_engine
+    from prefixgate.gateway.engine.factory import create_llm_engine
 
     config = config or EngineConfig()
     core, info = create_llm_engine(config, event_sink=event_sink, loaded=loaded)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from cache.events import EventSink
-from gateway.engine.config import EngineConfig
-from gateway.engine.llm_engine import LLMEngine
-from gateway.engine.loader import LoadedModel, load_model
-from gateway.engine.runner import ModelRunner, SeqChunk
+from prefixgate.cache.events import EventSink
+from prefixgate.gateway.engine.config import EngineConfig
+from prefixgate.gateway.engine.llm_engine import LLMEngine
+from prefixgate.gateway.engine.loader import LoadedModel, load_model
+from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
 
 
 def create_llm_engine(

@@ -10,8 +10,8 @@ from typing import NamedTuple
 
 import torch
 
-import kernels
-from gateway.engine.model_config import ModelConfig
+from prefixgate import kernels
+from prefixgate.gateway.engine.model_config import ModelConfig
 
 GIB = 1 << 30
 # without a budget: CPU takes this much for KV; a GPU takes this share of its free memory

@@ -14,9 +14,9 @@ from typing import Any, Protocol
 
 import torch
 
-from cache import KVCacheManager, make_extra_keys
-from cache.events import EventSink
-from gateway.engine.api import (
+from prefixgate.cache import KVCacheManager, make_extra_keys
+from prefixgate.cache.events import EventSink
+from prefixgate.gateway.engine.api import (
     ContextLengthError,
     Delta,
     EngineError,
@@ -27,11 +27,11 @@ from gateway.engine.api import (
     TopLogprob,
     Usage,
 )
-from gateway.engine.config import EngineConfig, step_token_budget
-from gateway.engine.sampler import SampleRow, make_generator, sample
-from gateway.engine.scheduler import Scheduler, SchedulerOutput
-from gateway.engine.sequence import SeqStatus, Sequence
-from gateway.engine.stop_strings import StopStringMatcher
+from prefixgate.gateway.engine.config import EngineConfig, step_token_budget
+from prefixgate.gateway.engine.sampler import SampleRow, make_generator, sample
+from prefixgate.gateway.engine.scheduler import Scheduler, SchedulerOutput
+from prefixgate.gateway.engine.sequence import SeqStatus, Sequence
+from prefixgate.gateway.engine.stop_strings import StopStringMatcher
 
 logger = logging.getLogger("prefixgate.engine")
 
@@ -122,7 +122,7 @@ class LLMEngine:
             ),
         )
         if chunk_factory is None:
-            from gateway.engine.runner import SeqChunk
+            from prefixgate.gateway.engine.runner import SeqChunk
 
             chunk_factory = SeqChunk
         self._make_chunk = chunk_factory

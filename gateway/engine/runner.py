@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
-from gateway.engine.kv_budget import plan_kv_budget, resolve_device, resolve_dtype
-from gateway.engine.loader.loaded_model import LoadedModel
-from gateway.engine.model_config import ModelConfig
-from gateway.engine.models import ForwardBatch, build_model
-from kernels.host_memory import huge_pages_status
+from prefixgate import kernels
+from prefixgate.gateway.engine.kv_budget import plan_kv_budget, resolve_device, resolve_dtype
+from prefixgate.gateway.engine.loader.loaded_model import LoadedModel
+from prefixgate.gateway.engine.model_config import ModelConfig
+from prefixgate.gateway.engine.models import ForwardBatch, build_model
+from prefixgate.kernels.host_memory import huge_pages_status
 
 logger = logging.getLogger(__name__)
 

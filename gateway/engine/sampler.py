@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gateway.engine.api import SamplingParams
+from prefixgate.gateway.engine.api import SamplingParams
 
 
 @dataclass(slots=True)

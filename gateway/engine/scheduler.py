@@ -13,8 +13,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from cache import HashedBlock, KVCacheManager
-from gateway.engine.sequence import SeqStatus, Sequence
+from prefixgate.cache import HashedBlock, KVCacheManager
+from prefixgate.gateway.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,8 +7,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from cache import HashedBlock
-from gateway.engine.api import FinishReason, SamplingParams
+from prefixgate.cache import HashedBlock
+from prefixgate.gateway.engine.api import FinishReason, SamplingParams
 
 _seq_counter = itertools.count()
 

@@ -16,7 +16,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from gateway.engine.chat_template import ChatTemplate, ChatTemplateError
+from prefixgate.gateway.engine.chat_template import ChatTemplate, ChatTemplateError
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ It hashes each prompt as the replicas do, asks the shared Redis index (gateway/s
 much of it every replica holds, and weighs that against load (see ``policy.py``).
 """
 
-from gateway.router.app import create_router_app
-from gateway.router.settings import RouterSettings
+from prefixgate.gateway.router.app import create_router_app
+from prefixgate.gateway.router.settings import RouterSettings
 
 __all__ = ["RouterSettings", "create_router_app"]

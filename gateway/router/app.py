@@ -22,24 +22,24 @@ import httpx
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from gateway.engine.api import EngineError
-from gateway.router.prompt import CHAT_PATH, COMPLETIONS_PATH
-from gateway.router.proxy import (
+from prefixgate.gateway.engine.api import EngineError
+from prefixgate.gateway.router.prompt import CHAT_PATH, COMPLETIONS_PATH
+from prefixgate.gateway.router.proxy import (
     REASON_HEADER,
     REPLICA_HEADER,
     ProxyResponse,
     build_request,
     upstream_headers,
 )
-from gateway.router.settings import RouterSettings
-from gateway.router.state import RouterState
-from gateway.router.stats import fleet_stats_json
-from gateway.server import dashboard
-from gateway.server.auth import Principal, authenticate
-from gateway.server.errors import install_exception_handlers
-from gateway.server.generation import ClientDisconnected, until_disconnect
-from gateway.server.metrics import CONTENT_TYPE
-from gateway.server.request_id import RequestIdMiddleware
+from prefixgate.gateway.router.settings import RouterSettings
+from prefixgate.gateway.router.state import RouterState
+from prefixgate.gateway.router.stats import fleet_stats_json
+from prefixgate.gateway.server import dashboard
+from prefixgate.gateway.server.auth import Principal, authenticate
+from prefixgate.gateway.server.errors import install_exception_handlers
+from prefixgate.gateway.server.generation import ClientDisconnected, until_disconnect
+from prefixgate.gateway.server.metrics import CONTENT_TYPE
+from prefixgate.gateway.server.request_id import RequestIdMiddleware
 
 logger = logging.getLogger("prefixgate.router")
 
@@ -174,7 +174,7 @@ def create_router_app(settings: RouterSettings, *, tokenizer: Any = None,
             read from ``settings.model`` without loading weights.
     """
     if tokenizer is None or model_id is None:
-        from gateway.engine.loader.tokenizer_only import load_tokenizer_only
+        from prefixgate.gateway.engine.loader.tokenizer_only import load_tokenizer_only
 
         loaded = load_tokenizer_only(settings.model)
         tokenizer, model_id = loaded.tokenizer, loaded.model_id

@@ -6,8 +6,8 @@ import argparse
 from collections.abc import Mapping
 from typing import Any
 
-from gateway.router.settings import POLICIES, RouterSettings
-from gateway.server.settings import merge_api_keys
+from prefixgate.gateway.router.settings import POLICIES, RouterSettings
+from prefixgate.gateway.server.settings import merge_api_keys
 
 ROUTE_DEFAULTS: dict[str, Any] = {
     "replica": [],

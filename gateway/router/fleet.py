@@ -13,8 +13,8 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from gateway.router.settings import normalize_url
-from gateway.scaleout.heartbeat import Heartbeat
+from prefixgate.gateway.router.settings import normalize_url
+from prefixgate.gateway.scaleout.heartbeat import Heartbeat
 
 logger = logging.getLogger("prefixgate.router")
 

@@ -12,11 +12,11 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.scaleout.fleet_stats import FleetStats, read_fleet_stats
-from gateway.scaleout.heartbeat import Heartbeat
-from gateway.scaleout.index_writer import reap_replica
-from gateway.scaleout.keys import RedisKeys
-from gateway.scaleout.redis_client import REDIS_ERRORS, connect, describe
+from prefixgate.gateway.scaleout.fleet_stats import FleetStats, read_fleet_stats
+from prefixgate.gateway.scaleout.heartbeat import Heartbeat
+from prefixgate.gateway.scaleout.index_writer import reap_replica
+from prefixgate.gateway.scaleout.keys import RedisKeys
+from prefixgate.gateway.scaleout.redis_client import REDIS_ERRORS, connect, describe
 
 logger = logging.getLogger("prefixgate.router")
 

@@ -13,10 +13,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from cache.stats import HitStats
-from gateway.router.fleet import Fleet
-from gateway.scaleout.fleet_stats import FleetStats
-from gateway.server.metrics import StickyLabeler
+from prefixgate.cache.stats import HitStats
+from prefixgate.gateway.router.fleet import Fleet
+from prefixgate.gateway.scaleout.fleet_stats import FleetStats
+from prefixgate.gateway.server.metrics import StickyLabeler
 
 PREFIX = "prefixgate:"
 

@@ -15,11 +15,11 @@ from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
-from cache.hashing import BlockHasher, make_extra_keys
-from gateway.server.auth import KeyTable
-from gateway.server.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.server.settings import DEFAULT_TENANT
-from gateway.server.state import AGENT_HEADER
+from prefixgate.cache.hashing import BlockHasher, make_extra_keys
+from prefixgate.gateway.server.auth import KeyTable
+from prefixgate.gateway.server.protocol import ChatCompletionRequest, CompletionRequest
+from prefixgate.gateway.server.settings import DEFAULT_TENANT
+from prefixgate.gateway.server.state import AGENT_HEADER
 
 logger = logging.getLogger("prefixgate.router")
 

@@ -20,7 +20,7 @@ import httpx
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway.server.errors import REQUEST_ID_HEADER, error_body
+from prefixgate.gateway.server.errors import REQUEST_ID_HEADER, error_body
 
 # RFC 9110 connection-specific headers, plus those the HTTP stack sets itself.
 _HOP_BY_HOP = frozenset({

@@ -7,9 +7,9 @@ from typing import Any
 
 import uvicorn
 
-from gateway.router.app import create_router_app
-from gateway.router.settings import RouterSettings
-from gateway.server.serve import BoundServer
+from prefixgate.gateway.router.app import create_router_app
+from prefixgate.gateway.router.settings import RouterSettings
+from prefixgate.gateway.server.serve import BoundServer
 
 logger = logging.getLogger("prefixgate.router")
 

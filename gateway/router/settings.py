@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from gateway.scaleout.keys import DEFAULT_NAMESPACE
+from prefixgate.gateway.scaleout.keys import DEFAULT_NAMESPACE
 
 POLICIES: tuple[str, ...] = ("cache_aware", "round_robin", "random")
 

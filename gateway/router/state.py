@@ -19,15 +19,15 @@ from typing import Any
 
 import httpx
 
-from gateway.router.fleet import Fleet, HashFacts, ReplicaState
-from gateway.router.index import IndexReader
-from gateway.router.metrics import RouterMetrics
-from gateway.router.policy import Candidate, Decision, least_loaded, make_policy
-from gateway.router.prompt import PromptHasher, PromptKey
-from gateway.router.recent import RecentRoutes, SessionTable
-from gateway.router.settings import RouterSettings
-from gateway.scaleout.keys import RedisKeys
-from gateway.server.auth import KeyTable
+from prefixgate.gateway.router.fleet import Fleet, HashFacts, ReplicaState
+from prefixgate.gateway.router.index import IndexReader
+from prefixgate.gateway.router.metrics import RouterMetrics
+from prefixgate.gateway.router.policy import Candidate, Decision, least_loaded, make_policy
+from prefixgate.gateway.router.prompt import PromptHasher, PromptKey
+from prefixgate.gateway.router.recent import RecentRoutes, SessionTable
+from prefixgate.gateway.router.settings import RouterSettings
+from prefixgate.gateway.scaleout.keys import RedisKeys
+from prefixgate.gateway.server.auth import KeyTable
 
 logger = logging.getLogger("prefixgate.router")
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import httpx
 
-from cache.stats import HitStats
-from gateway.router.state import RouterState
-from gateway.server.routes_cache import busiest, hit_json
+from prefixgate.cache.stats import HitStats
+from prefixgate.gateway.router.state import RouterState
+from prefixgate.gateway.server.routes_cache import busiest, hit_json
 
 MAX_STATS_AGENTS = 200
 

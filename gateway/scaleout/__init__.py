@@ -4,11 +4,11 @@ The router (gateway/router) reads what this package writes; the key schema in ``
 the :class:`Heartbeat` record are the contract between them.
 """
 
-from gateway.scaleout.event_buffer import EventBuffer
-from gateway.scaleout.fleet_stats import FleetStats, read_fleet_stats
-from gateway.scaleout.heartbeat import Heartbeat
-from gateway.scaleout.keys import DEFAULT_NAMESPACE, RedisKeys
-from gateway.scaleout.publisher import PublisherConfig, ReplicaPublisher
+from prefixgate.gateway.scaleout.event_buffer import EventBuffer
+from prefixgate.gateway.scaleout.fleet_stats import FleetStats, read_fleet_stats
+from prefixgate.gateway.scaleout.heartbeat import Heartbeat
+from prefixgate.gateway.scaleout.keys import DEFAULT_NAMESPACE, RedisKeys
+from prefixgate.gateway.scaleout.publisher import PublisherConfig, ReplicaPublisher
 
 __all__ = [
     "DEFAULT_NAMESPACE",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from cache.events import CacheEvent
+from prefixgate.cache.events import CacheEvent
 
 
 class EventBuffer:

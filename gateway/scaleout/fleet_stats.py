@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cache.stats import CacheStats, HitStats
-from gateway.scaleout.keys import RedisKeys
+from prefixgate.cache.stats import CacheStats, HitStats
+from prefixgate.gateway.scaleout.keys import RedisKeys
 
 logger = logging.getLogger("prefixgate.scaleout")
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from cache.events import BlockStored, CacheEvent
-from gateway.scaleout.keys import RedisKeys
+from prefixgate.cache.events import BlockStored, CacheEvent
+from prefixgate.gateway.scaleout.keys import RedisKeys
 
 BATCH = 2000  # set members per SADD/SREM command (keeps single commands small)
 PIPELINE = 10_000  # commands per round trip (a resync of a big index takes several)

@@ -31,13 +31,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from cache.stats import CacheStats
-from gateway.scaleout.event_buffer import EventBuffer
-from gateway.scaleout.fleet_stats import queue_snapshot, snapshot_json
-from gateway.scaleout.heartbeat import Heartbeat
-from gateway.scaleout.index_writer import IndexWriter, coalesce
-from gateway.scaleout.keys import DEFAULT_NAMESPACE, RedisKeys
-from gateway.scaleout.redis_client import REDIS_ERRORS, connect, describe
+from prefixgate.cache.stats import CacheStats
+from prefixgate.gateway.scaleout.event_buffer import EventBuffer
+from prefixgate.gateway.scaleout.fleet_stats import queue_snapshot, snapshot_json
+from prefixgate.gateway.scaleout.heartbeat import Heartbeat
+from prefixgate.gateway.scaleout.index_writer import IndexWriter, coalesce
+from prefixgate.gateway.scaleout.keys import DEFAULT_NAMESPACE, RedisKeys
+from prefixgate.gateway.scaleout.redis_client import REDIS_ERRORS, connect, describe
 
 logger = logging.getLogger("prefixgate.scaleout")
 

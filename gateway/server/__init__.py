@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP gateway in front of one engine (FastAPI + uvicorn)."""
 
-from gateway.server.app import create_app
-from gateway.server.settings import ServerSettings
+from prefixgate.gateway.server.app import create_app
+from prefixgate.gateway.server.settings import ServerSettings
 
 __all__ = ["ServerSettings", "create_app"]

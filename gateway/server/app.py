@@ -9,15 +9,15 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from gateway.engine.api import EngineLike
-from gateway.server import dashboard, routes_cache, routes_openai, routes_ops
-from gateway.server.auth import KeyTable
-from gateway.server.errors import REQUEST_ID_HEADER, install_exception_handlers
-from gateway.server.metrics import GatewayMetrics
-from gateway.server.request_id import RequestIdMiddleware
-from gateway.server.settings import ServerSettings
-from gateway.server.state import ServerState
-from gateway.server.tokenization import Tokenization
+from prefixgate.gateway.engine.api import EngineLike
+from prefixgate.gateway.server import dashboard, routes_cache, routes_openai, routes_ops
+from prefixgate.gateway.server.auth import KeyTable
+from prefixgate.gateway.server.errors import REQUEST_ID_HEADER, install_exception_handlers
+from prefixgate.gateway.server.metrics import GatewayMetrics
+from prefixgate.gateway.server.request_id import RequestIdMiddleware
+from prefixgate.gateway.server.settings import ServerSettings
+from prefixgate.gateway.server.state import ServerState
+from prefixgate.gateway.server.tokenization import Tokenization
 
 logger = logging.getLogger("prefixgate.server")
 
@@ -54,7 +54,7 @@ def create_app(
     # Scale-out: built now so a bad --replica-id / --advertise-url fails before serving.
     publisher = None
     if settings.redis_url:
-        from gateway.scaleout.publisher import publisher_from_settings
+        from prefixgate.gateway.scaleout.publisher import publisher_from_settings
 
         publisher = publisher_from_settings(engine, settings, model_name)
 

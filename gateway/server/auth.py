@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from gateway.server.errors import AuthenticationError, PermissionDeniedError
-from gateway.server.settings import DEFAULT_TENANT, ServerSettings
+from prefixgate.gateway.server.errors import AuthenticationError, PermissionDeniedError
+from prefixgate.gateway.server.settings import DEFAULT_TENANT, ServerSettings
 
 
 @dataclass(frozen=True, slots=True)

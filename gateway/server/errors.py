@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.engine.api import EngineError, InvalidRequestError, OverloadedError
+from prefixgate.gateway.engine.api import EngineError, InvalidRequestError, OverloadedError
 
 logger = logging.getLogger("prefixgate.server")
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from gateway.engine.api import (
+from prefixgate.gateway.engine.api import (
     ContextLengthError,
     Delta,
     EngineLike,
@@ -24,7 +24,7 @@ from gateway.engine.api import (
     SamplingParams,
     Usage,
 )
-from gateway.server.protocol import SamplingRequest
+from prefixgate.gateway.server.protocol import SamplingRequest
 
 
 class ClientDisconnected(Exception):

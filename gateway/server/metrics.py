@@ -21,8 +21,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from cache.stats import HitStats
-from gateway.engine.api import Delta, EngineLike, Usage
+from prefixgate.cache.stats import HitStats
+from prefixgate.gateway.engine.api import Delta, EngineLike, Usage
 
 PREFIX = "prefixgate:"
 OTHER_LABEL = "__other__"

@@ -9,12 +9,12 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from cache.stats import HitStats
-from gateway.server.auth import Principal, authenticate, require_admin
-from gateway.server.metrics import OTHER_LABEL
-from gateway.server.protocol import PinRequest, PinResponse, ResetResponse
-from gateway.server.routes_openai import tokens_of
-from gateway.server.state import ServerState, server_state
+from prefixgate.cache.stats import HitStats
+from prefixgate.gateway.server.auth import Principal, authenticate, require_admin
+from prefixgate.gateway.server.metrics import OTHER_LABEL
+from prefixgate.gateway.server.protocol import PinRequest, PinResponse, ResetResponse
+from prefixgate.gateway.server.routes_openai import tokens_of
+from prefixgate.gateway.server.state import ServerState, server_state
 
 router = APIRouter()
 

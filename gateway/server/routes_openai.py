@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel
 
-from gateway.engine.api import Delta, EngineError, GenerationRequest, TokenLogprob, Usage
-from gateway.server.auth import Principal, authenticate
-from gateway.server.errors import engine_error_body, error_body, request_id_of
-from gateway.server.generation import (
+from prefixgate.gateway.engine.api import Delta, EngineError, GenerationRequest, TokenLogprob, Usage
+from prefixgate.gateway.server.auth import Principal, authenticate
+from prefixgate.gateway.server.errors import engine_error_body, error_body, request_id_of
+from prefixgate.gateway.server.generation import (
     ClientDisconnected,
     DeltaStream,
     merge_streams,
@@ -27,8 +27,8 @@ from gateway.server.generation import (
     sum_usage,
     until_disconnect,
 )
-from gateway.server.metrics import RequestTimer
-from gateway.server.protocol import (
+from prefixgate.gateway.server.metrics import RequestTimer
+from prefixgate.gateway.server.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -53,8 +53,8 @@ from gateway.server.protocol import (
     UsageInfo,
     template_tools,
 )
-from gateway.server.sse import SSE_DONE, SSEResponse, sse_event
-from gateway.server.state import ServerState, agent_of, engine_request_id, server_state
+from prefixgate.gateway.server.sse import SSE_DONE, SSEResponse, sse_event
+from prefixgate.gateway.server.state import ServerState, agent_of, engine_request_id, server_state
 
 logger = logging.getLogger("prefixgate.server")
 router = APIRouter()

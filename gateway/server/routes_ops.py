@@ -6,8 +6,8 @@ import asyncio
 
 from fastapi import APIRouter, Request, Response
 
-from gateway.server.metrics import CONTENT_TYPE
-from gateway.server.state import server_state
+from prefixgate.gateway.server.metrics import CONTENT_TYPE
+from prefixgate.gateway.server.state import server_state
 
 router = APIRouter()
 

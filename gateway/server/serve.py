@@ -11,10 +11,10 @@ from typing import Any
 
 import uvicorn
 
-from gateway.engine.api import EngineLike
-from gateway.engine.config import EngineConfig
-from gateway.server.app import create_app
-from gateway.server.settings import ServerSettings
+from prefixgate.gateway.engine.api import EngineLike
+from prefixgate.gateway.engine.config import EngineConfig
+from prefixgate.gateway.server.app import create_app
+from prefixgate.gateway.server.settings import ServerSettings
 
 logger = logging.getLogger("prefixgate.server")
 
@@ -132,7 +132,7 @@ def uvicorn_config(app: Any, settings: ServerSettings) -> uvicorn.Config:
 
 def serve(engine_config: EngineConfig, settings: ServerSettings) -> None:
     """Load the model, then serve until interrupted (the app starts and stops the engine)."""
-    from gateway.engine.engine import build_engine  # heavy: torch, the model
+    from prefixgate.gateway.engine.engine import build_engine  # heavy: torch, the model
 
     engine = build_engine(engine_config)
     app = create_app(engine, settings)

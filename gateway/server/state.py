@@ -8,14 +8,14 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from cache.stats import CacheStats
-from gateway.engine.api import EngineLike, EngineStats, InvalidRequestError
-from gateway.server.auth import KeyTable
-from gateway.server.errors import ModelNotFoundError
-from gateway.server.metrics import GatewayMetrics
-from gateway.server.protocol import MAX_LABEL_CHARS
-from gateway.server.settings import ServerSettings
-from gateway.server.tokenization import Tokenization
+from prefixgate.cache.stats import CacheStats
+from prefixgate.gateway.engine.api import EngineLike, EngineStats, InvalidRequestError
+from prefixgate.gateway.server.auth import KeyTable
+from prefixgate.gateway.server.errors import ModelNotFoundError
+from prefixgate.gateway.server.metrics import GatewayMetrics
+from prefixgate.gateway.server.protocol import MAX_LABEL_CHARS
+from prefixgate.gateway.server.settings import ServerSettings
+from prefixgate.gateway.server.tokenization import Tokenization
 
 AGENT_HEADER = "X-Agent-Id"
 

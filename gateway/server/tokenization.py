@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from gateway.engine.api import EngineLike, InvalidRequestError
+from prefixgate.gateway.engine.api import EngineLike, InvalidRequestError
 
 T = TypeVar("T")
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agents.ideal import PrefixIndex, SentPrompt, common_prefix, ideal_hits
+from prefixgate.agents.ideal import PrefixIndex, SentPrompt, common_prefix, ideal_hits
 
 
 def brute_force(sequences: list[list[int]]) -> list[int]:

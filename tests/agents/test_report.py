@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from agents.report import Percentiles, compare, percentile, summarize, table, write_json
-from agents.runner import RequestRecord, RunResult
+from prefixgate.agents.report import Percentiles, compare, percentile, summarize, table, write_json
+from prefixgate.agents.runner import RequestRecord, RunResult
 
 
 def test_percentile_matches_numpy_linear():

@@ -1,4 +1,4 @@
-"""The ``python -m agents.swarm`` CLI end to end against the fake server."""
+"""The ``python -m prefixgate.agents.swarm`` CLI end to end against the fake server."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from agents.swarm import main
+from prefixgate.agents.swarm import main
 
 from .conftest import free_port
 
@@ -19,7 +19,7 @@ TINY = ["--groups", "2", "--agents-per-group", "2", "--turns", "2", "--system-to
 
 
 def test_help_documents_every_flag():
-    result = subprocess.run([sys.executable, "-m", "agents.swarm", "--help"], capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "prefixgate.agents.swarm", "--help"], capture_output=True,
                             text=True, check=True)
     for flag in ("--url", "--api-key", "--model", "--compare", "--groups", "--agents-per-group",
                  "--turns", "--system-tokens", "--task-tokens", "--followup-tokens",

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from agents.report import summarize
-from agents.runner import Endpoint, run_workload
-from agents.workload import SwarmConfig, build_workload
+from prefixgate.agents.report import summarize
+from prefixgate.agents.runner import Endpoint, run_workload
+from prefixgate.agents.workload import SwarmConfig, build_workload
 
 pytestmark = pytest.mark.slow
 

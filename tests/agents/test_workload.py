@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from agents.texts import approx_tokens, truncate_tokens
-from agents.workload import SwarmConfig, build_workload
+from prefixgate.agents.texts import approx_tokens, truncate_tokens
+from prefixgate.agents.workload import SwarmConfig, build_workload
 
 CONFIG = SwarmConfig(groups=3, agents_per_group=4, turns=4, system_tokens=600, task_tokens=80,
                      followup_tokens=80, seed=7)

@@ -1,9 +1,9 @@
 import pytest
 
-from cache.block_pool import BlockPool
-from cache.errors import InvalidArgumentError, OutOfPagesError
-from cache.events import BlockRemoved, BlockStored
-from cache.hashing import BlockHasher
+from prefixgate.cache.block_pool import BlockPool
+from prefixgate.cache.errors import InvalidArgumentError, OutOfPagesError
+from prefixgate.cache.events import BlockRemoved, BlockStored
+from prefixgate.cache.hashing import BlockHasher
 
 
 def free_ids(pool):

@@ -1,7 +1,7 @@
 import pytest
 
-from cache.free_queue import FreePageQueue
-from cache.page import Page
+from prefixgate.cache.free_queue import FreePageQueue
+from prefixgate.cache.page import Page
 
 
 def ids(queue):

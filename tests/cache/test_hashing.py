@@ -1,6 +1,6 @@
 import pytest
 
-from cache.hashing import BlockHasher, make_extra_keys, tokens_to_bytes
+from prefixgate.cache.hashing import BlockHasher, make_extra_keys, tokens_to_bytes
 
 
 def test_only_full_blocks_are_hashed():

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from cache import (
+from prefixgate.cache import (
     DuplicateSequenceError,
     InvalidArgumentError,
     KVCacheManager,
@@ -10,7 +10,7 @@ from cache import (
     UnknownSequenceError,
     make_extra_keys,
 )
-from cache.events import BlockRemoved, BlockStored
+from prefixgate.cache.events import BlockRemoved, BlockStored
 
 
 def run_prompt(m, seq_id, tokens, **kw):

@@ -10,7 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from cache import KVCacheManager, OutOfPagesError, make_extra_keys
+from prefixgate.cache import KVCacheManager, OutOfPagesError, make_extra_keys
 
 PAGE_SIZE = 3
 NUM_PAGES = 24
@@ -117,7 +117,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @staticmethod
     def _as_bytes(slots):
-        from cache.hashing import tokens_to_bytes
+        from prefixgate.cache.hashing import tokens_to_bytes
 
         return tokens_to_bytes(slots)
 

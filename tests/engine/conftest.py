@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gateway.engine.runner import ModelRunner
+from prefixgate.gateway.engine.runner import ModelRunner
 
 RUNNER_NUM_PAGES = 512
 RUNNER_PAGE_SIZE = 16

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.engine.chat_template import ChatTemplate, ChatTemplateError
-from gateway.engine.tokenizer import Tokenizer
+from prefixgate.gateway.engine.chat_template import ChatTemplate, ChatTemplateError
+from prefixgate.gateway.engine.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gateway.engine.api import (
+from prefixgate.gateway.engine.api import (
     ContextLengthError,
     Delta,
     GenerationRequest,
@@ -14,9 +14,9 @@ from gateway.engine.api import (
     OverloadedError,
     SamplingParams,
 )
-from gateway.engine.config import EngineConfig, step_token_budget
-from gateway.engine.engine import AsyncEngine
-from gateway.engine.factory import create_llm_engine
+from prefixgate.gateway.engine.config import EngineConfig, step_token_budget
+from prefixgate.gateway.engine.engine import AsyncEngine
+from prefixgate.gateway.engine.factory import create_llm_engine
 
 SYSTEM = (
     "You are a meticulous research assistant in a team of software agents. You can call tools to "

@@ -15,8 +15,8 @@ import random
 import pytest
 import torch
 
-import kernels
-from gateway.engine.runner import ModelRunner, SeqChunk
+from prefixgate import kernels
+from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
 
 pytestmark = pytest.mark.slow
 

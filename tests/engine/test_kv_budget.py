@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gateway.engine.kv_budget import (
+from prefixgate.gateway.engine.kv_budget import (
     GIB,
     kv_page_bytes,
     plan_kv_budget,

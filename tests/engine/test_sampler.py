@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from gateway.engine.api import InvalidRequestError, SamplingParams
-from gateway.engine.sampler import SampleRow, make_generator, sample
+from prefixgate.gateway.engine.api import InvalidRequestError, SamplingParams
+from prefixgate.gateway.engine.sampler import SampleRow, make_generator, sample
 
 
 def row(seed=None, choice=0, prompt=(), output=(), **kw):

@@ -2,10 +2,10 @@
 
 import pytest
 
-from cache import KVCacheManager
-from gateway.engine.api import SamplingParams
-from gateway.engine.scheduler import Scheduler
-from gateway.engine.sequence import SeqStatus, Sequence
+from prefixgate.cache import KVCacheManager
+from prefixgate.gateway.engine.api import SamplingParams
+from prefixgate.gateway.engine.scheduler import Scheduler
+from prefixgate.gateway.engine.sequence import SeqStatus, Sequence
 
 
 def seq(tokens, rid=None):

@@ -1,6 +1,6 @@
 import pytest
 
-from gateway.engine.stop_strings import StopStringMatcher
+from prefixgate.gateway.engine.stop_strings import StopStringMatcher
 
 
 def run(stop, pieces):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.engine.api import TokenizerLike
-from gateway.engine.tokenizer import GGUFVocab, Tokenizer, TokenizerError
+from prefixgate.gateway.engine.api import TokenizerLike
+from prefixgate.gateway.engine.tokenizer import GGUFVocab, Tokenizer, TokenizerError
 
 pytestmark = pytest.mark.slow
 

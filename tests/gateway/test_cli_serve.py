@@ -62,7 +62,7 @@ def cli_server() -> Iterator[CliServer]:
         [
             sys.executable,
             "-m",
-            "gateway.cli",
+            "prefixgate.gateway.cli",
             "serve",
             "--port",
             "0",

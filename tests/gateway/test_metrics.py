@@ -93,8 +93,8 @@ def test_metrics_parse_and_count(client, gateway):
 
 
 def test_agent_labels_are_bounded_and_sticky():
-    from cache.stats import HitStats
-    from gateway.server.metrics import OTHER_LABEL, StickyLabeler
+    from prefixgate.cache.stats import HitStats
+    from prefixgate.gateway.server.metrics import OTHER_LABEL, StickyLabeler
 
     labeler = StickyLabeler(max_labels=2)
     first = {"a": HitStats(1, 100, 10), "b": HitStats(1, 300, 30), "c": HitStats(1, 200, 20)}

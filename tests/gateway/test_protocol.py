@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from gateway.server.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from prefixgate.gateway.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenizeRequest,
+)
 
 TOOLS = [{"type": "function", "function": {"name": "grep", "parameters": {"type": "object"}}}]
 USER = [{"role": "user", "content": "x"}]

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from gateway import cli
-from gateway.server.settings import (
+from prefixgate.gateway import cli
+from prefixgate.gateway.server.settings import (
     ServerSettings,
     env_var,
     load_api_keys_file,

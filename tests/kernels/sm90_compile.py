@@ -21,16 +21,16 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.triton_copy_pages import _copy_pages_kernel
-from kernels.triton_decode import DECODE_BLOCK_N, _paged_decode_kernel
-from kernels.triton_decode_reduce import _decode_reduce_kernel
-from kernels.triton_prefill import (
+from prefixgate.kernels.triton_copy_pages import _copy_pages_kernel
+from prefixgate.kernels.triton_decode import DECODE_BLOCK_N, _paged_decode_kernel
+from prefixgate.kernels.triton_decode_reduce import _decode_reduce_kernel
+from prefixgate.kernels.triton_prefill import (
     PREFILL_BLOCK_M_LONG,
     PREFILL_BLOCK_M_SHORT,
     PREFILL_BLOCK_N,
     _paged_prefill_kernel,
 )
-from kernels.triton_write_kv import _write_kv_kernel
+from prefixgate.kernels.triton_write_kv import _write_kv_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
 D, HKV, GROUP, PAGE = 128, 8, 4, 16

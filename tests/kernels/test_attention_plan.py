@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import attention_plan
-from kernels.attention_plan import plan_attention
-from kernels.reference import paged_attention_ref
+from prefixgate.kernels import attention_plan
+from prefixgate.kernels.attention_plan import plan_attention
+from prefixgate.kernels.reference import paged_attention_ref
 from tests.kernels.paged_case import (
     PagedBatch,
     make_paged_batch,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.checks import check_attention_inputs, check_copy_inputs, check_write_inputs
+from prefixgate.kernels.checks import check_attention_inputs, check_copy_inputs, check_write_inputs
 from tests.kernels.paged_case import make_paged_batch
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
-from kernels import dispatch
+from prefixgate import kernels
+from prefixgate.kernels import dispatch
 from tests.kernels.paged_case import DEVICES, TOLERANCES, make_paged_batch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -55,7 +55,7 @@ def test_choice_logged_once(
 ) -> None:
     monkeypatch.setattr(dispatch, "_logged", set())
     monkeypatch.delenv(dispatch.BACKEND_ENV, raising=False)
-    with caplog.at_level(logging.INFO, logger="kernels.dispatch"):
+    with caplog.at_level(logging.INFO, logger="prefixgate.kernels.dispatch"):
         for _ in range(3):
             kernels.backend_name("cpu")
     assert [r.getMessage() for r in caplog.records] == [
@@ -94,8 +94,8 @@ def test_import_and_cpu_ops_without_triton() -> None:
         import sys
         sys.modules["triton"] = None  # makes `import triton` raise ImportError
         import torch
-        import kernels
-        from kernels import dispatch
+        from prefixgate import kernels
+        from prefixgate.kernels import dispatch
         assert kernels.backend_name("cpu") == "torch"
         assert kernels.backend_name("cuda") == "torch"  # auto falls back
         try:

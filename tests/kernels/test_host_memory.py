@@ -10,10 +10,10 @@ import mmap
 import pytest
 import torch
 
-import kernels.host_memory as hm
-import kernels.layout as layout
-from kernels import allocate_kv_pool
-from kernels.native_ops import linear_native, pack_linear_weight
+import prefixgate.kernels.host_memory as hm
+import prefixgate.kernels.layout as layout
+from prefixgate.kernels import allocate_kv_pool
+from prefixgate.kernels.native_ops import linear_native, pack_linear_weight
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.layout import allocate_kv_pool, page_bytes
+from prefixgate.kernels.layout import allocate_kv_pool, page_bytes
 
 
 def test_pool_shape_and_page_bytes() -> None:

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import native_lib, reference
-from kernels.attention_plan import plan_attention
-from kernels.native import native_decode_available, native_status, paged_decode_native
-from kernels.reference import paged_attention_ref
+from prefixgate.kernels import native_lib, reference
+from prefixgate.kernels.attention_plan import plan_attention
+from prefixgate.kernels.native import native_decode_available, native_status, paged_decode_native
+from prefixgate.kernels.reference import paged_attention_ref
 from tests.kernels.paged_case import (
     make_paged_batch,
     make_shared_prefix_batch,

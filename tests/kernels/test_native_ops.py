@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.native_ops import (
+from prefixgate.kernels.native_ops import (
     linear_native,
     pack_linear_weight,
     rms_norm_native,
@@ -16,7 +16,7 @@ from kernels.native_ops import (
     silu_mul_native,
     write_kv_native,
 )
-from kernels.reference import write_kv_ref
+from prefixgate.kernels.reference import write_kv_ref
 
 pytestmark = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None, reason="needs a C compiler"
@@ -58,7 +58,7 @@ def test_silu_mul_matches_torch(rows: int) -> None:
 
 @pytest.mark.parametrize("rows", [1, 4, 200])
 def test_rope_rotates_in_place_like_torch(rows: int) -> None:
-    from gateway.engine.models.rope import RotaryEmbedding
+    from prefixgate.gateway.engine.models.rope import RotaryEmbedding
 
     torch.manual_seed(rows)
     heads_q, heads_kv, head_dim = 9, 3, 64

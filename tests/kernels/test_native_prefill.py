@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.native_lib import library
-from kernels.native_prefill import paged_prefill_native
-from kernels.reference import _prefill_one
+from prefixgate.kernels.native_lib import library
+from prefixgate.kernels.native_prefill import paged_prefill_native
+from prefixgate.kernels.reference import _prefill_one
 
 pytestmark = pytest.mark.skipif(library() is None, reason="native CPU library not built here")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import attention_plan, reference
-from kernels.reference import copy_pages_ref, paged_attention_ref, write_kv_ref
+from prefixgate.kernels import attention_plan, reference
+from prefixgate.kernels.reference import copy_pages_ref, paged_attention_ref, write_kv_ref
 from tests.kernels.paged_case import (
     ALL_DEVICES,
     TOLERANCES,
@@ -105,7 +105,7 @@ def test_copy_pages_copies_every_layer(device: str) -> None:
 def test_workspace_buffers_work_in_and_out_of_inference_mode():
     """A buffer first allocated under inference_mode (the model's forward) must stay usable by
     plain calls afterwards (an inference tensor cannot be written outside that mode)."""
-    from kernels.workspace import gather_pages
+    from prefixgate.kernels.workspace import gather_pages
 
     cache = torch.arange(4 * 2 * 1 * 3, dtype=torch.float64).view(4, 2, 1, 3)
     ids = torch.tensor([2, 0])

@@ -7,9 +7,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.reference import paged_attention_ref, write_kv_ref  # noqa: E402
-from kernels.triton_attention import paged_attention_triton  # noqa: E402
-from kernels.triton_write_kv import write_kv_triton  # noqa: E402
+from prefixgate.kernels.reference import paged_attention_ref, write_kv_ref  # noqa: E402
+from prefixgate.kernels.triton_attention import paged_attention_triton  # noqa: E402
+from prefixgate.kernels.triton_write_kv import write_kv_triton  # noqa: E402
 from tests.kernels.paged_case import (  # noqa: E402
     DEVICES,
     TOLERANCES,

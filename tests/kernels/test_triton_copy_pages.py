@@ -7,8 +7,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.reference import copy_pages_ref  # noqa: E402
-from kernels.triton_copy_pages import copy_pages_triton  # noqa: E402
+from prefixgate.kernels.reference import copy_pages_ref  # noqa: E402
+from prefixgate.kernels.triton_copy_pages import copy_pages_triton  # noqa: E402
 from tests.kernels.paged_case import DEVICES  # noqa: E402
 
 

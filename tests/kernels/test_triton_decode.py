@@ -7,9 +7,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.checks import check_attention_inputs  # noqa: E402
-from kernels.reference import paged_attention_ref  # noqa: E402
-from kernels.triton_decode import (  # noqa: E402
+from prefixgate.kernels.checks import check_attention_inputs  # noqa: E402
+from prefixgate.kernels.reference import paged_attention_ref  # noqa: E402
+from prefixgate.kernels.triton_decode import (  # noqa: E402
     MAX_SPLITS,
     paged_decode_triton,
     plan_decode_splits,

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.triton_decode_reduce import decode_reduce_triton  # noqa: E402
+from prefixgate.kernels.triton_decode_reduce import decode_reduce_triton  # noqa: E402
 from tests.kernels.paged_case import DEVICES  # noqa: E402
 
 

@@ -7,10 +7,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import triton_prefill  # noqa: E402
-from kernels.checks import check_attention_inputs  # noqa: E402
-from kernels.reference import paged_attention_ref  # noqa: E402
-from kernels.triton_prefill import paged_prefill_triton  # noqa: E402
+from prefixgate.kernels import triton_prefill  # noqa: E402
+from prefixgate.kernels.checks import check_attention_inputs  # noqa: E402
+from prefixgate.kernels.reference import paged_attention_ref  # noqa: E402
+from prefixgate.kernels.triton_prefill import paged_prefill_triton  # noqa: E402
 from tests.kernels.paged_case import (  # noqa: E402
     DEVICES,
     TOLERANCES,

@@ -7,8 +7,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.reference import write_kv_ref  # noqa: E402
-from kernels.triton_write_kv import write_kv_triton  # noqa: E402
+from prefixgate.kernels.reference import write_kv_ref  # noqa: E402
+from prefixgate.kernels.triton_write_kv import write_kv_triton  # noqa: E402
 from tests.kernels.paged_case import DEVICES  # noqa: E402
 
 

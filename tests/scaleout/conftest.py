@@ -24,12 +24,12 @@ import httpx
 import pytest
 import redis
 
-from gateway.engine.config import EngineConfig
-from gateway.router.app import create_router_app
-from gateway.router.serve import router_server
-from gateway.router.settings import RouterSettings
-from gateway.server import ServerSettings, create_app
-from gateway.server.serve import GatewayServer, ServersThread, uvicorn_config
+from prefixgate.gateway.engine.config import EngineConfig
+from prefixgate.gateway.router.app import create_router_app
+from prefixgate.gateway.router.serve import router_server
+from prefixgate.gateway.router.settings import RouterSettings
+from prefixgate.gateway.server import ServerSettings, create_app
+from prefixgate.gateway.server.serve import GatewayServer, ServersThread, uvicorn_config
 
 PAGE_SIZE = 16
 NUM_PAGES = 256
@@ -107,7 +107,7 @@ def redis_server() -> Iterator[RedisServer]:
 def make_engine(loaded_model, num_pages: int = NUM_PAGES):
     """An engine of its own (KV pool, cache, thread) over the session's one loaded model
     (``loaded_model`` comes from the root plugin tests/model_fixtures.py)."""
-    from gateway.engine.engine import build_engine
+    from prefixgate.gateway.engine.engine import build_engine
 
     return build_engine(EngineConfig(num_pages=num_pages, page_size=PAGE_SIZE, max_waiting=128),
                         loaded=loaded_model)
@@ -216,7 +216,7 @@ def spawn_replica(redis_url: str, replica_id: str, port: int, num_pages: int = 1
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
         [sys.executable,
-         "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+         "-m", "prefixgate.gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
          "--num-pages", str(num_pages), "--page-size", str(PAGE_SIZE),
          "--redis-url", redis_url, "--replica-id", replica_id,
          "--advertise-url", f"http://127.0.0.1:{port}", "--heartbeat-ttl", str(HEARTBEAT_TTL_S),

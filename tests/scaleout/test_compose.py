@@ -8,11 +8,11 @@ from pathlib import Path
 
 import yaml
 
-from gateway import cli
-from gateway.router.cli import route_settings
-from gateway.router.settings import normalize_url
-from gateway.scaleout.publisher import PublisherConfig
-from gateway.server.settings import env_var
+from prefixgate.gateway import cli
+from prefixgate.gateway.router.cli import route_settings
+from prefixgate.gateway.router.settings import normalize_url
+from prefixgate.gateway.scaleout.publisher import PublisherConfig
+from prefixgate.gateway.server.settings import env_var
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((REPO / "compose.yaml").read_text())

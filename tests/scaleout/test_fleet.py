@@ -14,12 +14,12 @@ from dataclasses import replace
 import httpx
 import pytest
 
-from agents.runner import Endpoint, RunResult, run_workload
-from agents.workload import SwarmConfig, build_workload
-from gateway.router.policy import Candidate
-from gateway.scaleout.fleet_stats import read_fleet_stats
-from gateway.scaleout.keys import RedisKeys
-from gateway.scaleout.redis_client import connect
+from prefixgate.agents.runner import Endpoint, RunResult, run_workload
+from prefixgate.agents.workload import SwarmConfig, build_workload
+from prefixgate.gateway.router.policy import Candidate
+from prefixgate.gateway.scaleout.fleet_stats import read_fleet_stats
+from prefixgate.gateway.scaleout.keys import RedisKeys
+from prefixgate.gateway.scaleout.redis_client import connect
 from tests.scaleout.conftest import (
     HEARTBEAT_TTL_S,
     free_port,

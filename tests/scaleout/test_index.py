@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway.router.index import IndexReader
-from gateway.scaleout.index_writer import IndexWriter
-from gateway.scaleout.keys import RedisKeys
-from gateway.scaleout.redis_client import connect
+from prefixgate.gateway.router.index import IndexReader
+from prefixgate.gateway.scaleout.index_writer import IndexWriter
+from prefixgate.gateway.scaleout.keys import RedisKeys
+from prefixgate.gateway.scaleout.redis_client import connect
 from tests.scaleout.conftest import free_port
 
 

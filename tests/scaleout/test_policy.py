@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from gateway.router.policy import (
+from prefixgate.gateway.router.policy import (
     CacheAwarePolicy,
     Candidate,
     RandomPolicy,

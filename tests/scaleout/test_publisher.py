@@ -8,16 +8,16 @@ import asyncio
 import httpx
 import pytest
 
-from cache.events import BlockRemoved, BlockStored
-from cache.hashing import BlockHasher, make_extra_keys
-from gateway.engine.api import GenerationRequest, SamplingParams
-from gateway.scaleout.event_buffer import EventBuffer
-from gateway.scaleout.fleet_stats import read_fleet_stats
-from gateway.scaleout.heartbeat import Heartbeat
-from gateway.scaleout.index_writer import coalesce
-from gateway.scaleout.keys import RedisKeys
-from gateway.scaleout.publisher import PublisherConfig, ReplicaPublisher
-from gateway.scaleout.redis_client import connect
+from prefixgate.cache.events import BlockRemoved, BlockStored
+from prefixgate.cache.hashing import BlockHasher, make_extra_keys
+from prefixgate.gateway.engine.api import GenerationRequest, SamplingParams
+from prefixgate.gateway.scaleout.event_buffer import EventBuffer
+from prefixgate.gateway.scaleout.fleet_stats import read_fleet_stats
+from prefixgate.gateway.scaleout.heartbeat import Heartbeat
+from prefixgate.gateway.scaleout.index_writer import coalesce
+from prefixgate.gateway.scaleout.keys import RedisKeys
+from prefixgate.gateway.scaleout.publisher import PublisherConfig, ReplicaPublisher
+from prefixgate.gateway.scaleout.redis_client import connect
 from tests.scaleout.conftest import HEARTBEAT_TTL_S, NUM_PAGES, PAGE_SIZE, free_port, wait_for
 
 pytestmark = pytest.mark.slow

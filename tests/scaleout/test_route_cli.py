@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from gateway import cli
-from gateway.router.cli import ROUTE_DEFAULTS, route_settings
-from gateway.router.settings import RouterSettings, normalize_url
-from gateway.scaleout.publisher import default_advertise_url
+from prefixgate.gateway import cli
+from prefixgate.gateway.router.cli import ROUTE_DEFAULTS, route_settings
+from prefixgate.gateway.router.settings import RouterSettings, normalize_url
+from prefixgate.gateway.scaleout.publisher import default_advertise_url
 
 
 def route(argv: list[str], env: dict[str, str]) -> RouterSettings:

@@ -173,7 +173,7 @@ def test_prefixgate_route_command_serves_the_fleet(fleet):
            "PREFIXGATE_REPLICA": ",".join(r.url for r in fleet.replicas),
            "PREFIXGATE_REDIS_URL": fleet.redis.url, "PREFIXGATE_HEARTBEAT_TTL": "1"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "route", "--port", str(port)], env=env,
+        [sys.executable, "-m", "prefixgate.gateway.cli", "route", "--port", str(port)], env=env,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:

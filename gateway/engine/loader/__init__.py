@@ -9,14 +9,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gateway.engine.loader.default_model import (
+from prefixgate.gateway.engine.loader.default_model import (
     DefaultModelNotFoundError,
     default_model_path,
 )
-from gateway.engine.loader.gguf import SUPPORTED_TENSOR_TYPES, load_gguf, require_gguf_file
-from gateway.engine.loader.hf import load_hf
-from gateway.engine.loader.loaded_model import LoadedModel
-from gateway.engine.model_config import UnsupportedModelError
+from prefixgate.gateway.engine.loader.gguf import (
+    SUPPORTED_TENSOR_TYPES,
+    load_gguf,
+    require_gguf_file,
+)
+from prefixgate.gateway.engine.loader.hf import load_hf
+from prefixgate.gateway.engine.loader.loaded_model import LoadedModel
+from prefixgate.gateway.engine.model_config import UnsupportedModelError
 
 
 def load_model(model: str | Path | None = None, *, progress: bool | None = None) -> LoadedModel:

@@ -19,15 +19,15 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 from tqdm import tqdm
 
-from gateway.engine.loader.loaded_model import LoadedModel
-from gateway.engine.model_config import (
+from prefixgate.gateway.engine.loader.loaded_model import LoadedModel
+from prefixgate.gateway.engine.model_config import (
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
     RopeScaling,
     UnsupportedModelError,
     check_weights,
 )
-from gateway.engine.tokenizer import GGUFVocab, Tokenizer
+from prefixgate.gateway.engine.tokenizer import GGUFVocab, Tokenizer
 
 logger = logging.getLogger(__name__)
 

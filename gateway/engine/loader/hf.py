@@ -17,8 +17,8 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from gateway.engine.loader.loaded_model import LoadedModel
-from gateway.engine.model_config import (
+from prefixgate.gateway.engine.loader.loaded_model import LoadedModel
+from prefixgate.gateway.engine.model_config import (
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
     RopeScaling,
@@ -26,7 +26,7 @@ from gateway.engine.model_config import (
     check_weights,
     expected_weight_shapes,
 )
-from gateway.engine.tokenizer import Tokenizer
+from prefixgate.gateway.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from gateway.engine.model_config import ModelConfig
-from gateway.engine.tokenizer import Tokenizer
+from prefixgate.gateway.engine.model_config import ModelConfig
+from prefixgate.gateway.engine.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,10 +13,10 @@ from pathlib import Path
 
 from gguf import GGUFReader
 
-from gateway.engine.loader.default_model import default_model_path
-from gateway.engine.loader.gguf import _read_config, _read_vocab, require_gguf_file
-from gateway.engine.loader.hf import _load_tokenizer, _read_json, config_from_hf
-from gateway.engine.tokenizer import Tokenizer
+from prefixgate.gateway.engine.loader.default_model import default_model_path
+from prefixgate.gateway.engine.loader.gguf import _read_config, _read_vocab, require_gguf_file
+from prefixgate.gateway.engine.loader.hf import _load_tokenizer, _read_json, config_from_hf
+from prefixgate.gateway.engine.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True, slots=True)

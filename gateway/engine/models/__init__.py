@@ -6,9 +6,13 @@ from collections.abc import Mapping
 
 import torch
 
-from gateway.engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
-from gateway.engine.models.forward_batch import ForwardBatch
-from gateway.engine.models.llama import LlamaModel
+from prefixgate.gateway.engine.model_config import (
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+    UnsupportedModelError,
+)
+from prefixgate.gateway.engine.models.forward_batch import ForwardBatch
+from prefixgate.gateway.engine.models.llama import LlamaModel
 
 # architecture -> model class; every supported one is a Llama variant today
 MODEL_CLASSES: dict[str, type[LlamaModel]] = dict.fromkeys(SUPPORTED_ARCHITECTURES, LlamaModel)

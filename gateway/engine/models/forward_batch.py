@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels import AttentionPlan
+from prefixgate.kernels import AttentionPlan
 
 
 class ForwardBatch(NamedTuple):

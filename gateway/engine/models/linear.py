@@ -17,8 +17,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kernels.host_memory import HugePageArena
-from kernels.native_ops import linear_native, pack_linear_weight
+from prefixgate.kernels.host_memory import HugePageArena
+from prefixgate.kernels.native_ops import linear_native, pack_linear_weight
 
 # oneDNN picks its blocked layout for this many rows; measured flat from 16 to 128 rows, and
 # still the fastest choice for 1-row decode and 2048-row prefill

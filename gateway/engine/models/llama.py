@@ -15,13 +15,13 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-import kernels
-from gateway.engine.model_config import ModelConfig, check_weights
-from gateway.engine.models.forward_batch import ForwardBatch
-from gateway.engine.models.linear import Linear
-from gateway.engine.models.rope import RotaryEmbedding
-from kernels.host_memory import HugePageArena
-from kernels.native_ops import rms_norm_native, rope_native, silu_mul_native
+from prefixgate import kernels
+from prefixgate.gateway.engine.model_config import ModelConfig, check_weights
+from prefixgate.gateway.engine.models.forward_batch import ForwardBatch
+from prefixgate.gateway.engine.models.linear import Linear
+from prefixgate.gateway.engine.models.rope import RotaryEmbedding
+from prefixgate.kernels.host_memory import HugePageArena
+from prefixgate.kernels.native_ops import rms_norm_native, rope_native, silu_mul_native
 
 
 class _Layer(NamedTuple):

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from gateway.engine.model_config import ModelConfig, RopeScaling
+from prefixgate.gateway.engine.model_config import ModelConfig, RopeScaling
 
 
 def _yarn(
