@@ -135,6 +135,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pg_linear_f32.restype = None
     lib.pg_linear_preferred.argtypes = []
     lib.pg_linear_preferred.restype = i32
+    # token_bitmask.c
+    lib.pg_apply_token_bitmask_f32.argtypes = [p, i64, p, i64, i64, i64]
+    lib.pg_apply_token_bitmask_f32.restype = None
     # paged_prefill.c
     lib.pg_paged_prefill_f32.argtypes = [
         *(p, i64, p, p, p, i64),  # query, its row stride, k/v caches, pages, pages given

@@ -58,9 +58,37 @@ class SamplingParams:
             raise InvalidRequestError("n must be >= 1", param="n")
 
 
+GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "ebnf", "structural_tag"]
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """What the output must match, token by token (a constrained row). Plain data: the engine
+    compiles it (gateway/engine/grammar), once per distinct ``(kind, source, strict)``.
+
+    ``source`` by kind: ``json_schema`` the schema as JSON text (property order is kept: it is
+    the order the output writes them in); ``json_object`` ignored; ``regex`` a regex; ``choice``
+    a JSON list of the allowed strings; ``ebnf`` a GBNF/EBNF grammar (root rule ``root``);
+    ``structural_tag`` xgrammar's structural-tag JSON (tool calls: free text, then tags).
+    ``param`` names the request field it came from, for the error a bad grammar gets.
+    """
+
+    kind: GrammarKind
+    source: str = ""
+    strict: bool = True
+    param: str = field(default="response_format", compare=False)
+
+    @property
+    def cache_key(self) -> tuple[str, str, bool]:
+        return (self.kind, self.source, self.strict)
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
-    """One request: already-tokenised prompt plus who sent it (tenant isolates, agent labels)."""
+    """One request: already-tokenised prompt plus who sent it (tenant isolates, agent labels).
+
+    ``grammar``: constrain the output (structured outputs, tool calls); None = free text.
+    """
 
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -68,6 +96,7 @@ class GenerationRequest:
     agent: str | None = None
     cache_salt: str | None = None
     request_id: str = field(default_factory=new_request_id)
+    grammar: GrammarSpec | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,7 @@ byte-identical to ``transformers``' ``apply_chat_template``.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from datetime import datetime
 from typing import Any
@@ -107,6 +108,18 @@ class ChatTemplate:
             raise ChatTemplateError(
                 f"the model's chat template does not parse (line {exc.lineno}): {exc.message}"
             ) from exc
+
+    @functools.cached_property
+    def renders_tools(self) -> bool:
+        """Whether the template writes a ``tools`` list into the prompt (probed once)."""
+        probe = {"type": "function", "function": {
+            "name": "prefixgate_probe_tool", "description": "probe",
+            "parameters": {"type": "object", "properties": {}}}}
+        try:
+            text = self.render([{"role": "user", "content": "hi"}], tools=[probe])
+        except ChatTemplateError:
+            return False
+        return "prefixgate_probe_tool" in text
 
     def render(
         self,

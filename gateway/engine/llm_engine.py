@@ -21,6 +21,7 @@ from prefixgate.gateway.engine.api import (
     Delta,
     EngineError,
     GenerationRequest,
+    GrammarSpec,
     InvalidRequestError,
     OverloadedError,
     TokenLogprob,
@@ -28,6 +29,13 @@ from prefixgate.gateway.engine.api import (
     Usage,
 )
 from prefixgate.gateway.engine.config import EngineConfig, step_token_budget
+from prefixgate.gateway.engine.grammar import (
+    CompiledGrammar,
+    GrammarCompiler,
+    Matcher,
+    TokenMasker,
+    new_matcher,
+)
 from prefixgate.gateway.engine.sampler import SampleRow, make_generator, sample
 from prefixgate.gateway.engine.scheduler import Scheduler, SchedulerOutput
 from prefixgate.gateway.engine.sequence import SeqStatus, Sequence
@@ -58,6 +66,7 @@ class _ChoiceState:
     decoder: DecoderLike
     stops: StopStringMatcher
     generator: torch.Generator | None
+    matcher: Matcher | None = None  # a constrained row: its grammar state
 
 
 @dataclass(slots=True)
@@ -68,6 +77,7 @@ class _RequestState:
     seqs: list[Sequence] = field(default_factory=list)
     num_finished: int = 0
     pin_when_done: bool = False
+    grammar: CompiledGrammar | None = None
 
 
 class LLMEngine:
@@ -131,6 +141,23 @@ class LLMEngine:
         self.prefill_tokens_computed = 0
         self.decode_tokens = 0
         self.num_steps = 0
+        self._grammars: GrammarCompiler | None = None  # built on the first constrained request
+        self._masker: TokenMasker | None = None
+        self.constrained_tokens = 0
+
+    # ------------------------------------------------------------------ grammars
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler for this model's tokenizer (thread-safe; built on first use)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size,
+                                             sorted(self.eos_token_ids))
+        return self._grammars
+
+    def compile_grammar(self, spec: GrammarSpec) -> CompiledGrammar:
+        """Compile (or fetch from the cache) ``spec``; raises InvalidRequestError if it cannot."""
+        return self.grammars.compile(spec)
 
     # ------------------------------------------------------------------ requests
 
@@ -158,9 +185,16 @@ class LLMEngine:
                 what="KV cache capacity (all pages)",
             )
 
-    def add_request(self, request: GenerationRequest, sink: Sink, *, pin_when_done: bool = False) -> None:
-        """Queue a request; deltas (or an EngineError) go to ``sink`` from the engine thread."""
+    def add_request(self, request: GenerationRequest, sink: Sink, *, pin_when_done: bool = False,
+                    grammar: CompiledGrammar | None = None) -> None:
+        """Queue a request; deltas (or an EngineError) go to ``sink`` from the engine thread.
+
+        ``grammar``: ``request.grammar`` already compiled (the async front compiles off the
+        engine thread); compiled here when None.
+        """
         self.validate(request)
+        if request.grammar is not None and grammar is None:
+            grammar = self.compile_grammar(request.grammar)
         if request.request_id in self._requests:
             raise InvalidRequestError(f"duplicate request id {request.request_id}")
         if self.scheduler.num_waiting >= self.config.max_waiting:
@@ -169,7 +203,8 @@ class LLMEngine:
                 retry_after=1.0,
             )
         state = _RequestState(request, sink, self.extra_keys_for(request.tenant, request.cache_salt),
-                              pin_when_done=pin_when_done)
+                              pin_when_done=pin_when_done,
+                              grammar=grammar if request.grammar is not None else None)
         seq = self._new_sequence(state, 0, list(request.prompt_token_ids))
         seq.num_choices_to_fork = request.sampling.n - 1
         self._requests[request.request_id] = state
@@ -203,7 +238,15 @@ class LLMEngine:
         self.num_steps += 1
         chunks = [self._make_chunk(c.token_ids, c.start_pos, c.block_table, c.need_logits)
                   for c in out.chunks]
-        logits = self.runner.execute(chunks, list(out.copy_pairs))
+        # Constrained rows' grammar states are final now: fill their masks during the forward.
+        constrained = [c.seq for c in out.chunks
+                       if c.need_logits and c.seq.state.matcher is not None]
+        masks = self._mask_filler().start([s.state.matcher for s in constrained]) if constrained else None
+        try:
+            logits = self.runner.execute(chunks, list(out.copy_pairs))
+        finally:
+            bitmask = masks.result() if masks is not None else None
+        mask_row = {s.seq_id: i for i, s in enumerate(constrained)}
         self.scheduler.commit(out)
         for c in out.chunks:
             if c.seq.num_prompt_tokens > c.start_pos:
@@ -213,6 +256,7 @@ class LLMEngine:
         rows: list[SampleRow] = []
         row_seqs: list[Sequence] = []
         row_logits: list[int] = []
+        row_masks: list[int] = []  # per row: its bitmask row, -1 = free
         logit_row = 0
         for c in out.chunks:
             if not c.need_logits:
@@ -229,10 +273,22 @@ class LLMEngine:
                                       member.state.generator))
                 row_seqs.append(member)
                 row_logits.append(index)
+                # forked choices start in the parent's (initial) grammar state: its mask row
+                row_masks.append(mask_row.get(seq.seq_id, -1))
         if rows:
             picked = logits.index_select(0, torch.tensor(row_logits, device=logits.device))
-            result = sample(picked.float(), rows)
+            token_bitmask = None
+            if bitmask is not None and any(m >= 0 for m in row_masks):
+                token_bitmask = self._row_bitmask(bitmask, row_masks, picked.device)
+            result = sample(picked.float(), rows, token_bitmask)
             for i, seq in enumerate(row_seqs):
+                if result.dead_ends and result.dead_ends[i]:
+                    self._fail(seq.request_id, EngineError(
+                        "the output grammar allows no next token (a dead end); the request "
+                        "was stopped", code="grammar_dead_end"))
+                    continue
+                if seq.request_id not in self._requests:
+                    continue  # failed earlier in this loop (another choice of it)
                 logprob = None
                 if result.logprobs is not None and seq.sampling.logprobs:
                     logprob = self._logprob(result.token_ids[i], result.logprobs[i],
@@ -242,6 +298,19 @@ class LLMEngine:
         return out
 
     # ------------------------------------------------------------------ internals
+
+    def _mask_filler(self) -> TokenMasker:
+        if self._masker is None:
+            self._masker = TokenMasker(self.grammars.vocab_size)
+        return self._masker
+
+    @staticmethod
+    def _row_bitmask(bitmask: torch.Tensor, row_masks: list[int], device: torch.device) -> torch.Tensor:
+        """One bitmask row per sampled row: its grammar's, or all ones (-1) for a free row."""
+        full = torch.full((len(row_masks), bitmask.shape[1]), -1, dtype=torch.int32)
+        taken = [i for i, m in enumerate(row_masks) if m >= 0]
+        full[taken] = bitmask[[row_masks[i] for i in taken]]
+        return full.to(device)
 
     def _new_sequence(self, state: _RequestState, choice: int, token_ids: list[int]) -> Sequence:
         req = state.request
@@ -259,6 +328,7 @@ class LLMEngine:
             decoder=self.tokenizer.incremental_decoder(),
             stops=StopStringMatcher(req.sampling.stop),
             generator=make_generator(req.sampling.seed, choice),
+            matcher=new_matcher(state.grammar) if state.grammar is not None else None,
         )
         state.seqs.append(seq)
         return seq
@@ -283,11 +353,20 @@ class LLMEngine:
     def _on_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> None:
         sp = seq.sampling
         st: _ChoiceState = seq.state
+        if st.matcher is not None:
+            self.constrained_tokens += 1
+            if not st.matcher.accept_token(token_id):
+                # the mask allowed it, so the grammar itself is inconsistent: this request only
+                self._fail(seq.request_id, EngineError(
+                    f"the output grammar rejected token {token_id} it had allowed; the request "
+                    "was stopped", code="grammar_dead_end"))
+                return
         self.scheduler.append_token(seq, token_id)
         finish = None
         text = ""
-        if token_id in sp.stop_token_ids or (not sp.ignore_eos and token_id in self.eos_token_ids):
-            finish = "stop"  # the stop token itself is not shown
+        if (token_id in sp.stop_token_ids or (not sp.ignore_eos and token_id in self.eos_token_ids)
+                or (st.matcher is not None and st.matcher.is_terminated())):
+            finish = "stop"  # the stop token itself is not shown (a finished grammar ends too)
         else:
             text, matched = st.stops.feed(st.decoder.feed(token_id))
             if matched:

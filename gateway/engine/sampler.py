@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixgate.gateway.engine.api import SamplingParams
+from prefixgate.kernels.token_bitmask import apply_token_bitmask
 
 
 @dataclass(slots=True)
@@ -36,6 +37,8 @@ class SampleResult:
     logprobs: list[float] | None  # logprob of each chosen token (raw model distribution)
     top_ids: list[list[int]] | None
     top_logprobs: list[list[float]] | None
+    # per row, True where a grammar allowed no token at all (the row's token is meaningless)
+    dead_ends: list[bool] | None = None
 
 
 def make_generator(seed: int | None, choice: int) -> torch.Generator | None:
@@ -87,12 +90,25 @@ def _filter(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
-    """Pick one token per row. ``logits``: [B, V] float32 (consumed)."""
+def sample(logits: torch.Tensor, rows: Sequence[SampleRow],
+           token_bitmask: torch.Tensor | None = None) -> SampleResult:
+    """Pick one token per row. ``logits``: [B, V] float32 (consumed).
+
+    ``token_bitmask``: ``[B, ceil(V / 32)]`` int32, the allowed tokens of constrained rows (all
+    ones for free rows; kernels/token_bitmask.py has the layout). Logprobs stay those of the
+    model's raw distribution; the choice is made among the allowed tokens only.
+    """
     assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
     logits = logits.float()
     want_logprobs = any(r.params.logprobs for r in rows)
     raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
+    dead_ends = None
+    if token_bitmask is not None:
+        logits = logits.contiguous()  # consumed: masked in place (raw_logprobs is its own tensor)
+        apply_token_bitmask(logits, token_bitmask)
+        best = logits.max(dim=-1).values
+        dead = best == float("-inf")
+        dead_ends = dead.tolist() if bool(dead.any()) else None
     if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
            for r in rows):
         logits = logits.clone()
@@ -117,10 +133,10 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
 
     token_ids = chosen.tolist()
     if raw_logprobs is None:
-        return SampleResult(token_ids, None, None, None)
+        return SampleResult(token_ids, None, None, None, dead_ends)
     chosen_lp = raw_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
     k = max(r.params.top_logprobs for r in rows)
     if k > 0:
         top_vals, top_idx = raw_logprobs.topk(k, dim=-1)
-        return SampleResult(token_ids, chosen_lp, top_idx.tolist(), top_vals.tolist())
-    return SampleResult(token_ids, chosen_lp, [[] for _ in rows], [[] for _ in rows])
+        return SampleResult(token_ids, chosen_lp, top_idx.tolist(), top_vals.tolist(), dead_ends)
+    return SampleResult(token_ids, chosen_lp, [[] for _ in rows], [[] for _ in rows], dead_ends)

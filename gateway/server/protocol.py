@@ -8,6 +8,7 @@ accepted and dropped, so unmodified SDKs and frameworks work; fields it cannot h
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal
 
@@ -22,12 +23,20 @@ from pydantic import (
     model_validator,
 )
 
+from prefixgate.gateway.engine.api import GrammarSpec
+from prefixgate.gateway.server.tools import FunctionTool, ToolChoice, tool_grammar
+from prefixgate.gateway.server.tools.grammar import check_schema
+
 # --------------------------------------------------------------------------------------------
 # Shared field definitions (the bounds of every sampling knob, in one place)
 # --------------------------------------------------------------------------------------------
 MAX_N = 16  # choices per request: each one holds its own pages
 MAX_STOP_STRINGS = 16
 MAX_LABEL_CHARS = 256  # `user` / X-Agent-Id / cache_salt: they key stats and hashes
+MAX_MESSAGES = 2048
+MAX_TOOLS = 128
+MAX_DESCRIPTION_CHARS = 8192
+MAX_GRAMMAR_CHARS = 64 * 1024  # regex / EBNF text of a response_format
 
 MaxTokens = Annotated[int | None, Field(default=None, ge=1)]
 Temperature = Annotated[float | None, Field(default=None, ge=0.0, le=2.0)]
@@ -129,11 +138,25 @@ def _flatten_content(value: Any) -> Any:
 Content = Annotated[str | None, BeforeValidator(_flatten_content)]
 
 
+class ToolCallFunction(_Request):
+    name: str = Field(min_length=1, max_length=64)
+    # OpenAI sends a JSON string; an object is accepted too (some clients send one)
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(_Request):
+    """A call inside an earlier assistant turn (the history a client sends back)."""
+
+    id: str | None = Field(default=None, max_length=256)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # assistant turns that called tools
+    tool_calls: list[ToolCallIn] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_call_id: str | None = None  # tool turns answering a call
 
     @model_validator(mode="after")
@@ -151,15 +174,18 @@ class ChatMessage(_Request):
         if self.name is not None:
             out["name"] = self.name
         if self.tool_calls:
-            out["tool_calls"] = self.tool_calls
+            out["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         return out
 
 
+FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+
+
 class FunctionDefinition(_Request):
-    name: str = Field(min_length=1, max_length=64)
-    description: str | None = None
+    name: FunctionName
+    description: str | None = Field(default=None, max_length=MAX_DESCRIPTION_CHARS)
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
@@ -178,26 +204,100 @@ class NamedToolChoice(_Request):
     function: NamedFunction
 
 
+class JsonSchemaFormat(_Request):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Request):
-    type: str = "text"
+    """``text``, ``json_object``, ``json_schema`` (OpenAI); extras ``regex`` (``regex``),
+    ``choice`` (``choice``: the allowed strings) and ``grammar`` (EBNF, root rule ``root``)."""
+
+    type: Literal["text", "json_object", "json_schema", "regex", "choice", "grammar"] = "text"
+    json_schema: JsonSchemaFormat | None = None
+    regex: str | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
+    choice: list[Annotated[str, Field(min_length=1, max_length=1024)]] | None = Field(
+        default=None, min_length=1, max_length=256)
+    grammar: str | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
+
+    @model_validator(mode="after")
+    def _fields_of_type(self) -> ResponseFormat:
+        needed = {"json_schema": self.json_schema, "regex": self.regex, "choice": self.choice,
+                  "grammar": self.grammar}
+        if self.type in needed and needed[self.type] is None:
+            raise ValueError(f"response_format type {self.type!r} needs the field {self.type!r}")
+        return self
+
+    def grammar_spec(self, param: str = "response_format") -> GrammarSpec | None:
+        """The engine grammar of this format (None for plain text)."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return GrammarSpec("json_object", param=param)
+        if self.type == "json_schema":
+            assert self.json_schema is not None
+            schema = self.json_schema.schema_ if self.json_schema.schema_ is not None else {
+                "type": "object"}
+            text = check_schema(schema, f"{param}.json_schema.schema", object_only=False)
+            return GrammarSpec("json_schema", text, strict=bool(self.json_schema.strict),
+                               param=f"{param}.json_schema.schema")
+        if self.type == "regex":
+            return GrammarSpec("regex", self.regex or "", param=f"{param}.regex")
+        if self.type == "choice":
+            return GrammarSpec("choice", json.dumps(self.choice, ensure_ascii=False),
+                               param=f"{param}.choice")
+        return GrammarSpec("ebnf", self.grammar or "", param=f"{param}.grammar")
 
 
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice | None
+ToolChoiceField = Literal["none", "auto", "required"] | NamedToolChoice | None
+
+
+def function_tools(tools: list[ToolDefinition] | None) -> list[FunctionTool]:
+    return [
+        FunctionTool(t.function.name, t.function.description, t.function.parameters,
+                     strict=t.function.strict is not False)
+        for t in tools or ()
+    ]
+
+
+def tool_choice_of(choice: ToolChoiceField, parallel: bool | None) -> ToolChoice:
+    parallel = parallel is not False
+    if isinstance(choice, NamedToolChoice):
+        return ToolChoice("function", choice.function.name, parallel)
+    return ToolChoice(choice or "auto", None, parallel)
+
+
+def check_tools(tools: list[ToolDefinition] | None, choice: ToolChoiceField) -> None:
+    """Names are unique; a named or required choice needs tools and a named one must exist."""
+    names = [t.function.name for t in tools or ()]
+    duplicate = next((n for n in names if names.count(n) > 1), None)
+    if duplicate is not None:
+        raise ValueError(f"tool names must be unique; {duplicate!r} appears twice")
+    if choice in ("required",) and not names:
+        raise ValueError("tool_choice 'required' needs tools")
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, not in tools")
 
 
 def template_tools(
-    tools: list[ToolDefinition] | None, tool_choice: ToolChoice
-) -> list[dict[str, Any]] | None:
-    """Tools handed to the chat template; ``tool_choice="none"`` hides them from the model."""
+    tools: list[ToolDefinition] | None, tool_choice: ToolChoiceField
+) -> list[FunctionTool] | None:
+    """The tools the model sees; ``tool_choice="none"`` hides them."""
     if not tools or tool_choice == "none":
         return None
-    return [t.model_dump(exclude_none=True) for t in tools]
+    return function_tools(tools)
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    tools: list[ToolDefinition] | None = None
-    tool_choice: ToolChoice = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoiceField = None
+    parallel_tool_calls: bool | None = None
     max_completion_tokens: MaxTokens
     logprobs: bool = False
     top_logprobs: TopLogprobs
@@ -207,23 +307,26 @@ class ChatCompletionRequest(SamplingRequest):
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(
-                f"response_format type {self.response_format.type!r} is not supported (only 'text')"
-            )
-        if isinstance(self.tool_choice, NamedToolChoice):
-            names = {t.function.name for t in self.tools or ()}
-            if self.tool_choice.function.name not in names:
-                raise ValueError(
-                    f"tool_choice names {self.tool_choice.function.name!r}, not in tools"
-                )
+        check_tools(self.tools, self.tool_choice)
         return self
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.template_dict() for m in self.messages]
 
-    def template_tools(self) -> list[dict[str, Any]] | None:
+    def template_tools(self) -> list[FunctionTool] | None:
         return template_tools(self.tools, self.tool_choice)
+
+    def output_grammar(self) -> GrammarSpec | None:
+        """The grammar of the whole output: tool calls and/or the response format."""
+        response = self.response_format.grammar_spec() if self.response_format else None
+        return tool_grammar(
+            function_tools(self.tools), tool_choice_of(self.tool_choice, self.parallel_tool_calls),
+            response, lambda i: f"tools[{i}].function.parameters")
+
+    @property
+    def expects_tool_calls(self) -> bool:
+        """The output may hold calls (tools visible), so it is parsed for them."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -302,8 +405,8 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    tools: list[ToolDefinition] | None = None
-    tool_choice: ToolChoice = None
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoiceField = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
 
@@ -384,9 +487,21 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -406,9 +521,32 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ToolCallDelta(BaseModel):
+    """A piece of a streamed call: the first carries index, id, type and name; then arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -44,14 +44,26 @@ from prefixgate.gateway.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     LogprobEntry,
+    FunctionCallDelta,
+    FunctionCallOut,
     ModelCard,
     ModelList,
     PromptTokensDetails,
     TokenizeRequest,
     TokenizeResponse,
+    ToolCallDelta,
+    ToolCallOut,
     TopLogprobEntry,
     UsageInfo,
     template_tools,
+)
+from prefixgate.gateway.server.tools import (
+    CallArguments,
+    CallStart,
+    TextPiece,
+    ToolCallOutput,
+    ToolCallParser,
+    parse_output,
 )
 from prefixgate.gateway.server.sse import SSE_DONE, SSEResponse, sse_event
 from prefixgate.gateway.server.state import ServerState, agent_of, engine_request_id, server_state
@@ -97,6 +109,7 @@ class ChoiceState:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     num_chars: int = 0  # text offset for completion logprobs
+    parser: ToolCallParser | None = None  # streaming a response that may hold tool calls
 
     def add(self, delta: Delta) -> None:
         self.text.append(delta.text)
@@ -155,7 +168,34 @@ class _EventMaker:
         raise NotImplementedError
 
 
+def chat_finish_reason(finish_reason: str | None, calls: list[ToolCallOutput]) -> str | None:
+    """OpenAI's ``tool_calls`` when a response that called tools ended on its own."""
+    if finish_reason == "stop" and calls and all(c.complete for c in calls):
+        return "tool_calls"
+    return finish_reason
+
+
+def tool_calls_out(calls: list[ToolCallOutput]) -> list[ToolCallOut] | None:
+    if not calls:
+        return None
+    return [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+            for c in calls]
+
+
+def chat_message(text: str, parse_tools: bool) -> tuple[AssistantMessage, list[ToolCallOutput]]:
+    if not parse_tools:
+        return AssistantMessage(content=text), []
+    content, calls = parse_output(text)
+    if not calls:
+        return AssistantMessage(content=text), []
+    return AssistantMessage(content=content or None, tool_calls=tool_calls_out(calls)), calls
+
+
 class _ChatEvents(_EventMaker):
+    def __init__(self, response_id: str, model: str, include_usage: bool, parse_tools: bool):
+        super().__init__(response_id, model, include_usage)
+        self.parse_tools = parse_tools
+
     def chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> bytes:
         return sse_event(
             ChatCompletionChunk(
@@ -174,16 +214,36 @@ class _ChatEvents(_EventMaker):
         )
 
     def __call__(self, index: int, delta: Delta, state: ChoiceState) -> bytes:
-        return self.chunk(
-            [
-                ChatChunkChoice(
-                    index=index,
-                    delta=ChatDelta(content=delta.text or None),
-                    logprobs=chat_logprobs(delta.logprobs) if delta.logprobs else None,
-                    finish_reason=delta.finish_reason,
-                )
-            ]
-        )
+        logprobs = chat_logprobs(delta.logprobs) if delta.logprobs else None
+        if not self.parse_tools:
+            return self.chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=delta.text or None),
+                                               logprobs=logprobs, finish_reason=delta.finish_reason)])
+        if state.parser is None:
+            state.parser = ToolCallParser()
+        events = state.parser.feed(delta.text)
+        if delta.finish_reason is not None:
+            events += state.parser.finish()
+        deltas: list[ChatDelta] = []
+        for event in events:
+            if isinstance(event, TextPiece):
+                deltas.append(ChatDelta(content=event.text))
+            elif isinstance(event, CallStart):
+                deltas.append(ChatDelta(tool_calls=[ToolCallDelta(
+                    index=event.index, id=event.id, type="function",
+                    function=FunctionCallDelta(name=event.name, arguments=""))]))
+            elif isinstance(event, CallArguments):
+                deltas.append(ChatDelta(tool_calls=[ToolCallDelta(
+                    index=event.index, function=FunctionCallDelta(arguments=event.text))]))
+        finish = chat_finish_reason(delta.finish_reason, state.parser.calls)
+        if not deltas and (finish is not None or logprobs is not None):
+            deltas.append(ChatDelta())  # the finish (or logprobs) still needs its chunk
+        out = []
+        for i, chat_delta in enumerate(deltas):
+            last = i == len(deltas) - 1
+            out.append(self.chunk([ChatChunkChoice(
+                index=index, delta=chat_delta, logprobs=logprobs if i == 0 else None,
+                finish_reason=finish if last else None)]))
+        return b"".join(out)
 
     def usage_event(self, usage: Usage) -> bytes:
         return self.chunk([], usage_info(usage))
@@ -242,7 +302,9 @@ async def stream_events(
             state = choices.setdefault(index, ChoiceState())
             # A delta whose bytes do not yet form a character carries no text: skip it.
             if delta.text or delta.finish_reason is not None or delta.logprobs:
-                yield events(index, delta, state)
+                event = events(index, delta, state)
+                if event:  # a tool-call parser may hold text back (a possible tag start)
+                    yield event
             state.add(delta)
             state.num_chars += len(delta.text)
         usages = [s.usage for s in streams]
@@ -298,7 +360,9 @@ async def chat_completions(
     timer = state.metrics.timer()
     state.check_model(body.model)
     agent = agent_of(request, body.user)
-    prompt = await state.tokenization.chat(body.template_messages(), body.template_tools(), True)
+    prompt = await state.tokenization.chat_with_tools(
+        body.template_messages(), body.template_tools(), True)
+    grammar = body.output_grammar()
     params = sampling_params(
         body,
         len(prompt),
@@ -317,31 +381,30 @@ async def chat_completions(
         agent=agent,
         cache_salt=body.cache_salt,
         request_id=engine_id,
+        grammar=grammar,
     )
     streams = await open_streams(state.engine, [generation])
     response_id = f"chatcmpl-{request_id}"
+    parse_tools = body.expects_tool_calls
     if body.stream:
-        events = _ChatEvents(response_id, state.model_name, body.include_usage)
+        events = _ChatEvents(response_id, state.model_name, body.include_usage, parse_tools)
         opening = [events.role(i) for i in range(body.n)]
         return SSEResponse(
             stream_events(streams, timer, body.n, body.include_usage, request_id, opening, events)
         )
 
     def build(choices: dict[int, ChoiceState], usage: Usage) -> ChatCompletionResponse:
+        out = []
+        for i, c in sorted(choices.items()):
+            message, calls = chat_message("".join(c.text), parse_tools)
+            out.append(ChatChoice(
+                index=i,
+                message=message,
+                logprobs=chat_logprobs(c.logprobs) if body.logprobs else None,
+                finish_reason=chat_finish_reason(c.finish_reason, calls),
+            ))
         return ChatCompletionResponse(
-            id=response_id,
-            model=state.model_name,
-            choices=[
-                ChatChoice(
-                    index=i,
-                    message=AssistantMessage(content="".join(c.text)),
-                    logprobs=chat_logprobs(c.logprobs) if body.logprobs else None,
-                    finish_reason=c.finish_reason,
-                )
-                for i, c in sorted(choices.items())
-            ],
-            usage=usage_info(usage),
-        )
+            id=response_id, model=state.model_name, choices=out, usage=usage_info(usage))
 
     return await _respond(request, streams, timer, body.n, build)
 
@@ -441,7 +504,7 @@ async def tokens_of(state: ServerState, body: TokenizeRequest) -> list[int]:
     if body.messages is not None:
         messages = [m.template_dict() for m in body.messages]
         tools = template_tools(body.tools, body.tool_choice)
-        return await state.tokenization.chat(messages, tools, body.add_generation_prompt)
+        return await state.tokenization.chat_with_tools(messages, tools, body.add_generation_prompt)
     assert body.prompt is not None  # guaranteed by TokenizeRequest's validator
     return await state.tokenization.text(body.prompt, body.add_special_tokens)
 

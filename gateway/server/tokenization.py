@@ -8,6 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from prefixgate.gateway.engine.api import EngineLike, InvalidRequestError
+from prefixgate.gateway.server.tools import FunctionTool, native_messages, prepare_messages
+from prefixgate.gateway.server.tools.prompt import TOOL_CALL_OPEN, tool_json
 
 T = TypeVar("T")
 
@@ -36,11 +38,45 @@ class Tokenization:
                     tokenizer.apply_chat_template, messages, tools, add_generation_prompt
                 )
             )
+        except InvalidRequestError:
+            raise
         except (ValueError, TypeError, KeyError) as exc:
             # Chat templates raise on unsupported role orders etc.; that is the client's input.
             raise InvalidRequestError(
                 f"The chat template rejected the messages: {exc}", param="messages"
             ) from exc
+        except (RecursionError, MemoryError) as exc:
+            # a pathologically nested input: the client's, and it must not become a 500
+            raise InvalidRequestError(
+                f"The messages are too deeply nested or too large to render ({type(exc).__name__})",
+                param="messages",
+            ) from exc
+
+    @property
+    def template_renders_tools(self) -> bool:
+        """The model's own template writes tools, in the Hermes ``<tool_call>`` format the
+        gateway parses; otherwise the gateway renders tools itself (tools/prompt.py)."""
+        template = getattr(self.engine.tokenizer, "chat_template", None)
+        return bool(
+            template is not None
+            and getattr(template, "renders_tools", False)
+            and TOOL_CALL_OPEN in template.source
+        )
+
+    async def chat_with_tools(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[FunctionTool] | None,
+        add_generation_prompt: bool,
+        message_param: str = "messages",
+    ) -> list[int]:
+        """Token ids of a conversation whose turns may carry tools, calls and tool results."""
+        if self.template_renders_tools:
+            template_tools = [tool_json(t) for t in tools] if tools else None
+            return await self.chat(native_messages(messages, message_param=message_param),
+                                   template_tools, add_generation_prompt)
+        prepared = prepare_messages(messages, tools, message_param=message_param)
+        return await self.chat(prepared, None, add_generation_prompt)
 
     async def text(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(await self.run(self.engine.tokenizer.encode, text, add_special_tokens))

@@ -10,6 +10,7 @@ from prefixgate.gateway.server.protocol import (
     CompletionRequest,
     TokenizeRequest,
 )
+from prefixgate.gateway.server.tools import FunctionTool
 
 TOOLS = [{"type": "function", "function": {"name": "grep", "parameters": {"type": "object"}}}]
 USER = [{"role": "user", "content": "x"}]
@@ -37,12 +38,15 @@ def test_text_parts_are_joined_and_developer_is_system():
     ]
 
 
+GREP = [FunctionTool("grep", None, {"type": "object"})]
+
+
 def test_tools_reach_the_template_unless_tool_choice_is_none():
-    assert chat(tools=TOOLS).template_tools() == TOOLS
-    assert chat(tools=TOOLS, tool_choice="auto").template_tools() == TOOLS
+    assert chat(tools=TOOLS).template_tools() == GREP
+    assert chat(tools=TOOLS, tool_choice="auto").template_tools() == GREP
     assert chat(tools=TOOLS, tool_choice="none").template_tools() is None
     named = {"type": "function", "function": {"name": "grep"}}
-    assert chat(tools=TOOLS, tool_choice=named).template_tools() == TOOLS
+    assert chat(tools=TOOLS, tool_choice=named).template_tools() == GREP
     with pytest.raises(ValidationError, match="not in tools"):
         chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "rm"}})
     tokenize = TokenizeRequest.model_validate(
@@ -94,7 +98,9 @@ def test_completion_prompt_shapes(prompt, normalised):
         {"presence_penalty": 3},
         {"min_p": 1.5},
         {"repetition_penalty": 0},
-        {"response_format": {"type": "json_object"}},
+        {"response_format": {"type": "yaml"}},
+        {"response_format": {"type": "json_schema"}},  # the schema is missing
+        {"tool_choice": "required"},  # with no tools
         {"user": ""},
     ],
 )

@@ -1,0 +1,140 @@
+"""``tool_choice`` and ``response_format`` → one :class:`GrammarSpec` for the engine.
+
+Tool calls use xgrammar structural tags over the prompt format of tools/prompt.py. Each
+function is a tag: ``<tool_call>\\n{"name": NAME, "arguments": `` + its parameters' canonical
+JSON + ``}\\n</tool_call>``.
+
+| tool_choice | grammar |
+|---|---|
+| auto | free text; once ``<tool_call>`` starts, a valid call of one of the functions |
+| required | calls only, at least one |
+| function | exactly one call, of that function |
+| none | no tool grammar (``response_format`` alone) |
+
+``parallel_tool_calls=false`` stops after the first call. ``auto`` with a JSON
+``response_format`` is "the JSON answer, or calls".
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from prefixgate.gateway.engine.api import GrammarSpec, InvalidRequestError
+from prefixgate.gateway.engine.grammar import json_schema_ebnf
+from prefixgate.gateway.server.tools.prompt import CALL_END, CALL_SEPARATOR, TOOL_CALL_OPEN, call_begin
+from prefixgate.gateway.server.tools.records import FunctionTool, ToolChoice
+
+# Nesting of JSON containers a schema may have: deeper ones are refused before any converter
+# recurses through them (a 300-level schema would exhaust a recursive converter's stack).
+MAX_SCHEMA_DEPTH = 32
+MAX_SCHEMA_CHARS = 256 * 1024
+
+
+def schema_depth(value: Any, limit: int = MAX_SCHEMA_DEPTH) -> int:
+    """Container nesting depth of a JSON value, walked iteratively; stops counting past limit."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict | list):
+            deepest = max(deepest, depth)
+            if deepest > limit:
+                return deepest
+            children = node.values() if isinstance(node, dict) else node
+            stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return deepest
+
+
+def check_schema(schema: Any, param: str, *, object_only: bool) -> str:
+    """Bound and sanity-check a JSON schema; returns its JSON text (key order kept)."""
+    if not isinstance(schema, dict):
+        raise InvalidRequestError("a JSON schema must be an object", param=param)
+    if object_only and schema.get("type", "object") != "object":
+        raise InvalidRequestError(
+            f"function parameters must be an object schema (type 'object'), got type "
+            f"{schema.get('type')!r}", param=param)
+    if schema_depth(schema) > MAX_SCHEMA_DEPTH:
+        raise InvalidRequestError(
+            f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels", param=param)
+    text = json.dumps(schema, ensure_ascii=False)
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise InvalidRequestError(
+            f"the schema is {len(text)} characters; at most {MAX_SCHEMA_CHARS}", param=param)
+    return text
+
+
+@functools.lru_cache(maxsize=1024)
+def _ebnf(schema_text: str, strict: bool) -> str:
+    # the converter walks the schema once; a swarm repeats its schemas, so this is warm after
+    # the first request (the compiled grammar is cached again by the engine)
+    return json_schema_ebnf(json.loads(schema_text), strict=strict)
+
+
+def schema_grammar(schema: Any, param: str, *, strict: bool = True, object_only: bool = False) -> str:
+    """The canonical-JSON EBNF of ``schema`` (cached); a 400 naming ``param`` if it is bad."""
+    text = check_schema(schema, param, object_only=object_only)
+    try:
+        return _ebnf(text, strict)
+    except (RuntimeError, ValueError, TypeError, RecursionError) as exc:
+        message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        if message.startswith("[") and "] " in message:
+            message = message.split("] ", 1)[1]
+        raise InvalidRequestError(f"the schema cannot be compiled into a grammar: {message[:300]}",
+                                  param=param, code="invalid_grammar") from exc
+
+
+def _format_of(spec: GrammarSpec) -> dict[str, Any]:
+    """A response_format grammar as a structural-tag element (JSON kinds only)."""
+    if spec.kind == "json_schema":
+        return {"type": "grammar",
+                "grammar": schema_grammar(json.loads(spec.source), spec.param, strict=spec.strict)}
+    if spec.kind == "json_object":
+        return {"type": "grammar", "grammar": schema_grammar({"type": "object"}, spec.param,
+                                                             strict=False)}
+    raise InvalidRequestError(
+        f"response_format {spec.kind!r} cannot be combined with tools (json_schema and "
+        "json_object can)", param=spec.param)
+
+
+def tool_grammar(
+    tools: Sequence[FunctionTool],
+    choice: ToolChoice,
+    response_format: GrammarSpec | None,
+    parameters_param: Callable[[int], str],
+) -> GrammarSpec | None:
+    """The grammar of a request's output given its tools, tool choice and response format.
+
+    Args:
+        tools: every tool the request declared.
+        choice: the (validated) tool choice; ``function`` names one of ``tools``.
+        response_format: the JSON grammar asked for the text answer, if any.
+        parameters_param: the request field of tool i's schema (for errors).
+    """
+    if not tools or choice.mode == "none":
+        return response_format
+    if choice.mode != "auto" and response_format is not None:
+        raise InvalidRequestError(
+            "response_format cannot apply when tool_choice forces a tool call (the output is "
+            "the call); use tool_choice 'auto' or drop response_format", param="response_format")
+    tags = []
+    for index, tool in enumerate(tools):
+        if choice.mode == "function" and tool.name != choice.name:
+            continue
+        ebnf = schema_grammar(tool.schema, parameters_param(index), strict=tool.strict,
+                              object_only=True)
+        tags.append({"type": "tag", "begin": call_begin(tool.name),
+                     "content": {"type": "grammar", "grammar": ebnf}, "end": CALL_END})
+    one_only = choice.mode == "function" or not choice.parallel
+    calls_only = {"type": "tags_with_separator", "tags": tags, "separator": CALL_SEPARATOR,
+                  "at_least_one": True, "stop_after_first": one_only}
+    if choice.mode != "auto":
+        fmt: dict[str, Any] = calls_only
+    elif response_format is not None:
+        fmt = {"type": "or", "elements": [_format_of(response_format), calls_only]}
+    else:
+        fmt = {"type": "triggered_tags", "triggers": [TOOL_CALL_OPEN], "tags": tags,
+               "at_least_one": False, "stop_after_first": one_only}
+    source = json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False)
+    return GrammarSpec("structural_tag", source, param="tools")
