@@ -19,6 +19,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    ValidationInfo,
     model_serializer,
     model_validator,
 )
@@ -271,17 +272,31 @@ def tool_choice_of(choice: ToolChoiceField, parallel: bool | None) -> ToolChoice
     return ToolChoice(choice or "auto", None, parallel)
 
 
-def check_tools(tools: list[ToolDefinition] | None, choice: ToolChoiceField) -> None:
-    """Names are unique; a named or required choice needs tools and a named one must exist."""
+def _unique_tools(tools: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
     names = [t.function.name for t in tools or ()]
     duplicate = next((n for n in names if names.count(n) > 1), None)
     if duplicate is not None:
         raise ValueError(f"tool names must be unique; {duplicate!r} appears twice")
-    if choice in ("required",) and not names:
+    return tools
+
+
+def _check_tool_choice(choice: ToolChoiceField, info: ValidationInfo) -> ToolChoiceField:
+    """A required or named choice needs tools, and a named one must be among them.
+
+    NOTE: a field validator (not a model one), so the 400 names ``tool_choice``; it runs after
+    ``tools`` (declared first), whose validated value is in ``info.data``.
+    """
+    names = [t.function.name for t in info.data.get("tools") or ()]
+    if choice == "required" and not names:
         raise ValueError("tool_choice 'required' needs tools")
-    if isinstance(choice, NamedToolChoice):
-        if choice.function.name not in names:
-            raise ValueError(f"tool_choice names {choice.function.name!r}, not in tools")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise ValueError(f"it names {choice.function.name!r}, which is not in tools")
+    return choice
+
+
+Tools = Annotated[list[ToolDefinition] | None, Field(default=None, max_length=MAX_TOOLS),
+                  AfterValidator(_unique_tools)]
+CheckedToolChoice = Annotated[ToolChoiceField, AfterValidator(_check_tool_choice)]
 
 
 def template_tools(
@@ -295,8 +310,8 @@ def template_tools(
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
-    tool_choice: ToolChoiceField = None
+    tools: Tools
+    tool_choice: CheckedToolChoice = None
     parallel_tool_calls: bool | None = None
     max_completion_tokens: MaxTokens
     logprobs: bool = False
@@ -307,7 +322,6 @@ class ChatCompletionRequest(SamplingRequest):
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
-        check_tools(self.tools, self.tool_choice)
         return self
 
     def template_messages(self) -> list[dict[str, Any]]:
@@ -405,8 +419,8 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
-    tool_choice: ToolChoiceField = None
+    tools: Tools
+    tool_choice: CheckedToolChoice = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
 

@@ -31,7 +31,17 @@ class TokenMasker:
 
     def _fill(self, matchers: Sequence[xgr.GrammarMatcher]) -> torch.Tensor:
         bitmask = torch.empty((len(matchers), self.num_words), dtype=torch.int32)
-        self._batch.batch_fill_next_token_bitmask(list(matchers), bitmask)
+        try:
+            self._batch.batch_fill_next_token_bitmask(list(matchers), bitmask)
+        except RuntimeError:
+            # NOTE: one matcher that cannot produce a mask (terminated, or an internal error)
+            # fails the whole batch call; fill row by row so that only its row is empty (a
+            # dead end the engine fails alone) and every other row keeps its grammar
+            for row, matcher in enumerate(matchers):
+                try:
+                    matcher.fill_next_token_bitmask(bitmask, row)
+                except RuntimeError:
+                    bitmask[row].zero_()
         return bitmask
 
     def start(self, matchers: Sequence[xgr.GrammarMatcher]) -> Future[torch.Tensor]:

@@ -1,0 +1,484 @@
+"""Structured outputs and tool calling: constrained decode speed, grammar compile cost, and the
+prefix hits of a tool-calling agent loop over HTTP, on the default model, in one run.
+
+Workload (deterministic, seed 0; defaults in brackets, --quick in braces):
+  * decode: one engine (SmolLM2-135M-Instruct, CPU, 16-token pages, prefix caching on) and 16
+    distinct short chat prompts (~40 tokens: "answer with a JSON list of integers about X").
+    Batch 1 runs the first prompt, batch 16 all of them; every row is greedy with
+    max_tokens = --decode-tokens [64] {32}. Constrained rows carry the json_schema
+    ``{"items": array of integers, minItems 64}``: at least two tokens per item, so no row can
+    finish inside the window; free rows run the same prompts with ignore_eos. Every row is
+    checked to end with finish_reason "length" after exactly max_tokens tokens.
+    Timed: the decode window only, from the step after which every row has its first token
+    (prefill done) to the end; tokens = those generated inside the window. Constrained and
+    free runs alternate (the order flips each repeat), one warm-up each, then --repeats [5]
+    {2} each; medians. ``constrained_over_free_b{1,16}`` = constrained tokens/s / free
+    tokens/s (goal: >= 0.9 at b16). Beside them, the two grammar costs of a constrained step
+    measured alone (median of 50): filling 16 bitmask rows (``mask_fill_us_b16``, overlapped
+    with the forward in the engine) and applying them to [16, vocab] logits
+    (``apply_bitmask_us_b16``, on the critical path).
+  * compile: the 14 tool-parameter schemas of agents.texts.TOOLS as json_schema specs, each
+    made distinct per repeat by a ``title`` (so every first compile is a cache miss, checked
+    on the compiler's miss counter). Cold = the first compile of a spec; warm = an equal spec
+    again (the engine's LRU), medians over 14 schemas x --compile-repeats [3] {1} (warm: 3
+    lookups each). The full chat path of a tool list: a ChatCompletionRequest with all 14
+    tools and tool_choice "required", then ``output_grammar()`` (check, EBNF per schema,
+    structural tag) + ``engine.compile_grammar(spec)``. ``tool_grammar_ms_warm``: the same
+    tool list again (what each request of a swarm pays; the request is parsed outside the
+    timer, ``tool_request_parse_ms`` is that parse); ``tool_grammar_ms_cold``: tool names
+    changed per repeat and the EBNF cache cleared. Goal: compile_ms_warm < 1 ms.
+  * tool loop: a live gateway (uvicorn in-process, one tenant, KV pool of --num-pages [2048]
+    pages, so nothing is evicted: checked) and --agents [8] {4} agents over httpx, all started
+    at once (asyncio), each running --turns [4] {2} turns. Shared: a ~2k-token prefix (system
+    prompt of role, rules and policies from agents.texts, plus the 14 tool schemas, which the
+    gateway renders into it). Per agent: its own task message (~60 tokens). Each turn is a
+    non-streamed chat completion with the tools, tool_choice "required",
+    parallel_tool_calls false, temperature 0, max_tokens --tool-max-tokens [96]; the agent
+    then appends the assistant message with its tool_calls and a ``role: "tool"`` result
+    (~60 tokens, agents.texts.tool_result) and sends the next turn. Recorded per request:
+    usage.prompt_tokens_details.cached_tokens and, after the run, its prompt token ids from
+    POST /tokenize with the same messages and tools (checked equal in count to
+    usage.prompt_tokens). Ideal = agents.ideal.ideal_hits over the requests in send order
+    (everything sent earlier, an agent's previous turn with its generated tokens; capped one
+    token short of the prompt; whole pages). ``tool_loop_achieved_over_ideal`` =
+    sum(cached_tokens) / sum(ideal) (goal: >= 0.98).
+
+    python -m benchmarks.structured --json out/structured.json        # ~3 min on 2 cores
+    python -m benchmarks.structured --quick                           # smoke run
+    python -m benchmarks.structured --profile                         # + cProfile of a b16 window
+"""
+
+from __future__ import annotations
+
+import asyncio
+import cProfile
+import io
+import json
+import pstats
+import random
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import torch
+
+from benchmarks.common import base_parser, print_table, write_json
+from prefixgate.agents import texts
+from prefixgate.agents.ideal import SentPrompt, ideal_hits
+from prefixgate.gateway.engine.api import (
+    Delta,
+    EngineError,
+    GenerationRequest,
+    GrammarSpec,
+    SamplingParams,
+)
+from prefixgate.gateway.engine.config import EngineConfig
+from prefixgate.gateway.engine.engine import AsyncEngine
+from prefixgate.gateway.engine.factory import create_llm_engine
+from prefixgate.gateway.engine.grammar import new_matcher
+from prefixgate.gateway.engine.llm_engine import LLMEngine
+from prefixgate.gateway.engine.loader import load_model
+from prefixgate.gateway.server import ServerSettings, create_app
+from prefixgate.gateway.server.protocol import ChatCompletionRequest
+from prefixgate.gateway.server.serve import GatewayServer, ServersThread, uvicorn_config
+from prefixgate.gateway.server.tools import grammar as tool_grammar_module
+from prefixgate.kernels.token_bitmask import apply_token_bitmask
+
+PAGE_SIZE = 16
+BATCHES = (1, 16)
+DECODE_SCHEMA = {
+    "type": "object",
+    "properties": {"items": {"type": "array", "items": {"type": "integer"}, "minItems": 64}},
+    "required": ["items"],
+}
+TOPICS = (
+    "prime numbers", "years of famous inventions", "football scores", "room numbers in a hotel",
+    "temperatures in July", "page numbers of a book index", "bus lines in a city",
+    "ages of a family", "square numbers", "stock prices", "heights of mountains in metres",
+    "distances of marathons", "zip codes", "Fibonacci numbers", "phone extensions",
+    "lottery draws",
+)
+SYSTEM_TOKENS, TASK_TOKENS, RESULT_TOKENS = 1100, 60, 60  # approx budgets; tools add ~1k real
+
+
+# ------------------------------------------------------------------------------ 1. decode
+
+
+@dataclass(slots=True)
+class DecodeRun:
+    tokens_per_s: float
+    window_tokens: int  # generated inside the timed window (after every row's first token)
+    window_s: float
+    tokens_per_row: list[int]
+    finish_reasons: list[str | None]
+
+
+def decode_prompts(tokenizer) -> list[tuple[int, ...]]:
+    return [tuple(tokenizer.apply_chat_template([
+        {"role": "system", "content": "You answer with JSON only."},
+        {"role": "user", "content": f"Give a long JSON list of integers: {topic}."}]))
+        for topic in TOPICS]
+
+
+def decode_window(engine: LLMEngine, prompts: list[tuple[int, ...]], max_tokens: int,
+                  grammar: GrammarSpec | None, tag: str) -> DecodeRun:
+    """Run ``prompts`` as one batch to the end; time the steps after every row's first token."""
+    outputs: dict[str, list[Delta]] = {}
+    for i, prompt in enumerate(prompts):
+        rid = f"{tag}-{i}"
+        outputs[rid] = []
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=grammar is None)
+        engine.add_request(GenerationRequest(prompt, sampling, request_id=rid, grammar=grammar),
+                           outputs[rid].append)
+
+    def generated() -> int:
+        return sum(len(d.token_ids) for deltas in outputs.values() for d in deltas
+                   if isinstance(d, Delta))
+
+    while engine.has_work() and not all(outputs.values()):
+        engine.step()
+    before = generated()
+    start = time.perf_counter()
+    while engine.has_work():
+        engine.step()
+    window_s = time.perf_counter() - start
+    errors = [d for deltas in outputs.values() for d in deltas if isinstance(d, EngineError)]
+    if errors:
+        raise RuntimeError(f"{tag}: a row failed: {errors[0]!r}")
+    window_tokens = generated() - before
+    return DecodeRun(window_tokens / window_s, window_tokens, window_s,
+                     [sum(len(d.token_ids) for d in deltas) for deltas in outputs.values()],
+                     [deltas[-1].finish_reason for deltas in outputs.values()])
+
+
+def bench_decode(engine: LLMEngine, prompts: list[tuple[int, ...]], max_tokens: int,
+                 repeats: int) -> dict[str, Any]:
+    spec = GrammarSpec("json_schema", json.dumps(DECODE_SCHEMA))
+    results: dict[str, Any] = {}
+    for batch in BATCHES:
+        rows = prompts[:batch]
+        samples: dict[str, list[DecodeRun]] = {"constrained": [], "free": []}
+        kinds = {"constrained": spec, "free": None}
+        for rep in range(repeats + 1):  # rep 0 = warm-up
+            order = ("constrained", "free") if rep % 2 == 0 else ("free", "constrained")
+            for kind in order:
+                run = decode_window(engine, rows, max_tokens, kinds[kind], f"b{batch}-{kind}-{rep}")
+                bad = [(n, f) for n, f in zip(run.tokens_per_row, run.finish_reasons, strict=True)
+                       if n != max_tokens or f != "length"]
+                if bad:
+                    raise RuntimeError(f"b{batch} {kind}: rows ended early (tokens, finish): {bad}")
+                if rep > 0:
+                    samples[kind].append(run)
+        for kind, runs in samples.items():
+            results[f"{kind}_tokens_per_s_b{batch}"] = statistics.median(r.tokens_per_s for r in runs)
+            results[f"{kind}_window_tokens_b{batch}"] = runs[0].window_tokens
+            results[f"{kind}_step_ms_b{batch}"] = statistics.median(
+                1000 * r.window_s / (r.window_tokens / batch) for r in runs)
+        results[f"constrained_over_free_b{batch}"] = (
+            results[f"constrained_tokens_per_s_b{batch}"] / results[f"free_tokens_per_s_b{batch}"])
+    results["tokens_per_row"] = max_tokens
+    return results
+
+
+def grammar_step_costs(engine: LLMEngine, batch: int = 16, repeats: int = 50) -> dict[str, float]:
+    """The two per-step grammar costs of a constrained batch, each measured alone."""
+    compiled = engine.compile_grammar(GrammarSpec("json_schema", json.dumps(DECODE_SCHEMA)))
+    matchers = [new_matcher(compiled) for _ in range(batch)]
+    masker = engine._mask_filler()  # noqa: SLF001 - the engine's own masker, as a step uses it
+    fill, apply = [], []
+    logits = torch.randn(batch, engine.runner.vocab_size)
+    for _ in range(repeats):
+        t = time.perf_counter()
+        bitmask = masker.fill_now(matchers)
+        fill.append(time.perf_counter() - t)
+        work = logits.clone()
+        t = time.perf_counter()
+        apply_token_bitmask(work, bitmask)
+        apply.append(time.perf_counter() - t)
+    return {f"mask_fill_us_b{batch}": 1e6 * statistics.median(fill),
+            f"apply_bitmask_us_b{batch}": 1e6 * statistics.median(apply)}
+
+
+def profile_constrained(engine: LLMEngine, prompts: list[tuple[int, ...]], max_tokens: int) -> str:
+    """cProfile of one constrained batch-16 run (top functions by own time)."""
+    spec = GrammarSpec("json_schema", json.dumps(DECODE_SCHEMA))
+    profiler = cProfile.Profile()
+    profiler.enable()
+    decode_window(engine, prompts, max_tokens, spec, "profile")
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(18)
+    return out.getvalue()
+
+
+# ------------------------------------------------------------------------------ 2. compile
+
+
+def tool_list(suffix: str = "") -> list[dict[str, Any]]:
+    """The 14 tools of agents.texts in the OpenAI ``tools`` format (names + ``suffix``)."""
+    tools = [texts.tool_schema(*spec) for spec in texts.TOOLS]
+    for tool in tools:
+        tool["function"]["name"] += suffix
+    return tools
+
+
+def _ms(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return 1000 * (time.perf_counter() - start)
+
+
+def bench_compile(engine: LLMEngine, repeats: int) -> dict[str, Any]:
+    compiler = engine.grammars  # built here: its tokenizer table is not a compile cost
+    cold, warm = [], []
+    for rep in range(repeats):
+        for name, _, properties, required in texts.TOOLS:
+            schema = {"title": f"{name}-{rep}", "type": "object", "properties": properties,
+                      "required": required}
+            text = json.dumps(schema)
+            misses = compiler.stats.misses
+            cold.append(_ms(lambda text=text: engine.compile_grammar(GrammarSpec("json_schema", text))))
+            if compiler.stats.misses != misses + 1:
+                raise RuntimeError(f"{name}: the 'cold' compile was a cache hit")
+            for _ in range(3):
+                spec = GrammarSpec("json_schema", json.dumps(schema))  # equal, not the same object
+                warm.append(_ms(lambda spec=spec: engine.compile_grammar(spec)))
+
+    def chat_body(tools: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools,
+                "tool_choice": "required", "parallel_tool_calls": False}
+
+    def full_path(request: ChatCompletionRequest) -> None:
+        spec = request.output_grammar()
+        assert spec is not None
+        engine.compile_grammar(spec)
+
+    tool_cold = []
+    for rep in range(max(3, repeats)):
+        tool_grammar_module._ebnf.cache_clear()  # noqa: SLF001 - cold = no converted schema either
+        request = ChatCompletionRequest.model_validate(chat_body(tool_list(f"_cold{rep}")))
+        misses = compiler.stats.misses
+        tool_cold.append(_ms(lambda request=request: full_path(request)))
+        if compiler.stats.misses != misses + 1:
+            raise RuntimeError("the cold tool grammar was a cache hit")
+    body = chat_body(tool_list())
+    full_path(ChatCompletionRequest.model_validate(body))  # the swarm's first request
+    tool_warm, parse = [], []
+    for _ in range(30):
+        start = time.perf_counter()
+        request = ChatCompletionRequest.model_validate(body)
+        parse.append(1000 * (time.perf_counter() - start))
+        tool_warm.append(_ms(lambda request=request: full_path(request)))
+    return {
+        "compile_ms_cold": statistics.median(cold),
+        "compile_ms_warm": statistics.median(warm),
+        "compile_schemas": len(cold),
+        "tool_grammar_ms_cold": statistics.median(tool_cold),
+        "tool_grammar_ms_warm": statistics.median(tool_warm),
+        "tool_request_parse_ms": statistics.median(parse),
+        "tool_grammar_tools": len(body["tools"]),
+    }
+
+
+# ------------------------------------------------------------------------------ 3. tool loop
+
+
+@dataclass(slots=True)
+class Sent:
+    agent: int
+    turn: int
+    messages: list[dict[str, Any]]
+    previous: int | None  # index (in send order) of this agent's previous request
+    response: dict[str, Any] = field(default_factory=dict)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def agent_openings(num_agents: int, seed: int = 0) -> tuple[str, list[str]]:
+    """The shared system prompt (the gateway appends the tools to it) and one task per agent."""
+    rng = random.Random(seed)
+    instructions, _, policies = texts.system_prompt(rng, SYSTEM_TOKENS)
+    system = texts.render_system(instructions, [], policies)
+    return system, [texts.task(rng, TASK_TOKENS) for _ in range(num_agents)]
+
+
+async def run_agents(base_url: str, model: str, num_agents: int, turns: int,
+                     max_tokens: int) -> list[Sent]:
+    system, tasks = agent_openings(num_agents)
+    tools = tool_list()
+    sent: list[Sent] = []
+    results = {i: random.Random(1000 + i) for i in range(num_agents)}  # each agent's tool outputs
+
+    async def agent(client: httpx.AsyncClient, index: int) -> None:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": tasks[index]}]
+        previous = None
+        for turn in range(turns):
+            record = Sent(index, turn, [dict(m) for m in messages], previous)
+            previous = len(sent)
+            sent.append(record)  # send order = the order requests leave the client
+            response = await client.post("/v1/chat/completions", json={
+                "model": model, "messages": messages, "tools": tools, "tool_choice": "required",
+                "parallel_tool_calls": False, "temperature": 0, "max_tokens": max_tokens,
+                "user": f"agent-{index}"})
+            if response.status_code != 200:
+                raise RuntimeError(f"agent {index} turn {turn}: {response.status_code} {response.text}")
+            record.response = response.json()
+            choice = record.response["choices"][0]
+            message = choice["message"]
+            calls = message.get("tool_calls") or []
+            if choice["finish_reason"] != "tool_calls" or not calls:
+                # cut by max_tokens inside a call: its arguments are no JSON to send back
+                return
+            messages.append({"role": "assistant", "content": message.get("content"),
+                             "tool_calls": calls})
+            for call in calls:
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content":
+                                 texts.tool_result(results[index], call["function"]["name"],
+                                                   RESULT_TOKENS)})
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
+        await asyncio.gather(*(agent(client, i) for i in range(num_agents)))
+    return sent
+
+
+async def tokenize_all(base_url: str, sent: list[Sent]) -> list[list[int]]:
+    tools = tool_list()
+    async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+        out = []
+        for record in sent:
+            response = await client.post("/tokenize", json={
+                "messages": record.messages, "tools": tools, "tool_choice": "required"})
+            response.raise_for_status()
+            out.append(response.json()["tokens"])
+    return out
+
+
+def bench_tool_loop(core: LLMEngine, info: dict[str, Any], num_agents: int, turns: int,
+                    max_tokens: int) -> dict[str, Any]:
+    engine = AsyncEngine(core, model_name=info["model_name"], device=info["device"],
+                         kernel_backend=info["kernel_backend"])
+    core.cache.reset_cache()  # the decode runs' pages: start the loop from an empty cache
+    port = free_port()
+    settings = ServerSettings(host="127.0.0.1", port=port, log_level="warning")
+    app = create_app(engine, settings, manage_engine=False)
+    server = GatewayServer(uvicorn_config(app, settings), engine, settings)
+    thread = ServersThread([server], [engine], name="structured-gateway")
+    thread.start_and_wait()
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        evictions_before = engine.cache_stats().evictions
+        start = time.perf_counter()
+        sent = asyncio.run(run_agents(base_url, info["model_name"], num_agents, turns, max_tokens))
+        wall = time.perf_counter() - start
+        prompts = asyncio.run(tokenize_all(base_url, sent))
+        engine.wait_idle(60)
+        stats = engine.cache_stats()
+    finally:
+        thread.stop()
+    usages = [r.response["usage"] for r in sent]
+    mismatched = [i for i, (p, u) in enumerate(zip(prompts, usages, strict=True))
+                  if len(p) != u["prompt_tokens"]]
+    if mismatched:
+        raise RuntimeError(f"/tokenize disagrees with usage.prompt_tokens for requests {mismatched}")
+    ideal = ideal_hits([SentPrompt(p, u["completion_tokens"], r.previous)
+                        for p, u, r in zip(prompts, usages, sent, strict=True)], PAGE_SIZE).blocks
+    achieved = [u["prompt_tokens_details"]["cached_tokens"] for u in usages]
+    shortfalls = [{"agent": r.agent, "turn": r.turn, "prompt_tokens": len(p), "cached": a,
+                   "ideal": i} for r, p, a, i in zip(sent, prompts, achieved, ideal, strict=True)
+                  if a < i]
+    finish = [r.response["choices"][0]["finish_reason"] for r in sent]
+    shared = min(_common_prefix(prompts[0], p) for p in prompts[1:]) if len(prompts) > 1 else 0
+    return {
+        "tool_loop_achieved_over_ideal": sum(achieved) / sum(ideal) if sum(ideal) else 0.0,
+        "tool_loop_cached_tokens": sum(achieved),
+        "tool_loop_ideal_tokens": sum(ideal),
+        "tool_loop_prompt_tokens": sum(u["prompt_tokens"] for u in usages),
+        "tool_loop_completion_tokens": sum(u["completion_tokens"] for u in usages),
+        "tool_loop_requests": len(sent),
+        "tool_loop_agents": num_agents,
+        "tool_loop_turns": turns,
+        "tool_loop_shared_prefix_tokens": shared,
+        "tool_loop_finish_tool_calls": sum(f == "tool_calls" for f in finish),
+        "tool_loop_wall_s": wall,
+        "tool_loop_evictions": stats.evictions - evictions_before,
+        "tool_loop_pages_used_after": stats.pages_used,
+        "tool_loop_shortfalls": shortfalls,
+    }
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smaller smoke run")
+    parser.add_argument("--decode-tokens", type=int, default=None, help="tokens per row [64]")
+    parser.add_argument("--repeats", type=int, default=None, help="decode samples per kind [5]")
+    parser.add_argument("--compile-repeats", type=int, default=None, help="[3]")
+    parser.add_argument("--agents", type=int, default=None, help="tool-loop agents [8]")
+    parser.add_argument("--turns", type=int, default=None, help="tool turns per agent [4]")
+    parser.add_argument("--tool-max-tokens", type=int, default=96)
+    parser.add_argument("--num-pages", type=int, default=2048)
+    parser.add_argument("--profile", action="store_true", help="cProfile a constrained b16 run")
+    args = parser.parse_args()
+    quick = args.quick
+    decode_tokens = args.decode_tokens or (32 if quick else 64)
+    repeats = args.repeats or (2 if quick else 5)
+    compile_repeats = args.compile_repeats or (1 if quick else 3)
+    agents = args.agents or (4 if quick else 8)
+    turns = args.turns or (2 if quick else 4)
+
+    loaded = load_model(None)
+    core, info = create_llm_engine(
+        EngineConfig(num_pages=args.num_pages, page_size=PAGE_SIZE, device="cpu"), loaded=loaded)
+    start = time.perf_counter()
+    core.grammars  # noqa: B018 - the compiler's tokenizer table, built once per engine
+    compiler_init_ms = 1000 * (time.perf_counter() - start)
+
+    prompts = decode_prompts(loaded.tokenizer)
+    print("decode ...", flush=True)
+    results: dict[str, Any] = {
+        "workload": (f"decode b1/b16 x {decode_tokens} tokens, {repeats} repeats; compile 14 "
+                     f"schemas x {compile_repeats}; tool loop {agents} agents x {turns} turns"),
+        "quick": quick,
+        "device": info["device"],
+        "torch_threads": torch.get_num_threads(),
+        "compiler_init_ms": compiler_init_ms,
+    }
+    results.update(bench_decode(core, prompts, decode_tokens, repeats))
+    results.update(grammar_step_costs(core))
+    profile = profile_constrained(core, prompts, decode_tokens) if args.profile else None
+    print("compile ...", flush=True)
+    results.update(bench_compile(core, compile_repeats))
+    print("tool loop ...", flush=True)
+    results.update(bench_tool_loop(core, info, agents, turns, args.tool_max_tokens))
+    results["num_pages"] = info["num_pages"]
+
+    print_table("structured outputs (benchmarks.structured)",
+                [(k, v) for k, v in results.items() if not isinstance(v, list | dict)])
+    if results["tool_loop_shortfalls"]:
+        print("\nrequests below their ideal hit:")
+        for row in results["tool_loop_shortfalls"]:
+            print("  ", row)
+    if profile is not None:
+        print("\ncProfile, one constrained b16 run (prefill + decode):\n" + profile)
+    write_json(args.json, results)
+
+
+if __name__ == "__main__":
+    main()
