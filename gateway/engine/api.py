@@ -206,6 +206,10 @@ class EngineStats:
     num_preemptions: int
     kernel_backend: str  # "triton" or "torch"
     device: str
+    constrained_tokens: int = 0  # tokens sampled under a grammar (tool calls, JSON outputs)
+    grammar_compiles: int = 0  # distinct grammars compiled (cache misses)
+    grammar_cache_hits: int = 0
+    grammar_compile_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

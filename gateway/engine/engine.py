@@ -251,6 +251,8 @@ class AsyncEngine:
                 num_preemptions=core.scheduler.num_preemptions,
                 kernel_backend=self.kernel_backend,
                 device=self.device,
+                constrained_tokens=core.constrained_tokens,
+                **core.grammar_stats(),
             )
 
     # ------------------------------------------------------------------ scale-out index

@@ -155,6 +155,15 @@ class LLMEngine:
                                              sorted(self.eos_token_ids))
         return self._grammars
 
+    def grammar_stats(self) -> dict[str, float]:
+        """Compile-cache figures for EngineStats (zeros before the first grammar)."""
+        stats = self._grammars.stats if self._grammars is not None else None
+        return {
+            "grammar_compiles": stats.misses if stats else 0,
+            "grammar_cache_hits": stats.hits if stats else 0,
+            "grammar_compile_seconds": stats.compile_seconds if stats else 0.0,
+        }
+
     def compile_grammar(self, spec: GrammarSpec) -> CompiledGrammar:
         """Compile (or fetch from the cache) ``spec``; raises InvalidRequestError if it cannot."""
         return self.grammars.compile(spec)

@@ -203,6 +203,23 @@ class EngineCollector(Collector):
             "Prompt tokens that went through the model (not cached).",
             engine.prefill_tokens_computed,
         )
+        yield counter(
+            "constrained_tokens",
+            "Tokens sampled under a grammar (tool calls, structured outputs).",
+            engine.constrained_tokens,
+        )
+        yield counter(
+            "grammar_compiles", "Distinct grammars compiled (cache misses).",
+            engine.grammar_compiles,
+        )
+        yield counter(
+            "grammar_cache_hits", "Grammar requests served by the compile cache.",
+            engine.grammar_cache_hits,
+        )
+        yield counter(
+            "grammar_compile_seconds", "Time spent compiling grammars.",
+            engine.grammar_compile_seconds,
+        )
         for what, labeler, per_key in (
             ("tenant", self.tenants, cache.per_tenant),
             ("agent", self.agents, cache.per_agent),

@@ -3,7 +3,7 @@
 Bounds live once, in the ``Annotated`` aliases below, and are shared by chat and completions.
 Fields the OpenAI API defines but this server ignores (``store``, ``metadata``, ...) are
 accepted and dropped, so unmodified SDKs and frameworks work; fields it cannot honour
-(non-text content, ``echo``, JSON mode) are rejected with a 400 that names them.
+(non-text content, ``echo``) are rejected with a 400 that names them.
 """
 
 from __future__ import annotations

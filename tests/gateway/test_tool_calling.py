@@ -246,3 +246,23 @@ def test_bad_requests_harm_no_one(sdk, gateway, client):
     assert arguments == reference[0].function.arguments
     stats = wait_idle(client)
     assert stats["pages_used"] == stats["pages_pinned"]
+
+
+def test_metrics_count_constrained_tokens_and_compile_cache_hits(sdk, gateway, client):
+    def scrape() -> dict[str, float]:
+        out = {}
+        for line in client.get("/metrics").text.splitlines():
+            for name in ("constrained_tokens_total", "grammar_compiles_total",
+                         "grammar_cache_hits_total"):
+                if line.startswith(f"prefixgate:{name}{{"):
+                    out[name] = float(line.rsplit(" ", 1)[1])
+        return out
+
+    before = scrape()
+    for _ in range(2):  # the same tool list twice: at most one compile, then a cache hit
+        sdk.chat.completions.create(model=gateway.model, messages=ASK, tools=TOOLS,
+                                    tool_choice="required", temperature=0, max_tokens=60)
+    after = scrape()
+    assert after["grammar_compiles_total"] - before["grammar_compiles_total"] <= 1
+    assert after["grammar_cache_hits_total"] - before["grammar_cache_hits_total"] >= 1
+    assert after["constrained_tokens_total"] - before["constrained_tokens_total"] >= 20

@@ -101,10 +101,15 @@ class ToolCallParser:
             self._text(events, TOOL_CALL_OPEN + self._buffer, final=True)
         else:
             assert self._current is not None
-            rest = self._buffer[self._sent :]
-            if rest:
-                events.append(CallArguments(self._current.index, rest))
-            self._end_call(events, self._buffer, complete=False)
+            try:  # cut inside the closing tag: the arguments themselves are whole
+                _, end = _DECODER.raw_decode(self._buffer)
+            except json.JSONDecodeError:
+                end = -1
+            # NOTE: never let the object's closing brace or a partial close tag into arguments
+            arguments = self._buffer[:end] if end >= 0 else self._buffer
+            if len(arguments) > self._sent:
+                events.append(CallArguments(self._current.index, arguments[self._sent :]))
+            self._end_call(events, arguments, complete=False)
         self._buffer = ""
         self._state = "text"
         return events

@@ -49,13 +49,19 @@ def canonical_json(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+class RawArguments(str):
+    """Call arguments that are not valid JSON (a call cut by max_tokens, sent back by a
+    client): rendered verbatim, as the model wrote them."""
+
+
 def call_begin(name: str) -> str:
     """The fixed text before a call's arguments (the grammar's tag begins with it)."""
     return f'{TOOL_CALL_OPEN}\n{{"name": {canonical_json(name)}, "arguments": '
 
 
 def render_call(name: str, arguments: Any) -> str:
-    return call_begin(name) + canonical_json(arguments) + CALL_END
+    text = arguments if isinstance(arguments, RawArguments) else canonical_json(arguments)
+    return call_begin(name) + text + CALL_END
 
 
 def tool_json(tool: FunctionTool) -> dict[str, Any]:
@@ -78,10 +84,10 @@ def _arguments(call: dict[str, Any], param: str) -> tuple[str, Any]:
     if isinstance(raw, str):
         try:
             raw = json.loads(raw) if raw.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise InvalidRequestError(
-                f"tool call arguments are not valid JSON: {exc}", param=f"{param}.function.arguments"
-            ) from exc
+        except json.JSONDecodeError:
+            # OpenAI takes any string here, and clients send back what they got, a call cut
+            # short by max_tokens included: keep it verbatim rather than refuse the history
+            raw = RawArguments(raw)
     return function["name"], raw
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,7 +16,9 @@ from prefixgate.gateway.server.tools.parser import (
     ToolCallParser,
     parse_output,
 )
-from prefixgate.gateway.server.tools.prompt import render_call
+from prefixgate.gateway.server.tools.prompt import CALL_END, render_call
+
+CLOSING = CALL_END
 
 CALLS = [("get_weather", {"city": "Pa}ris </tool_call>", "n": {"a": [1, "}"]}}), ("noop", {})]
 TEXT = "Let me check.\n" + "\n".join(render_call(n, a) for n, a in CALLS) + "\n"
@@ -63,6 +66,19 @@ def test_a_call_cut_by_max_tokens_is_incomplete():
     assert content == "Sure"
     assert len(calls) == 1 and not calls[0].complete
     assert calls[0].name == "f" and calls[0].arguments == '{"x": "ab'
+
+
+@pytest.mark.parametrize("cut", range(1, len(CLOSING) + 1))
+def test_a_call_cut_inside_its_closing_keeps_only_its_arguments(cut):
+    """max_tokens inside ``}\n</tool_call>``: the arguments are whole, nothing of the closing
+    leaks into them, streamed or not."""
+    call = render_call("f", {"x": {"y": 1}})
+    text = call[: len(call) - cut]
+    for chunks in ([text], list(text)):
+        parser, events = run(chunks)
+        streamed = "".join(e.text for e in events if isinstance(e, CallArguments))
+        assert streamed == parser.calls[0].arguments == '{"x": {"y": 1}}'
+        assert not parser.calls[0].complete
 
 
 def test_a_header_cut_short_stays_text():

@@ -66,9 +66,17 @@ def test_each_turn_of_a_tool_loop_extends_the_last():
     assert _render(prepare_messages(history, [WEATHER])).startswith(turn2)
 
 
-def test_bad_call_arguments_in_the_history_name_their_field():
+def test_history_calls_with_invalid_arguments_are_rendered_verbatim():
+    """A call cut by max_tokens comes back from the client as it was sent: not a 400."""
     messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None,
-                "tool_calls": [{"id": "1", "function": {"name": "f", "arguments": "{not json"}}]}]
+                "tool_calls": [{"id": "1", "function": {"name": "f", "arguments": '{"a": "b'}}]}]
+    rendered = prepare_messages(messages, [NOOP])[2]["content"]
+    assert rendered == '<tool_call>\n{"name": "f", "arguments": {"a": "b}\n</tool_call>'
+
+
+def test_a_call_needs_a_function_name():
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None,
+                "tool_calls": [{"id": "1", "function": {"arguments": "{}"}}]}]
     with pytest.raises(InvalidRequestError) as caught:
         prepare_messages(messages, [NOOP])
-    assert caught.value.param == "messages[1].tool_calls[0].function.arguments"
+    assert caught.value.param == "messages[1].tool_calls[0]"
