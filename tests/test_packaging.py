@@ -8,6 +8,7 @@ so ``import agents`` stays the OpenAI Agents SDK's and ``import kernels`` Huggin
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -67,9 +68,18 @@ def test_suite_sees_the_agents_sdk_not_the_client_folder() -> None:
 
 
 def _build_wheel(dest: Path) -> Path:
+    """Build from a copy of the files git knows (tracked, or new and not ignored): what a clean
+    clone holds, and no build/ folder left in the repository."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+                            cwd=REPO, check=True, capture_output=True, text=True).stdout
+    source = dest.parent / "source"
+    for name in filter(None, listed.split("\0")):
+        if (REPO / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, source / name)
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "--disable-pip-version-check", "-w", str(dest), str(REPO)],
+         "--disable-pip-version-check", "-w", str(dest), str(source)],
         check=True, capture_output=True, text=True, timeout=300,
     )
     (wheel,) = dest.glob("prefixgate-*.whl")

@@ -12,6 +12,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from prefixgate.gateway.engine.api import EngineLike
 from prefixgate.gateway.server import dashboard, routes_cache, routes_openai, routes_ops
 from prefixgate.gateway.server.auth import KeyTable
+from prefixgate.gateway.server.anthropic import routes as anthropic_routes
 from prefixgate.gateway.server.errors import REQUEST_ID_HEADER, install_exception_handlers
 from prefixgate.gateway.server.metrics import GatewayMetrics
 from prefixgate.gateway.server.request_id import RequestIdMiddleware
@@ -85,6 +86,7 @@ def create_app(
     app.state.keys = keys  # read by the auth dependencies
     install_exception_handlers(app)
     app.include_router(routes_openai.router)
+    app.include_router(anthropic_routes.router)
     app.include_router(routes_cache.router)
     app.include_router(routes_ops.router)
     app.include_router(dashboard.router)

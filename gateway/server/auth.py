@@ -57,9 +57,10 @@ _OPEN = Principal(DEFAULT_TENANT, is_admin=True)
 
 
 def bearer_key(request: Request) -> str | None:
+    """The API key: ``Authorization: Bearer <key>``, or Anthropic's ``x-api-key: <key>``."""
     header = request.headers.get("authorization")
     if not header:
-        return None
+        return request.headers.get("x-api-key", "").strip() or None
     scheme, _, key = header.partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
         raise AuthenticationError(

@@ -1,4 +1,5 @@
-"""One error envelope for every failure: ``{"error": {"message", "type", "param", "code"}}``.
+"""One error envelope for every failure: ``{"error": {"message", "type", "param", "code"}}``
+(OpenAI's; routes under /v1/messages answer in Anthropic's, anthropic/errors.py).
 
 Engine errors (:class:`gateway.engine.api.EngineError` and subclasses) carry their own HTTP
 status; the gateway adds its own subclasses below. FastAPI's 422 for a malformed body becomes a
@@ -17,6 +18,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from prefixgate.gateway.server.anthropic.errors import PATH_PREFIX as ANTHROPIC_PATH
+from prefixgate.gateway.server.anthropic.errors import anthropic_error_body
 from prefixgate.gateway.engine.api import EngineError, InvalidRequestError, OverloadedError
 
 logger = logging.getLogger("prefixgate.server")
@@ -72,6 +75,9 @@ def engine_error_response(request: Request, exc: EngineError) -> JSONResponse:
         headers["WWW-Authenticate"] = "Bearer"
     if exc.status_code >= 500:
         logger.error("request %s failed: %s", request_id_of(request), exc.message)
+    if request.url.path.startswith(ANTHROPIC_PATH):
+        body = anthropic_error_body(exc.status_code, exc.message, exc.param)
+        return JSONResponse(body, status_code=exc.status_code, headers=headers)
     return JSONResponse(engine_error_body(exc), status_code=exc.status_code, headers=headers)
 
 
@@ -135,6 +141,9 @@ def install_exception_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         if exc.status_code == 404:
             message = f"Unknown endpoint {request.method} {request.url.path}."
+        if request.url.path.startswith(ANTHROPIC_PATH):
+            return JSONResponse(anthropic_error_body(exc.status_code, message),
+                                status_code=exc.status_code, headers=exc.headers)
         return JSONResponse(
             error_body(message, error_type), status_code=exc.status_code, headers=exc.headers
         )

@@ -1,0 +1,216 @@
+"""Anthropic Messages wire format: request models (validated, bounded) and the translation to
+a neutral :class:`ChatTurn`; response and stream-event shapes are plain dicts in routes.py.
+
+Accepted: ``system`` (a string or text blocks), ``messages`` with ``text``, ``tool_use`` and
+``tool_result`` blocks, ``tools`` (``input_schema``), ``tool_choice`` auto / any / tool / none
+(``disable_parallel_tool_use``), ``stop_sequences``, ``max_tokens`` (required),
+``temperature`` / ``top_p`` / ``top_k``, ``metadata.user_id`` (the agent label for stats),
+``output_config.format`` (a JSON schema the reply follows), ``cache_control`` on the request
+and on system, tool and message blocks (accepted; see the README). Unknown fields
+are ignored; blocks this text-only model cannot take (images, documents) are a 400.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from prefixgate.gateway.server.protocol import (
+    MAX_DESCRIPTION_CHARS,
+    MAX_MESSAGES,
+    MAX_STOP_STRINGS,
+    MAX_TOOLS,
+    FunctionName,
+    Label,
+)
+from prefixgate.gateway.engine.api import GrammarSpec
+from prefixgate.gateway.server.tools import FunctionTool, ToolChoice
+from prefixgate.gateway.server.tools.grammar import check_schema
+from prefixgate.gateway.server.turn import ChatTurn
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class CacheControl(_Model):
+    type: Literal["ephemeral"] = "ephemeral"
+    ttl: Literal["5m", "1h"] | None = None
+
+
+class TextBlock(_Model):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl | None = None
+
+
+class ToolUseBlock(_Model):
+    type: Literal["tool_use"]
+    id: str = Field(min_length=1, max_length=256)
+    name: FunctionName
+    input: dict[str, Any] = Field(default_factory=dict)
+    cache_control: CacheControl | None = None
+
+
+class ToolResultBlock(_Model):
+    type: Literal["tool_result"]
+    tool_use_id: str = Field(min_length=1, max_length=256)
+    content: str | list[TextBlock] = ""
+    is_error: bool = False
+    cache_control: CacheControl | None = None
+
+    @property
+    def text(self) -> str:
+        body = self.content if isinstance(self.content, str) else "\n".join(
+            b.text for b in self.content)
+        return f"Error: {body}" if self.is_error else body
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+
+
+class Message(_Model):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        blocks = value.get("content") if isinstance(value, dict) else None
+        if isinstance(blocks, list):
+            for i, block in enumerate(blocks):
+                kind = block.get("type") if isinstance(block, dict) else None
+                if kind not in ("text", "tool_use", "tool_result"):
+                    raise ValueError(f"content block {i} has type {kind!r}; this text-only model "
+                                     "takes text, tool_use and tool_result blocks")
+        return value
+
+
+class Tool(_Model):
+    name: FunctionName
+    description: str | None = Field(default=None, max_length=MAX_DESCRIPTION_CHARS)
+    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+    cache_control: CacheControl | None = None
+
+
+class ToolChoiceModel(_Model):
+    type: Literal["auto", "any", "tool", "none"] = "auto"
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class Metadata(_Model):
+    user_id: Label = None
+
+
+class OutputFormat(_Model):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Model):
+    """Structured outputs: the reply's text is JSON matching ``format.schema``."""
+
+    format: OutputFormat | None = None
+
+
+class MessagesRequest(_Model):
+    model: str | None = None
+    max_tokens: int = Field(ge=1)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoiceModel | None = None
+    stop_sequences: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(
+        default_factory=list, max_length=MAX_STOP_STRINGS)
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    metadata: Metadata | None = None
+    output_config: OutputConfig | None = None
+    cache_control: CacheControl | None = None  # automatic caching: prefixes are cached anyway
+    stream: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> MessagesRequest:
+        names = [t.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tool names must be unique")
+        choice = self.tool_choice
+        if choice is not None and choice.type == "tool":
+            if not choice.name:
+                raise ValueError("tool_choice type 'tool' needs a name")
+            if choice.name not in names:
+                raise ValueError(f"tool_choice names {choice.name!r}, which is not in tools")
+        if choice is not None and choice.type == "any" and not names:
+            raise ValueError("tool_choice type 'any' needs tools")
+        return self
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The conversation as chat-template dicts (tool_use → tool_calls, tool_result → tool)."""
+        out: list[dict[str, Any]] = []
+        if self.system:
+            system = self.system if isinstance(self.system, str) else "\n".join(
+                b.text for b in self.system)
+            out.append({"role": "system", "content": system})
+        for message in self.messages:
+            if isinstance(message.content, str):
+                out.append({"role": message.role, "content": message.content})
+                continue
+            texts = [b.text for b in message.content if isinstance(b, TextBlock)]
+            if message.role == "assistant":
+                calls = [{"id": b.id, "type": "function",
+                          "function": {"name": b.name, "arguments": json.dumps(b.input)}}
+                         for b in message.content if isinstance(b, ToolUseBlock)]
+                turn: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+                if calls:
+                    turn["tool_calls"] = calls
+                out.append(turn)
+                continue
+            for block in message.content:
+                if isinstance(block, ToolResultBlock):
+                    out.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                                "content": block.text})
+            if texts:
+                out.append({"role": "user", "content": "\n".join(texts)})
+        return out
+
+    def response_format(self) -> GrammarSpec | None:
+        fmt = self.output_config.format if self.output_config else None
+        if fmt is None:
+            return None
+        param = "output_config.format.schema"
+        return GrammarSpec("json_schema", check_schema(fmt.schema_, param, object_only=False),
+                           param=param)
+
+    def turn(self) -> ChatTurn:
+        choice = self.tool_choice or ToolChoiceModel()
+        mode = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}[choice.type]
+        return ChatTurn(
+            messages=self.chat_messages(),
+            tools=[FunctionTool(t.name, t.description, t.input_schema) for t in self.tools or ()],
+            tool_choice=ToolChoice(mode, choice.name, not choice.disable_parallel_tool_use),
+            response_format=self.response_format(),
+            max_tokens=self.max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            stop=list(self.stop_sequences),
+            user=self.metadata.user_id if self.metadata else None,
+            parameters_param=lambda i: f"tools[{i}].input_schema",
+        )
+
+
+class CountTokensRequest(_Model):
+    model: str | None = None
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoiceModel | None = None
+
+    def turn(self) -> ChatTurn:
+        return MessagesRequest(max_tokens=1, **self.model_dump(exclude_none=True)).turn()

@@ -1,0 +1,143 @@
+"""The Anthropic Messages API through the official ``anthropic`` SDK, against the live gateway
+(real default model): text, streaming, enforced tool_use with schema-valid input, stop
+sequences, cache usage from real page hits, count_tokens, auth headers and the error envelope."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import jsonschema
+import pytest
+
+from tests.live_gateway import ADMIN_KEY, KEY_ALPHA, wait_idle
+
+pytestmark = pytest.mark.slow
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "Current weather for a city.",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 24},
+                       "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"],
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+GREEDY = {"temperature": 0}  # this SDK release dropped the sampling arguments; the API keeps them
+SYSTEM = ("You are a careful weather assistant for a team of travel agents. Always answer "
+          "briefly and never invent numbers. ") * 6
+
+
+@pytest.fixture()
+def claude(gateway) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=gateway.open_url, api_key="unused", max_retries=0)
+
+
+def test_text_message_and_usage_add_up(claude, gateway):
+    message = claude.messages.create(model=gateway.model, max_tokens=16, extra_body=GREEDY,
+                                     messages=ASK)
+    assert message.type == "message" and message.role == "assistant"
+    assert message.content[0].type == "text" and message.content[0].text
+    assert message.stop_reason in ("end_turn", "max_tokens")
+    counted = claude.messages.count_tokens(model=gateway.model, messages=ASK)
+    usage = message.usage
+    assert (usage.input_tokens + usage.cache_read_input_tokens
+            + usage.cache_creation_input_tokens) == counted.input_tokens
+    assert usage.output_tokens >= 1
+
+
+def test_streaming_equals_the_whole_message(claude, gateway):
+    kwargs = dict(model=gateway.model, max_tokens=20, extra_body=GREEDY, messages=ASK)
+    whole = claude.messages.create(**kwargs)
+    with claude.messages.stream(**kwargs) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert "content_block_start" in kinds and "message_delta" in kinds
+    assert final.content[0].text == whole.content[0].text
+    assert final.stop_reason == whole.stop_reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_any_returns_a_valid_tool_use(claude, gateway, stream):
+    kwargs = dict(model=gateway.model, max_tokens=80, extra_body=GREEDY, messages=ASK,
+                  tools=[WEATHER], tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    if stream:
+        with claude.messages.stream(**kwargs) as events:
+            message = events.get_final_message()
+    else:
+        message = claude.messages.create(**kwargs)
+    assert message.stop_reason == "tool_use"
+    (use,) = [b for b in message.content if b.type == "tool_use"]
+    assert use.id.startswith("toolu_") and use.name == "get_weather"
+    jsonschema.validate(use.input, WEATHER["input_schema"])
+    # the loop continues: the result goes back as a tool_result block
+    follow = claude.messages.create(
+        model=gateway.model, max_tokens=16, extra_body=GREEDY, tools=[WEATHER],
+        messages=[*ASK, {"role": "assistant", "content": message.content},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                "content": "18 C and clear"}]}])
+    assert follow.usage.cache_read_input_tokens > 0  # it extends the first turn's prompt
+
+
+def test_cache_control_second_call_reads_the_cache(claude, gateway):
+    system = [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}]
+    first = claude.messages.create(model=gateway.model, max_tokens=4, extra_body=GREEDY,
+                                   system=system, messages=[{"role": "user", "content": "Rome?"}])
+    second = claude.messages.create(model=gateway.model, max_tokens=4, extra_body=GREEDY,
+                                    system=system, messages=[{"role": "user", "content": "Oslo?"}])
+    assert first.usage.cache_creation_input_tokens > 0
+    assert second.usage.cache_read_input_tokens >= first.usage.cache_creation_input_tokens - 16
+
+
+def test_output_config_json_schema_is_enforced(claude, gateway):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "sunny": {"type": "boolean"}},
+              "required": ["city", "sunny"], "additionalProperties": False}
+    message = claude.messages.create(model=gateway.model, max_tokens=40, extra_body=GREEDY,
+                                     messages=ASK, output_config={"format": {
+                                         "type": "json_schema", "schema": schema}})
+    jsonschema.validate(json.loads(message.content[0].text), schema)
+
+
+def test_stop_sequence_is_reported(claude, gateway):
+    free = claude.messages.create(model=gateway.model, max_tokens=24, extra_body=GREEDY, messages=ASK)
+    words = free.content[0].text.split()
+    assert len(words) >= 3
+    stop = words[2]
+    message = claude.messages.create(model=gateway.model, max_tokens=24, extra_body=GREEDY,
+                                     messages=ASK, stop_sequences=[stop])
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == stop
+    assert stop not in message.content[0].text
+
+
+def test_x_api_key_auth_and_the_anthropic_error_envelope(gateway, client):
+    with httpx.Client(base_url=gateway.auth_url, timeout=60) as c:
+        body = {"model": gateway.model, "max_tokens": 4, "messages": ASK}
+        ok = c.post("/v1/messages", json=body,
+                    headers={"x-api-key": KEY_ALPHA, "anthropic-version": "2023-06-01"})
+        assert ok.status_code == 200, ok.text
+        denied = c.post("/v1/messages", json=body, headers={"x-api-key": "sk-wrong"})
+        assert denied.status_code == 401
+        assert denied.json() == {"type": "error", "error": {
+            "type": "authentication_error", "message": denied.json()["error"]["message"]}}
+        bearer = c.post("/v1/messages", json=body, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+        assert bearer.status_code == 200
+    for bad, field in [
+        ({"max_tokens": 4, "messages": ASK, "tools": [WEATHER], "tool_choice": {
+            "type": "tool", "name": "nope"}}, "tool_choice"),
+        ({"messages": ASK}, "max_tokens"),
+        ({"max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {}}]}]}, "messages"),
+        ({"max_tokens": 4, "messages": ASK, "tools": [{**WEATHER, "input_schema": {
+            "type": "string"}}]}, "tools[0].input_schema"),
+    ]:
+        response = client.post("/v1/messages", json={"model": gateway.model, **bad})
+        assert response.status_code == 400, (bad, response.text)
+        error = response.json()
+        assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+        assert field in error["error"]["message"], error
+    assert wait_idle(client)["pages_used"] == 0
