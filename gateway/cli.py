@@ -47,6 +47,8 @@ DEFAULTS: dict[str, Any] = {
     "replica_id": None,
     "advertise_url": None,
     "heartbeat_ttl": 3.0,
+    "response_ttl": 3600.0,
+    "max_stored_responses": 10_000,
 }
 
 
@@ -203,6 +205,19 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         metavar="S",
         help="routers drop this replica when no heartbeat came for S seconds (default 3)",
     )
+    fleet.add_argument(
+        "--response-ttl",
+        type=_positive_float,
+        metavar="S",
+        help="Responses API: stored responses (previous_response_id) expire after S seconds "
+        "(default 3600; in Redis with --redis-url, else in memory)",
+    )
+    fleet.add_argument(
+        "--max-stored-responses",
+        type=_positive_int,
+        metavar="N",
+        help="Responses API: at most N stored responses in memory (default 10000)",
+    )
     return p
 
 
@@ -296,6 +311,8 @@ def configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerSettings]:
         replica_id=values["replica_id"],
         advertise_url=values["advertise_url"],
         heartbeat_ttl_s=values["heartbeat_ttl"],
+        response_ttl_s=values["response_ttl"],
+        max_stored_responses=values["max_stored_responses"],
     )
     return engine, settings
 

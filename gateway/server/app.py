@@ -13,6 +13,8 @@ from prefixgate.gateway.engine.api import EngineLike
 from prefixgate.gateway.server import dashboard, routes_cache, routes_openai, routes_ops
 from prefixgate.gateway.server.auth import KeyTable
 from prefixgate.gateway.server.anthropic import routes as anthropic_routes
+from prefixgate.gateway.server.responses import routes as responses_routes
+from prefixgate.gateway.server.responses.store import MemoryResponseStore, RedisResponseStore
 from prefixgate.gateway.server.errors import REQUEST_ID_HEADER, install_exception_handlers
 from prefixgate.gateway.server.metrics import GatewayMetrics
 from prefixgate.gateway.server.request_id import RequestIdMiddleware
@@ -83,10 +85,21 @@ def create_app(
     )
     app.state.server = state
     app.state.publisher = publisher  # None unless --redis-url
+    # Responses API state: in Redis when the fleet has one (any replica continues a
+    # conversation), else in this process
+    if settings.redis_url:
+        from prefixgate.gateway.scaleout.redis_client import connect
+
+        app.state.responses = RedisResponseStore(connect(settings.redis_url),
+                                                 ttl_s=settings.response_ttl_s)
+    else:
+        app.state.responses = MemoryResponseStore(settings.max_stored_responses,
+                                                  ttl_s=settings.response_ttl_s)
     app.state.keys = keys  # read by the auth dependencies
     install_exception_handlers(app)
     app.include_router(routes_openai.router)
     app.include_router(anthropic_routes.router)
+    app.include_router(responses_routes.router)
     app.include_router(routes_cache.router)
     app.include_router(routes_ops.router)
     app.include_router(dashboard.router)

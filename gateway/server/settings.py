@@ -148,6 +148,10 @@ class ServerSettings:
     replica_id: str | None = None  # None = <hostname>-<port>
     advertise_url: str | None = None  # None = http://<host>:<port>
     heartbeat_ttl_s: float = 3.0  # a router drops this replica when no beat came for this long
+    # Responses API: stored responses (previous_response_id) expire after this long; at most
+    # this many are kept in memory (in Redis, the TTL alone bounds them)
+    response_ttl_s: float = 3600.0
+    max_stored_responses: int = 10_000
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -159,6 +163,8 @@ class ServerSettings:
             _check_token(self.admin_key, "admin key", "admin_key")
             if self.admin_key in self.api_keys:
                 raise ValueError("the admin key must differ from every tenant API key")
+        if self.response_ttl_s <= 0 or self.max_stored_responses < 1:
+            raise ValueError("response_ttl_s must be > 0 and max_stored_responses >= 1")
         if self.heartbeat_ttl_s <= 0:
             raise ValueError(f"heartbeat_ttl_s must be > 0, got {self.heartbeat_ttl_s}")
         if self.max_agent_labels < 0 or self.max_stats_agents < 0:

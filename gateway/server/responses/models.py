@@ -1,0 +1,251 @@
+"""OpenAI Responses wire format: the request model and its translation to a neutral turn.
+
+Accepted: ``input`` as a string or items (messages with ``input_text`` / ``output_text``
+parts, ``function_call``, ``function_call_output``; ``reasoning`` items are skipped),
+``instructions``, ``tools`` of type ``function``, ``tool_choice``, ``parallel_tool_calls``,
+``text.format`` (``text`` / ``json_object`` / ``json_schema``), ``max_output_tokens``,
+``temperature``, ``top_p``, ``user`` / ``metadata`` (agent label), ``store``,
+``previous_response_id``, ``stream``. Unknown fields are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    model_validator,
+)
+
+from prefixgate.gateway.engine.api import GrammarSpec
+from prefixgate.gateway.server.protocol import (
+    MAX_DESCRIPTION_CHARS,
+    MAX_MESSAGES,
+    MAX_TOOLS,
+    FunctionName,
+    Label,
+)
+from prefixgate.gateway.server.tools import FunctionTool, ToolChoice
+from prefixgate.gateway.server.tools.grammar import check_schema
+from prefixgate.gateway.server.turn import ChatTurn
+
+MAX_INSTRUCTIONS_CHARS = 256 * 1024
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ContentPart(_Model):
+    type: Literal["input_text", "output_text", "text", "refusal"]
+    text: str = ""
+    refusal: str | None = None
+
+
+class MessageItem(_Model):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[ContentPart]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        parts = value.get("content") if isinstance(value, dict) else None
+        if isinstance(parts, list):
+            for i, part in enumerate(parts):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind not in ("input_text", "output_text", "text", "refusal"):
+                    raise ValueError(f"content part {i} has type {kind!r}; this text-only model "
+                                     "takes input_text and output_text parts")
+        return value
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text or p.refusal or "" for p in self.content)
+
+
+class FunctionCallItem(_Model):
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1, max_length=256)
+    name: FunctionName
+    arguments: str = "{}"
+    id: str | None = None
+
+
+class FunctionCallOutputItem(_Model):
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1, max_length=256)
+    output: str | list[ContentPart]
+
+    @property
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "\n".join(
+            p.text for p in self.output)
+
+
+class ReasoningItem(_Model):
+    type: Literal["reasoning"]
+
+
+def _item_type(value: Any) -> str:
+    if isinstance(value, dict):
+        return value.get("type") or "message"  # EasyInputMessage: {"role", "content"}
+    return getattr(value, "type", "message")
+
+
+InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
+                      Field(discriminator="type")]
+
+
+class FunctionToolModel(_Model):
+    type: Literal["function"]
+    name: FunctionName
+    description: str | None = Field(default=None, max_length=MAX_DESCRIPTION_CHARS)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunctionChoice(_Model):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Model):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(_Model):
+    format: TextFormat | None = None
+
+
+def _check_tool_choice(choice: Any, info: ValidationInfo) -> Any:
+    # a field validator, so the 400 names tool_choice (tools is declared first: in info.data)
+    names = [t.name for t in info.data.get("tools") or ()]
+    if isinstance(choice, NamedFunctionChoice) and choice.name not in names:
+        raise ValueError(f"it names {choice.name!r}, which is not in tools")
+    if choice == "required" and not names:
+        raise ValueError("'required' needs tools")
+    return choice
+
+
+class ResponsesRequest(_Model):
+    model: str | None = None
+    input: str | list[InputItem]
+    instructions: str | None = Field(default=None, max_length=MAX_INSTRUCTIONS_CHARS)
+    tools: list[FunctionToolModel] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Annotated[Literal["none", "auto", "required"] | NamedFunctionChoice | None,
+                           AfterValidator(_check_tool_choice)] = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    user: Label = None
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    store: bool = True
+    previous_response_id: str | None = Field(default=None, max_length=256)
+    stream: bool = False
+    cache_salt: Label = None  # the vLLM extra, as on the chat route
+
+    @model_validator(mode="before")
+    @classmethod
+    def _typed_items(cls, value: Any) -> Any:
+        # easy input messages carry no "type": name it so the discriminator can pick
+        if isinstance(value, dict) and isinstance(value.get("input"), list):
+            value = {**value, "input": [
+                {**item, "type": _item_type(item)} if isinstance(item, dict) else item
+                for item in value["input"]]}
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> ResponsesRequest:
+        names = [t.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tool names must be unique")
+        if isinstance(self.input, list) and len(self.input) > MAX_MESSAGES:
+            raise ValueError(f"at most {MAX_MESSAGES} input items")
+        return self
+
+    @property
+    def agent_label(self) -> str | None:
+        return self.user or (self.metadata or {}).get("agent") or None
+
+    def input_messages(self) -> list[dict[str, Any]]:
+        """This request's own input as chat-template dicts (no instructions, no history)."""
+        if isinstance(self.input, str):
+            return [{"role": "user", "content": self.input}]
+        out: list[dict[str, Any]] = []
+        for item in self.input:
+            if isinstance(item, MessageItem):
+                role = "system" if item.role == "developer" else item.role
+                out.append({"role": role, "content": item.text})
+            elif isinstance(item, FunctionCallItem):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                last = out[-1] if out else None
+                if last is not None and last["role"] == "assistant":
+                    # consecutive calls (and the text before them) are one assistant turn
+                    last.setdefault("tool_calls", []).append(call)
+                else:
+                    out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            elif isinstance(item, FunctionCallOutputItem):
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
+        return out
+
+    def response_format(self) -> GrammarSpec | None:
+        fmt = self.text.format if self.text else None
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return GrammarSpec("json_object", param="text.format")
+        param = "text.format.schema"
+        schema = fmt.schema_ if fmt.schema_ is not None else {"type": "object"}
+        return GrammarSpec("json_schema", check_schema(schema, param, object_only=False),
+                           strict=bool(fmt.strict), param=param)
+
+    def tool_choice_record(self) -> ToolChoice:
+        parallel = self.parallel_tool_calls is not False
+        if isinstance(self.tool_choice, NamedFunctionChoice):
+            return ToolChoice("function", self.tool_choice.name, parallel)
+        return ToolChoice(self.tool_choice or "auto", None, parallel)
+
+    def turn(self, history: list[dict[str, Any]]) -> ChatTurn:
+        """The neutral turn: instructions, then the stored conversation, then this input."""
+        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        return ChatTurn(
+            messages=[*messages, *history, *self.input_messages()],
+            tools=[FunctionTool(t.name, t.description, t.parameters, strict=t.strict is not False)
+                   for t in self.tools or ()],
+            tool_choice=self.tool_choice_record(),
+            response_format=self.response_format(),
+            max_tokens=self.max_output_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            user=self.agent_label,
+            cache_salt=self.cache_salt,
+            message_param="input",
+            parameters_param=lambda i: f"tools[{i}].parameters",
+        )
+
+
+def output_messages(text: str, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A response's output as chat-template dicts, to continue the conversation from."""
+    if not calls:
+        return [{"role": "assistant", "content": text}]
+    return [{"role": "assistant", "content": text, "tool_calls": calls}]
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
