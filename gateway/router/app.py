@@ -1,9 +1,12 @@
 """The router app: OpenAI-compatible pass-through in front of several prefixgate replicas.
 
-* ``POST /v1/chat/completions``, ``/v1/completions``: placed by the policy (cache affinity vs
-  load), proxied byte for byte; retried once on another replica when the first one refused the
+* ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses``, ``/v1/messages``:
+  placed by the policy (cache affinity vs load; a Responses turn continuing
+  ``previous_response_id`` is hashed with its stored conversation, so it goes where that
+  conversation's pages are), proxied byte for byte; retried once on another replica when the first one refused the
   connection or died before answering (nothing reached the client yet, so nothing duplicates).
-* ``POST /tokenize``, ``/detokenize``: to the least-loaded replica.
+* ``POST /tokenize``, ``/detokenize``, ``/v1/messages/count_tokens``, ``GET`` / ``DELETE
+  /v1/responses/{id}`` (stored in Redis, shared): to the least-loaded replica.
 * ``GET /v1/models``: the union of the replicas' model lists.
 * ``POST /v1/cache/pin``, ``/unpin``, ``/reset``: sent to every routable replica.
 * ``GET /v1/cache/stats``, ``/metrics``, ``/health``: the fleet, aggregated.
@@ -23,7 +26,13 @@ from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from prefixgate.gateway.engine.api import EngineError
-from prefixgate.gateway.router.prompt import CHAT_PATH, COMPLETIONS_PATH
+from prefixgate.gateway.router.prompt import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    MESSAGES_PATH,
+    PROMPT_PATHS,
+    RESPONSES_PATH,
+)
 from prefixgate.gateway.router.proxy import (
     REASON_HEADER,
     REPLICA_HEADER,
@@ -78,7 +87,7 @@ async def forward(request: Request, path: str) -> Response:
     headers = upstream_headers(request.headers.items(), request_id)
     began = time.perf_counter()
     key = None
-    if path in (CHAT_PATH, COMPLETIONS_PATH):
+    if path in PROMPT_PATHS:
         key = await state.prompt_key(path, body, request.headers)
     excluded: set[str] = set()
     for attempt in range(2):
@@ -201,6 +210,24 @@ def create_router_app(settings: RouterSettings, *, tokenizer: Any = None,
     @app.post(COMPLETIONS_PATH, response_model=None)
     async def completions(request: Request) -> Response:
         return await forward(request, COMPLETIONS_PATH)
+
+    @app.post(RESPONSES_PATH, response_model=None)
+    async def responses(request: Request) -> Response:
+        return await forward(request, RESPONSES_PATH)
+
+    @app.get(RESPONSES_PATH + "/{response_id}", response_model=None)
+    @app.delete(RESPONSES_PATH + "/{response_id}", response_model=None)
+    async def stored_response(request: Request, response_id: str) -> Response:
+        # any replica answers: stored responses are shared in Redis
+        return await forward(request, f"{RESPONSES_PATH}/{response_id}")
+
+    @app.post(MESSAGES_PATH, response_model=None)
+    async def messages(request: Request) -> Response:
+        return await forward(request, MESSAGES_PATH)
+
+    @app.post(MESSAGES_PATH + "/count_tokens", response_model=None)
+    async def count_tokens(request: Request) -> Response:
+        return await forward(request, MESSAGES_PATH + "/count_tokens")
 
     @app.post("/tokenize", response_model=None)
     async def tokenize(request: Request) -> Response:

@@ -17,14 +17,20 @@ from pydantic import ValidationError
 
 from prefixgate.cache.hashing import BlockHasher, make_extra_keys
 from prefixgate.gateway.server.auth import KeyTable
+from prefixgate.gateway.server.anthropic.models import MessagesRequest
 from prefixgate.gateway.server.protocol import ChatCompletionRequest, CompletionRequest
+from prefixgate.gateway.server.responses.models import ResponsesRequest
 from prefixgate.gateway.server.settings import DEFAULT_TENANT
 from prefixgate.gateway.server.state import AGENT_HEADER
+from prefixgate.gateway.server.tokenization import template_inputs
 
 logger = logging.getLogger("prefixgate.router")
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
+RESPONSES_PATH = "/v1/responses"
+MESSAGES_PATH = "/v1/messages"
+PROMPT_PATHS = (CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH, MESSAGES_PATH)
 
 
 class PromptKey(NamedTuple):
@@ -58,19 +64,36 @@ class PromptHasher:
         if not self.keys.enabled:
             return DEFAULT_TENANT
         scheme, _, key = (headers.get("authorization") or "").partition(" ")
+        if not scheme and headers.get("x-api-key"):  # Anthropic clients
+            scheme, key = "bearer", headers.get("x-api-key", "")
         if scheme.lower() != "bearer" or not key.strip():
             return None
         principal = self.keys.principal(key.strip())
         return None if principal is None else principal.tenant
 
-    def token_ids(self, path: str, data: dict[str, Any]) -> tuple[list[int], str | None, str | None]:
-        """(prompt token ids, `user`, cache_salt); raises ValueError / ValidationError."""
+    def _chat_ids(self, messages: list[dict[str, Any]], tools: Any, param: str) -> list[int]:
+        prepared, template_tools = template_inputs(self.tokenizer, messages, tools, param)
+        return list(self.tokenizer.apply_chat_template(prepared, template_tools, True))
+
+    def token_ids(self, path: str, data: dict[str, Any], history: list[dict[str, Any]] | None = None
+                  ) -> tuple[list[int], str | None, str | None]:
+        """(prompt token ids, `user`, cache_salt); raises ValueError / ValidationError.
+
+        ``history``: for a Responses request continuing ``previous_response_id``, the stored
+        conversation (the replica prepends the same one).
+        """
         if path == CHAT_PATH:
             chat = ChatCompletionRequest.model_validate(data)
-            ids = self.tokenizer.apply_chat_template(
-                chat.template_messages(), chat.template_tools(), True
-            )
-            return list(ids), chat.user, chat.cache_salt
+            ids = self._chat_ids(chat.template_messages(), chat.template_tools(), "messages")
+            return ids, chat.user, chat.cache_salt
+        if path in (RESPONSES_PATH, MESSAGES_PATH):
+            if path == RESPONSES_PATH:
+                request = ResponsesRequest.model_validate(data)
+                turn, salt = request.turn(history or []), request.cache_salt
+            else:
+                turn, salt = MessagesRequest.model_validate(data).turn(), None
+            ids = self._chat_ids(turn.messages, turn.visible_tools, turn.message_param)
+            return ids, turn.user, salt
         if path == COMPLETIONS_PATH:
             completion = CompletionRequest.model_validate(data)
             first = completion.prompt[0]  # a multi-prompt request goes where its first fits
@@ -78,7 +101,8 @@ class PromptHasher:
             return list(ids), completion.user, completion.cache_salt
         raise ValueError(f"no prompt in {path}")
 
-    def key(self, path: str, body: bytes, headers: Mapping[str, str]) -> PromptKey | None:
+    def key(self, path: str, body: bytes, headers: Mapping[str, str],
+            history: list[dict[str, Any]] | None = None) -> PromptKey | None:
         """The prompt key of a request, or None when it has no (valid) prompt or tenant."""
         tenant = self.tenant_of(headers)
         if tenant is None:
@@ -87,7 +111,7 @@ class PromptHasher:
             data = json.loads(body)
             if not isinstance(data, dict):
                 return None
-            ids, user, cache_salt = self.token_ids(path, data)
+            ids, user, cache_salt = self.token_ids(path, data, history)
         except (ValueError, TypeError, KeyError, ValidationError) as exc:
             # The replica will reject it with a proper error; we only lose placement.
             logger.debug("no prompt key for %s: %s", path, exc)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections import Counter, deque
@@ -23,10 +24,12 @@ from prefixgate.gateway.router.fleet import Fleet, HashFacts, ReplicaState
 from prefixgate.gateway.router.index import IndexReader
 from prefixgate.gateway.router.metrics import RouterMetrics
 from prefixgate.gateway.router.policy import Candidate, Decision, least_loaded, make_policy
-from prefixgate.gateway.router.prompt import PromptHasher, PromptKey
+from prefixgate.gateway.router.prompt import RESPONSES_PATH, PromptHasher, PromptKey
 from prefixgate.gateway.router.recent import RecentRoutes, SessionTable
 from prefixgate.gateway.router.settings import RouterSettings
 from prefixgate.gateway.scaleout.keys import RedisKeys
+from prefixgate.gateway.scaleout.redis_client import REDIS_ERRORS
+from prefixgate.gateway.server.responses.store import REDIS_KEY_PREFIX as RESPONSE_KEY_PREFIX
 from prefixgate.gateway.server.auth import KeyTable
 
 logger = logging.getLogger("prefixgate.router")
@@ -160,8 +163,31 @@ class RouterState:
         """Tokenise and hash the prompt (cache-aware policy only; the others ignore it)."""
         if not self.cache_aware:
             return None
+        history = await self.stored_history(body, headers) if path == RESPONSES_PATH else None
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._hash_pool, self.hasher.key, path, body, headers)
+        return await loop.run_in_executor(self._hash_pool, self.hasher.key, path, body, headers,
+                                          history)
+
+    async def stored_history(self, body: bytes, headers: Mapping[str, str]) -> list | None:
+        """A Responses request continuing ``previous_response_id``: the stored conversation
+        (shared in Redis by the replicas), so its prompt hashes as the replica will build it
+        and the policy sends it where that conversation's pages are."""
+        if self.index is None:
+            return None
+        try:
+            data = json.loads(body)
+            previous = data.get("previous_response_id") if isinstance(data, dict) else None
+            if not isinstance(previous, str) or not previous:
+                return None
+            raw = await self.index.redis.get(RESPONSE_KEY_PREFIX + previous)
+            record = json.loads(raw) if raw else None
+        except (*REDIS_ERRORS, ValueError, TypeError) as exc:
+            logger.debug("no stored conversation for placement: %s", exc)
+            return None
+        if not isinstance(record, dict) or record.get("tenant") != self.hasher.tenant_of(headers):
+            return None  # another tenant's id: the replica answers it (not found)
+        conversation = record.get("conversation")
+        return conversation if isinstance(conversation, list) else None
 
     async def place(self, key: PromptKey | None, salt: str,
                     exclude: frozenset[str] = frozenset()) -> tuple[ReplicaState, Decision, int] | None:

@@ -14,6 +14,31 @@ from prefixgate.gateway.server.tools.prompt import TOOL_CALL_OPEN, tool_json
 T = TypeVar("T")
 
 
+def template_renders_tools(tokenizer: Any) -> bool:
+    """The model's own template writes tools, in the Hermes ``<tool_call>`` format the gateway
+    parses; otherwise the gateway renders tools itself (tools/prompt.py)."""
+    template = getattr(tokenizer, "chat_template", None)
+    return bool(
+        template is not None
+        and getattr(template, "renders_tools", False)
+        and TOOL_CALL_OPEN in template.source
+    )
+
+
+def template_inputs(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[FunctionTool] | None,
+    message_param: str = "messages",
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """``(messages, tools)`` to hand the chat template, so that replicas and the router (which
+    hashes prompts to place requests) render a conversation with tools identically."""
+    if template_renders_tools(tokenizer):
+        template_tools = [tool_json(t) for t in tools] if tools else None
+        return native_messages(messages, message_param=message_param), template_tools
+    return prepare_messages(messages, tools, message_param=message_param), None
+
+
 class Tokenization:
     """Runs tokenizer calls on one worker thread: chat templates of long prompts take
     milliseconds of pure Python, which must not stall every other stream on the event loop."""
@@ -54,14 +79,7 @@ class Tokenization:
 
     @property
     def template_renders_tools(self) -> bool:
-        """The model's own template writes tools, in the Hermes ``<tool_call>`` format the
-        gateway parses; otherwise the gateway renders tools itself (tools/prompt.py)."""
-        template = getattr(self.engine.tokenizer, "chat_template", None)
-        return bool(
-            template is not None
-            and getattr(template, "renders_tools", False)
-            and TOOL_CALL_OPEN in template.source
-        )
+        return template_renders_tools(self.engine.tokenizer)
 
     async def chat_with_tools(
         self,
@@ -71,12 +89,9 @@ class Tokenization:
         message_param: str = "messages",
     ) -> list[int]:
         """Token ids of a conversation whose turns may carry tools, calls and tool results."""
-        if self.template_renders_tools:
-            template_tools = [tool_json(t) for t in tools] if tools else None
-            return await self.chat(native_messages(messages, message_param=message_param),
-                                   template_tools, add_generation_prompt)
-        prepared = prepare_messages(messages, tools, message_param=message_param)
-        return await self.chat(prepared, None, add_generation_prompt)
+        prepared, template_tools = template_inputs(self.engine.tokenizer, messages, tools,
+                                                   message_param)
+        return await self.chat(prepared, template_tools, add_generation_prompt)
 
     async def text(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(await self.run(self.engine.tokenizer.encode, text, add_special_tokens))
