@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 
 from prefixgate.cache.errors import InvalidArgumentError, OutOfPagesError
 from prefixgate.cache.events import BlockRemoved, BlockStored, EventSink
 from prefixgate.cache.free_queue import FreePageQueue
 from prefixgate.cache.hashing import BlockHash, HashedBlock
 from prefixgate.cache.page import Page
+from prefixgate.cache.retention import RetainedPages
 
 
 class BlockPool:
@@ -28,6 +30,7 @@ class BlockPool:
         *,
         enable_caching: bool = True,
         event_sink: EventSink | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         if num_pages < 1:
             raise InvalidArgumentError(f"num_pages must be >= 1, got {num_pages}")
@@ -41,11 +44,32 @@ class BlockPool:
         self.cached: dict[BlockHash, Page] = {}
         self.event_sink = event_sink
         self.num_evictions = 0
+        # retention: free cached pages kept ahead of the LRU until a deadline (soft)
+        self.retained = RetainedPages()
+        self.clock = clock
+        self.num_retained_evicted = 0  # retained pages reused before their deadline (pressure)
+        self.num_retention_expiries = 0
 
     @property
     def num_free_pages(self) -> int:
-        """Pages with refcount 0 (free or free-but-cached): what allocation can take."""
-        return len(self.free_queue)
+        """Pages with refcount 0 (free or free-but-cached, retained or not): what allocation
+        can take. NOTE: retention never makes a page unallocatable."""
+        return len(self.free_queue) + len(self.retained)
+
+    @property
+    def num_retained_pages(self) -> int:
+        """Free cached pages under retention right now (referenced pages are not counted)."""
+        return len(self.retained)
+
+    def free_pages(self) -> list[Page]:
+        """Every free page: the LRU queue in order, then the retained ones."""
+        return [*self.free_queue, *self.retained]
+
+    def _expire(self) -> None:
+        for page in self.retained.pop_expired(self.clock()):
+            page.retain_until = page.retain_ttl = 0.0
+            self.num_retention_expiries += 1
+            self.free_queue.append(page)  # back to the ordinary LRU, most recent end
 
     def allocate(self, count: int) -> list[Page]:
         """Take ``count`` pages from the front of the free queue, each with refcount 1.
@@ -57,11 +81,18 @@ class BlockPool:
         """
         if count < 0:
             raise InvalidArgumentError(f"cannot allocate {count} pages")
-        if count > len(self.free_queue):
-            raise OutOfPagesError(count, len(self.free_queue))
+        if count > self.num_free_pages:
+            raise OutOfPagesError(count, self.num_free_pages)
+        if self.retained:
+            self._expire()
         out = []
         for _ in range(count):
-            page = self.free_queue.popleft()
+            if self.free_queue:
+                page = self.free_queue.popleft()
+            else:  # only retained pages are left: the earliest deadline goes first
+                page = self.retained.pop_earliest()
+                page.retain_until = page.retain_ttl = 0.0
+                self.num_retained_evicted += 1
             if page.block_hash is not None:
                 self._evict(page)
             page.ref_count = 1
@@ -89,7 +120,12 @@ class BlockPool:
         """Add one reference to each page (a new block table holds it)."""
         for page in pages:
             if page.ref_count == 0:
-                self.free_queue.remove(page)
+                if page in self.retained:
+                    self.retained.remove(page)
+                else:
+                    self.free_queue.remove(page)
+            if page.retain_ttl:  # a hit on a retained prefix: its session is back, keep it longer
+                page.retain_until = max(page.retain_until, self.clock() + page.retain_ttl)
             page.ref_count += 1
 
     def release(self, pages: Iterable[Page]) -> None:
@@ -103,10 +139,28 @@ class BlockPool:
                 raise InvalidArgumentError(f"release of page {page.page_id} with refcount {page.ref_count}")
             page.ref_count -= 1
             if page.ref_count == 0:
-                if page.block_hash is not None:
+                if page.block_hash is not None and page.retain_until > self.clock():
+                    self.retained.add(page)
+                elif page.block_hash is not None:
+                    page.retain_until = page.retain_ttl = 0.0
                     self.free_queue.append(page)
                 else:
                     self.free_queue.appendleft(page)
+
+    def retain(self, page: Page, ttl_s: float) -> bool:
+        """Keep cached ``page`` ahead of LRU eviction for ``ttl_s`` seconds from now (a later
+        deadline is kept); a hit renews it. Returns False for a page without a hash."""
+        if page.block_hash is None or ttl_s <= 0:
+            return False
+        page.retain_until = max(page.retain_until, self.clock() + ttl_s)
+        page.retain_ttl = max(page.retain_ttl, ttl_s)
+        if page.ref_count == 0:
+            if page in self.retained:
+                self.retained.remove(page)  # re-queued under its new deadline
+            else:
+                self.free_queue.remove(page)
+            self.retained.add(page)
+        return True
 
     def register(self, page: Page, block: HashedBlock) -> bool:
         """Make ``page`` hittable under ``block``'s hash.
@@ -147,6 +201,9 @@ class BlockPool:
     def reset(self) -> int:
         """Drop the hash of every free-but-cached page; returns how many were dropped."""
         dropped = 0
+        for page in list(self.retained):
+            self.retained.remove(page)
+            self.free_queue.append(page)
         for page in list(self.free_queue):
             if page.block_hash is not None:
                 self._drop_hash(page)
@@ -170,5 +227,6 @@ class BlockPool:
         del self.cached[block_hash]
         page.block_hash = page.parent_hash = page.token_bytes = None
         page.extra_keys = b""
+        page.retain_until = page.retain_ttl = 0.0
         if self.event_sink is not None:
             self.event_sink(BlockRemoved(block_hash))

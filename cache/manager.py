@@ -322,6 +322,34 @@ class KVCacheManager:
         """Unpin the cached full blocks of ``token_ids``'s prefix; returns how many were pinned."""
         return sum(self.pool.unpin(p) for p in self._cached_prefix_pages(token_ids, extra_keys))
 
+    def retain(self, token_ids: Sequence[int], extra_keys: bytes, ttl_s: float,
+               max_pages: int | None = None) -> int:
+        """Retain the cached full blocks of ``token_ids``'s prefix for ``ttl_s`` seconds: they
+        are evicted only after every unretained free page (earliest deadline first), and a hit
+        renews them. Soft: they never block an allocation.
+
+        Args:
+            max_pages: the retention budget (pages retained in the whole pool); blocks past it
+                are left to the LRU.
+
+        Returns:
+            How many pages are retained now for this prefix.
+        """
+        pages = self._cached_prefix_pages(token_ids, extra_keys)
+        in_budget = self.num_retained_pages() if max_pages is not None else 0
+        retained = 0
+        for page in pages:
+            if page.retain_until <= 0 and max_pages is not None:
+                if in_budget >= max_pages:
+                    break
+                in_budget += 1
+            retained += self.pool.retain(page, ttl_s)
+        return retained
+
+    def num_retained_pages(self) -> int:
+        """Pages under retention: free retained ones plus referenced ones with a deadline."""
+        return sum(1 for p in self.pool.pages if p.retain_until > 0)
+
     def num_pinned_prefix_pages(self, token_ids: Sequence[int], extra_keys: bytes = b"") -> int:
         """How many leading full blocks of ``token_ids`` are cached and pinned right now."""
         return sum(1 for p in self._cached_prefix_pages(token_ids, extra_keys) if p.pinned)
@@ -360,6 +388,9 @@ class KVCacheManager:
             per_tenant={k: v.frozen() for k, v in self._per_tenant.items()},
             per_agent={k: v.frozen() for k, v in self._per_agent.items()},
             top_prefixes=self._top_prefixes(top_k),
+            pages_retained=sum(1 for p in pages if p.retain_until > 0),
+            retained_evicted=self.pool.num_retained_evicted,
+            retention_expiries=self.pool.num_retention_expiries,
         )
 
     # ------------------------------------------------------------------ integrity
@@ -367,9 +398,11 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         """Verify every invariant of the guide; raises IntegrityError naming the broken one."""
         pool = self.pool
-        queued = list(pool.free_queue)
-        if len(queued) != len(pool.free_queue) or len({p.page_id for p in queued}) != len(queued):
+        queued = pool.free_pages()
+        if len(queued) != pool.num_free_pages or len({p.page_id for p in queued}) != len(queued):
             raise IntegrityError("free queue length/uniqueness broken")
+        if any(p.retain_until <= 0 or p.block_hash is None for p in pool.retained):
+            raise IntegrityError("a retained free page without a deadline or a hash")
         refs = [0] * self.num_pages
         for seq in self._seqs.values():
             for page_id in seq.block_table:
@@ -395,7 +428,7 @@ class KVCacheManager:
         if len(pool.cached) != sum(1 for p in pool.pages if p.block_hash is not None):
             raise IntegrityError("hash map holds pages that do not carry the hash")
         used = sum(1 for p in pool.pages if p.ref_count > 0)
-        if used + len(pool.free_queue) != self.num_pages:
+        if used + pool.num_free_pages != self.num_pages:
             raise IntegrityError("pages not conserved: used + free != total")
         # Every registered block of a live sequence holds exactly the tokens its chain says.
         for seq in self._seqs.values():

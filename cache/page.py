@@ -25,6 +25,10 @@ class Page:
     parent_hash: BlockHash | None = None
     token_bytes: bytes | None = None
     extra_keys: bytes = b""
+    # Retention (cache/retention.py): kept ahead of LRU eviction until this monotonic deadline
+    # (0 = not retained); a hit extends it by ``retain_ttl`` again.
+    retain_until: float = 0.0
+    retain_ttl: float = 0.0
     # Free-queue links (None when not queued, or at an end).
     prev: Page | None = None
     next: Page | None = None

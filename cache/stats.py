@@ -73,6 +73,10 @@ class CacheStats:
     per_tenant: dict[str, HitStats] = field(default_factory=dict)
     per_agent: dict[str, HitStats] = field(default_factory=dict)
     top_prefixes: tuple[SharedPrefix, ...] = ()
+    # retention (cache/retention.py): pages kept ahead of LRU eviction until a deadline
+    pages_retained: int = 0  # under retention now (free or in use)
+    retained_evicted: int = 0  # retained pages reused before their deadline (memory pressure)
+    retention_expiries: int = 0  # retentions that ran out (their pages went back to the LRU)
 
     @property
     def usage(self) -> float:

@@ -49,6 +49,7 @@ DEFAULTS: dict[str, Any] = {
     "heartbeat_ttl": 3.0,
     "response_ttl": 3600.0,
     "max_stored_responses": 10_000,
+    "retention": 30.0,
 }
 
 
@@ -206,6 +207,14 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         help="routers drop this replica when no heartbeat came for S seconds (default 3)",
     )
     fleet.add_argument(
+        "--retention",
+        type=float,
+        metavar="S",
+        help="a response that ends in tool calls keeps its pages ahead of LRU eviction for S "
+        "seconds, until the agent returns with the result (default 30; 0 = off; requests may "
+        "hint it: retention_seconds, X-Retention-Seconds, Anthropic cache_control.ttl)",
+    )
+    fleet.add_argument(
         "--response-ttl",
         type=_positive_float,
         metavar="S",
@@ -313,6 +322,7 @@ def configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerSettings]:
         heartbeat_ttl_s=values["heartbeat_ttl"],
         response_ttl_s=values["response_ttl"],
         max_stored_responses=values["max_stored_responses"],
+        retention_s=values["retention"],
     )
     return engine, settings
 

@@ -7,6 +7,7 @@ the async stream of :class:`Delta` records. Everything here is plain data (no to
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -40,6 +41,14 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self) -> None:
+        # NOTE: NaN passes every comparison below unnoticed; an infinity poisons the softmax
+        floats = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty")
+        bad = next((f for f in floats if not math.isfinite(getattr(self, f))), None)
+        if bad is not None:
+            raise InvalidRequestError(f"{bad} must be a finite number", param=bad)
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise InvalidRequestError("seed must be a 64-bit signed integer", param="seed")
         if self.max_tokens < 1:
             raise InvalidRequestError("max_tokens must be >= 1", param="max_tokens")
         if self.temperature < 0:
@@ -163,11 +172,13 @@ class InvalidRequestError(EngineError):
 class ContextLengthError(InvalidRequestError):
     """Prompt + max_tokens can never fit (over the context window or the whole page pool)."""
 
-    def __init__(self, prompt_tokens: int, max_tokens: int, limit: int, what: str = "context length"):
+    def __init__(self, prompt_tokens: int, max_tokens: int, limit: int, what: str = "context length",
+                 param: str = "messages"):
+        # ``param``: the route's prompt field (``messages``, ``prompt`` on /v1/completions)
         super().__init__(
             f"This model's maximum {what} is {limit} tokens; the request asks for "
             f"{prompt_tokens} prompt tokens + {max_tokens} max_tokens = {prompt_tokens + max_tokens}.",
-            param="messages",
+            param=param,
             code="context_length_exceeded",
         )
         self.prompt_tokens = prompt_tokens
@@ -258,6 +269,11 @@ class EngineLike(Protocol):
     async def pin(self, token_ids: Sequence[int], tenant: str, cache_salt: str | None = None) -> PinResult: ...
 
     async def unpin(self, token_ids: Sequence[int], tenant: str, cache_salt: str | None = None) -> PinResult: ...
+
+    async def retain(self, token_ids: Sequence[int], tenant: str, cache_salt: str | None,
+                     ttl_s: float) -> int:
+        """Keep the prefix's cached full blocks ahead of LRU eviction for ``ttl_s`` (soft)."""
+        ...
 
     def reset_cache(self) -> int:
         """Drop every unreferenced cached page (pinned ones stay); returns how many."""

@@ -21,6 +21,9 @@ class EngineConfig:
     watermark: float = 0.10  # admit only while >= this fraction of pages stays free
     enable_prefix_caching: bool = True
     hash_seed: int = 0  # replicas of one fleet must agree
+    # at most this fraction of the pool is under retention (cache/retention.py) at a time, so
+    # sessions waiting on tools cannot hold the whole cache ahead of everyone else's LRU
+    retention_budget: float = 0.5
     kernel_backend: str | None = None  # None = triton on CUDA, torch on CPU
     native_kernels: bool = True  # CPU fp32: the native C kernels (kernels/csrc) when they build here
 
@@ -45,6 +48,8 @@ class EngineConfig:
             raise ValueError("max_waiting must be >= 0")
         if not 0 <= self.watermark < 1:
             raise ValueError("watermark must be in [0, 1)")
+        if not 0 <= self.retention_budget <= 1:
+            raise ValueError("retention_budget must be in [0, 1]")
 
 
 # Default step budget per device type, in context-free tokens (the scheduler counts a prefill

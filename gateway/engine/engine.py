@@ -117,13 +117,20 @@ class AsyncEngine:
                 self._inbox.clear()
             with self._lock:
                 for command in commands:
-                    command()
+                    try:
+                        command()
+                    except Exception:  # one bad add/abort must not kill the engine thread
+                        logger.exception("an engine command failed")
                 if self.core.has_work():
                     try:
+                        # a failure attributable to one request fails it alone inside step()
                         self.core.step()
-                    except Exception:  # a runner failure must not kill the server
+                    except Exception:  # the model or device itself: must not kill the server
                         logger.exception("engine step failed; failing in-flight requests")
-                        self.core.fail_all(EngineError("internal error in the engine step"))
+                        try:
+                            self.core.recover(EngineError("internal error in the engine step"))
+                        except Exception:
+                            logger.exception("recovering from a failed step failed")
             if self._lock_waiters:
                 # NOTE: threading.Lock is not fair: released and re-taken at once, a busy engine
                 # would starve stats/pin callers for many steps. Step aside briefly for them.
@@ -159,6 +166,9 @@ class AsyncEngine:
                 self.core.add_request(request, sink, grammar=grammar)
             except EngineError as exc:
                 sink(exc)
+            except Exception:  # e.g. a grammar matcher that cannot start: this request only
+                logger.exception("adding request %s failed", request.request_id)
+                sink(EngineError("the request could not be started", code="request_failed"))
 
         with self._wake:
             self._num_queued += 1
@@ -223,6 +233,20 @@ class AsyncEngine:
 
         pages = await asyncio.to_thread(unpin_locked)
         return PinResult(num_tokens=pages * self.core.page_size, num_pages=pages)
+
+    async def retain(self, token_ids: Sequence[int], tenant: str, cache_salt: str | None,
+                     ttl_s: float) -> int:
+        """Keep the cached full blocks of ``token_ids`` ahead of LRU eviction for ``ttl_s``
+        (soft: see cache/retention.py), within the pool's retention budget; returns pages."""
+        ids = tuple(token_ids)
+        budget = int(self.core.cache.num_pages * self.core.config.retention_budget)
+
+        def retain_locked() -> int:  # waits for the engine lock: off the event loop
+            with self._shared():
+                return self.core.cache.retain(ids, self.core.extra_keys_for(tenant, cache_salt),
+                                              ttl_s, max_pages=budget)
+
+        return await asyncio.to_thread(retain_locked)
 
     def _pinned_result(self, ids: tuple[int, ...], tenant: str, cache_salt: str | None) -> PinResult:
         with self._shared():

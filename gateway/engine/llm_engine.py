@@ -183,6 +183,13 @@ class LLMEngine:
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+        if sp.top_k > vocab:
+            raise InvalidRequestError(f"top_k must be <= the vocabulary size {vocab}, got {sp.top_k}",
+                                      param="top_k")
+        bad = next((t for t in sp.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"stop token id {bad} is outside the vocabulary [0, {vocab})",
+                                      param="stop_token_ids")
         if len(prompt) + sp.max_tokens > self.max_model_len:
             raise ContextLengthError(len(prompt), sp.max_tokens, self.max_model_len)
         pages = -(-(len(prompt) + sp.max_tokens) // self.page_size) + (sp.n - 1) * (
@@ -252,9 +259,13 @@ class LLMEngine:
                        if c.need_logits and c.seq.state.matcher is not None]
         masks = self._mask_filler().start([s.state.matcher for s in constrained]) if constrained else None
         try:
-            logits = self.runner.execute(chunks, list(out.copy_pairs))
+            logits, culprits = self._execute(chunks, out.copy_pairs)
         finally:
             bitmask = masks.result() if masks is not None else None
+        for i in culprits:  # before commit: their chunks' K/V never becomes cached
+            self._fail(out.chunks[i].seq.request_id, EngineError(
+                "the model step failed on this request; it was stopped (other requests in the "
+                "step were not affected)", code="request_failed"))
         mask_row = {s.seq_id: i for i, s in enumerate(constrained)}
         self.scheduler.commit(out)
         for c in out.chunks:
@@ -289,21 +300,125 @@ class LLMEngine:
             token_bitmask = None
             if bitmask is not None and any(m >= 0 for m in row_masks):
                 token_bitmask = self._row_bitmask(bitmask, row_masks, picked.device)
-            result = sample(picked.float(), rows, token_bitmask)
+            sampled = self._sample(picked.float(), rows, token_bitmask)
             for i, seq in enumerate(row_seqs):
-                if result.dead_ends and result.dead_ends[i]:
+                if seq.request_id not in self._requests:
+                    continue  # failed earlier in this loop (another choice of it)
+                if sampled[i] is None:
+                    self._fail(seq.request_id, EngineError(
+                        "sampling failed on this request's parameters; it was stopped (other "
+                        "requests in the step were not affected)", code="request_failed"))
+                    continue
+                token_id, token_logprob, top_ids, top_lps, dead_end = sampled[i]
+                if dead_end:
                     self._fail(seq.request_id, EngineError(
                         "the output grammar allows no next token (a dead end); the request "
                         "was stopped", code="grammar_dead_end"))
                     continue
-                if seq.request_id not in self._requests:
-                    continue  # failed earlier in this loop (another choice of it)
-                logprob = None
-                if result.logprobs is not None and seq.sampling.logprobs:
-                    logprob = self._logprob(result.token_ids[i], result.logprobs[i],
-                                            result.top_ids[i][: seq.sampling.top_logprobs],
-                                            result.top_logprobs[i][: seq.sampling.top_logprobs])
-                self._on_token(seq, result.token_ids[i], logprob)
+                try:
+                    logprob = None
+                    if token_logprob is not None and seq.sampling.logprobs:
+                        logprob = self._logprob(token_id, token_logprob,
+                                                top_ids[: seq.sampling.top_logprobs],
+                                                top_lps[: seq.sampling.top_logprobs])
+                    self._on_token(seq, token_id, logprob)
+                except Exception:  # detokenizer, stop strings, grammar: this row's alone
+                    logger.exception("request %s failed after sampling; failing it alone",
+                                     seq.request_id)
+                    self._fail(seq.request_id, EngineError(
+                        "decoding this request's output failed; it was stopped (other "
+                        "requests in the step were not affected)", code="request_failed"))
+        return out
+
+    # ------------------------------------------------------------------ fault isolation
+
+    def _execute(self, chunks: list[Any], copy_pairs: tuple[tuple[int, int], ...]
+                 ) -> tuple[torch.Tensor, list[int]]:
+        """Run the forward; if it raises, find the chunks that fail it alone (bisection).
+
+        Returns the logits of every chunk with ``need_logits`` (in order; a zero row for a
+        culprit) and the indexes of the culprit chunks, whose requests the caller fails.
+
+        Raises the forward's exception when no part of the step can run (the model or device
+        itself failed): the caller fails everything and recovers.
+
+        NOTE: a re-run is safe because each chunk writes only its own pages: a copy-on-write
+        pair is re-run with the chunk that owns its destination page, restoring the shared
+        part before the chunk rewrites the same K/V. Matchers are not touched here (they
+        advance only after sampling), so nothing is advanced twice.
+        """
+        try:
+            return self.runner.execute(chunks, list(copy_pairs)), []
+        except Exception as exc:
+            first_error = exc
+            logger.exception("the forward of a %d-chunk step failed; isolating the culprit", len(chunks))
+        owner = {page: i for i, c in enumerate(chunks) for page in c.block_table}
+        rows: dict[int, torch.Tensor] = {}
+        culprits: list[int] = []
+        runs = {"ok": 0, "failed": 1}
+        # a dead model fails every run: give up once a bisection path fails with no success
+        limit = 2 * len(chunks).bit_length() + 2
+
+        def run(indexes: list[int]) -> None:
+            try:
+                picked = set(indexes)
+                logits = self.runner.execute(
+                    [chunks[i] for i in indexes], [p for p in copy_pairs if owner.get(p[1]) in picked])
+            except Exception:
+                runs["failed"] += 1
+                if len(indexes) == 1:
+                    culprits.append(indexes[0])
+                    return
+                if not runs["ok"] and runs["failed"] > limit:
+                    raise first_error from None
+                half = len(indexes) // 2
+                run(indexes[:half])
+                run(indexes[half:])
+                return
+            runs["ok"] += 1
+            sampling = [i for i in indexes if chunks[i].need_logits]
+            for row, i in enumerate(sampling):
+                rows[i] = logits[row]
+
+        if len(chunks) == 1:
+            raise first_error
+        half = len(chunks) // 2
+        run(list(range(half)))
+        run(list(range(half, len(chunks))))
+        if not runs["ok"]:
+            raise first_error
+        width = next(iter(rows.values())) if rows else None
+        sampling = [i for i, c in enumerate(chunks) if c.need_logits]
+        if width is None:
+            return torch.empty((0, self.runner.vocab_size)), culprits
+        logits = torch.stack([rows[i] if i in rows else torch.zeros_like(width) for i in sampling])
+        return logits, culprits
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, rows: list[SampleRow], token_bitmask: torch.Tensor | None
+                ) -> list[tuple[int, float | None, list[int], list[float], bool] | None]:
+        """Sample every row: (token, its logprob, top ids, top logprobs, dead end) per row.
+
+        If the batched sampler raises, each row is sampled alone so that only the rows that
+        fail alone (None) lose their request. Alone or batched, a row's token is the same: each
+        row's filters, penalties and seeded generator are its own (an unseeded row draws fresh
+        noise either way). NOTE: the batched call may have masked ``logits`` in place; masking
+        twice is a no-op, and nothing else in the sampler writes to its input.
+        """
+        try:
+            return _unpack(sample(logits, rows, token_bitmask), len(rows))
+        except Exception:
+            logger.exception("batched sampling of %d rows failed; sampling row by row", len(rows))
+        out: list[tuple[int, float | None, list[int], list[float], bool] | None] = []
+        for i, row in enumerate(rows):
+            mask = token_bitmask[i : i + 1] if token_bitmask is not None else None
+            try:
+                out.append(_unpack(sample(logits[i : i + 1], [row], mask), 1)[0])
+            except Exception:
+                logger.exception("sampling failed for one row (%s)", row.params)
+                out.append(None)
+        if len(rows) > 1 and all(r is None for r in out):
+            raise RuntimeError("the sampler fails on every row: not a per-request failure")
         return out
 
     # ------------------------------------------------------------------ internals
@@ -416,3 +531,37 @@ class LLMEngine:
         """After an unexpected runner failure: fail every request, release every page."""
         for request_id in list(self._requests):
             self._fail(request_id, error)
+
+    def recover(self, error: EngineError) -> None:
+        """After a step failed as a whole (the model or device): fail every request and return
+        to a clean state — no sequence left in the scheduler or the cache, invariants checked.
+
+        A cache that fails its integrity check after that drops its unreferenced hashes
+        (nothing doubtful is served; pinned pages stay).
+        """
+        self.fail_all(error)
+        for seq in list(self.scheduler.iter_live()):  # sequences of no known request
+            self.scheduler.remove_request(seq.request_id)
+        # NOTE: a step that raised between the manager's allocate and the scheduler's bookkeeping
+        # can leave a sequence only the manager knows; it would hold its pages forever
+        for seq_id in list(self.cache._seqs):  # noqa: SLF001 (no public listing of sequences)
+            self.cache.free(seq_id)
+        try:
+            self.cache.check_integrity()
+        except Exception:
+            logger.exception("the KV cache failed its integrity check after a failed step; "
+                             "dropping its cached hashes")
+            self.cache.reset_cache()
+            self.cache.check_integrity()
+
+
+def _unpack(result: Any, num_rows: int) -> list[tuple[int, float | None, list[int], list[float], bool]]:
+    """A SampleResult as one tuple per row."""
+    return [
+        (result.token_ids[i],
+         result.logprobs[i] if result.logprobs is not None else None,
+         result.top_ids[i] if result.top_ids is not None else [],
+         result.top_logprobs[i] if result.top_logprobs is not None else [],
+         bool(result.dead_ends and result.dead_ends[i]))
+        for i in range(num_rows)
+    ]

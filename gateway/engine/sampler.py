@@ -68,12 +68,13 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
 def _filter(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     """Mask tokens outside top-k / top-p / min-p with -inf (rows already temperature-scaled)."""
     dev = logits.device
-    top_k = torch.tensor([r.params.top_k for r in rows], device=dev)
+    vocab = logits.shape[-1]
+    # the engine rejects top_k > vocab; clamped anyway, as a long tensor cannot hold any int
+    top_k = torch.tensor([min(r.params.top_k, vocab) for r in rows], device=dev)
     top_p = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype, device=dev)
     min_p = torch.tensor([r.params.min_p for r in rows], dtype=logits.dtype, device=dev)
     if bool((top_k > 0).any()) or bool((top_p < 1).any()):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        vocab = logits.shape[-1]
         ranks = torch.arange(vocab, device=dev).expand_as(sorted_logits)
         k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
         drop = ranks >= k

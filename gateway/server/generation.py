@@ -50,7 +50,8 @@ def sampling_params(
         share = capacity if body.n == 1 else capacity // body.n - 2 * page_size
         max_tokens = max(1, share - prompt_len)
     if prompt_len + max_tokens > capacity:
-        raise ContextLengthError(prompt_len, max_tokens, capacity)
+        raise ContextLengthError(prompt_len, max_tokens, capacity,
+                                 param=getattr(body, "prompt_param", "messages"))
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,

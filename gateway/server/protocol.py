@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
@@ -31,26 +31,38 @@ from prefixgate.gateway.server.tools.grammar import check_schema
 # --------------------------------------------------------------------------------------------
 # Shared field definitions (the bounds of every sampling knob, in one place)
 # --------------------------------------------------------------------------------------------
+# Every numeric and size field is bounded here, so a bad value is a 400 naming its field and
+# never reaches the engine; bounds that depend on the model (top_k <= vocabulary size, prompt +
+# max_tokens <= context) are checked by the engine before the request is queued, also as 400s.
 MAX_N = 16  # choices per request: each one holds its own pages
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 512  # per stop string: matched against the output's tail every token
+MAX_STOP_TOKEN_IDS = 64
+MAX_TOKEN_ID = 2**31 - 1  # token ids and token counts fit int32 (the vocabulary is checked later)
+MAX_TEXT_CHARS = 1 << 20  # one message's content, one prompt string, one tool call's arguments
+MAX_CONTENT_PARTS = 256
+MAX_PROMPT_TOKENS = 1 << 20  # one token-id prompt (the context length cuts it much shorter)
+MAX_PROMPTS = 64  # /v1/completions: prompts in one request
 MAX_LABEL_CHARS = 256  # `user` / X-Agent-Id / cache_salt: they key stats and hashes
 MAX_MESSAGES = 2048
 MAX_TOOLS = 128
 MAX_DESCRIPTION_CHARS = 8192
 MAX_GRAMMAR_CHARS = 64 * 1024  # regex / EBNF text of a response_format
 
-MaxTokens = Annotated[int | None, Field(default=None, ge=1)]
+MaxTokens = Annotated[int | None, Field(default=None, ge=1, le=MAX_TOKEN_ID)]
 Temperature = Annotated[float | None, Field(default=None, ge=0.0, le=2.0)]
 TopP = Annotated[float | None, Field(default=None, gt=0.0, le=1.0)]
-TopK = Annotated[int | None, Field(default=None, ge=-1)]  # -1 or 0 = off (vLLM and HF spellings)
+# -1 or 0 = off (vLLM and HF spellings); the engine also rejects top_k > its vocabulary size
+TopK = Annotated[int | None, Field(default=None, ge=-1, le=MAX_TOKEN_ID)]
 MinP = Annotated[float | None, Field(default=None, ge=0.0, le=1.0)]
 Penalty = Annotated[float | None, Field(default=None, ge=-2.0, le=2.0)]
 RepetitionPenalty = Annotated[float | None, Field(default=None, gt=0.0, le=10.0)]
-Seed = Annotated[int | None, Field(default=None, ge=-(2**63), le=2**64 - 1)]
+Seed = Annotated[int | None, Field(default=None, ge=-(2**63), le=2**63 - 1)]  # int64
 NumChoices = Annotated[int, Field(default=1, ge=1, le=MAX_N)]
 TopLogprobs = Annotated[int | None, Field(default=None, ge=0, le=20)]
 Label = Annotated[str | None, Field(default=None, min_length=1, max_length=MAX_LABEL_CHARS)]
-TokenId = Annotated[int, Field(ge=0)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
 
 
 def _stop_list(value: Any) -> Any:
@@ -66,6 +78,9 @@ def _check_stop(value: list[str]) -> list[str]:
         raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(value)}")
     if any(not s for s in value):
         raise ValueError("stop strings must be non-empty")
+    longest = max(map(len, value), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters, got {longest}")
     return value
 
 
@@ -84,10 +99,13 @@ class StreamOptions(_Request):
 class SamplingRequest(_Request):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
-    model: str | None = None
+    # the field an error about the prompt's length names (ContextLengthError's ``param``)
+    prompt_param: ClassVar[str] = "messages"
+
+    model: str | None = Field(default=None, max_length=MAX_LABEL_CHARS)
     n: NumChoices
     stop: Stop = Field(default_factory=list)
-    stop_token_ids: list[TokenId] = Field(default_factory=list)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     max_tokens: MaxTokens
     temperature: Temperature
     top_p: TopP
@@ -118,6 +136,8 @@ def _flatten_content(value: Any) -> Any:
         return value
     if not isinstance(value, list):
         raise ValueError("content must be a string or a list of text parts")
+    if len(value) > MAX_CONTENT_PARTS:
+        raise ValueError(f"at most {MAX_CONTENT_PARTS} content parts, got {len(value)}")
     texts = []
     for i, part in enumerate(value):
         if isinstance(part, str):
@@ -136,13 +156,15 @@ def _flatten_content(value: Any) -> Any:
     return "\n".join(texts)
 
 
-Content = Annotated[str | None, BeforeValidator(_flatten_content)]
+# the bound sits on the str branch: an assistant turn with tool_calls has content None
+Content = Annotated[Annotated[str, Field(max_length=MAX_TEXT_CHARS)] | None,
+                    BeforeValidator(_flatten_content)]
 
 
 class ToolCallFunction(_Request):
     name: str = Field(min_length=1, max_length=64)
     # OpenAI sends a JSON string; an object is accepted too (some clients send one)
-    arguments: str | dict[str, Any] = "{}"
+    arguments: Text | dict[str, Any] = "{}"
 
 
 class ToolCallIn(_Request):
@@ -156,9 +178,9 @@ class ToolCallIn(_Request):
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content = None
-    name: str | None = None
+    name: str | None = Field(default=None, max_length=MAX_LABEL_CHARS)
     tool_calls: list[ToolCallIn] | None = Field(default=None, max_length=MAX_TOOLS)
-    tool_call_id: str | None = None  # tool turns answering a call
+    tool_call_id: str | None = Field(default=None, max_length=MAX_LABEL_CHARS)  # tool turns answering a call
 
     @model_validator(mode="after")
     def _content_required(self) -> ChatMessage:
@@ -197,7 +219,7 @@ class ToolDefinition(_Request):
 
 
 class NamedFunction(_Request):
-    name: str
+    name: str = Field(max_length=64)
 
 
 class NamedToolChoice(_Request):
@@ -209,7 +231,7 @@ class JsonSchemaFormat(_Request):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
     name: str = Field(default="response", max_length=64)
-    description: str | None = None
+    description: str | None = Field(default=None, max_length=MAX_DESCRIPTION_CHARS)
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
@@ -309,10 +331,14 @@ def template_tools(
 
 
 class ChatCompletionRequest(SamplingRequest):
+    prompt_param: ClassVar[str] = "messages"
+
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     tools: Tools
     tool_choice: CheckedToolChoice = None
     parallel_tool_calls: bool | None = None
+    # how long a response ending in tool calls keeps its pages (gateway/server/retention.py)
+    retention_seconds: float | None = Field(default=None, ge=0, le=3600)
     max_completion_tokens: MaxTokens
     logprobs: bool = False
     top_logprobs: TopLogprobs
@@ -358,6 +384,8 @@ def _check_prompt(value: Any) -> Any:
     """Normalise the four OpenAI prompt shapes to a list of (str | list[int])."""
     if isinstance(value, str):
         return [value]
+    if isinstance(value, list) and len(value) > MAX_PROMPT_TOKENS:
+        raise ValueError(f"a prompt list has at most {MAX_PROMPT_TOKENS} items")
     if isinstance(value, list) and value:
         if all(isinstance(x, str) for x in value):
             return value
@@ -379,8 +407,12 @@ def _check_prompt_items(value: list[str | list[int]]) -> list[str | list[int]]:
             raise ValueError("token ids must be >= 0")
         if isinstance(item, str) and not item:
             raise ValueError("prompt strings must be non-empty")
-    if len(value) > 64:
-        raise ValueError(f"at most 64 prompts per request, got {len(value)}")
+        if isinstance(item, str) and len(item) > MAX_TEXT_CHARS:
+            raise ValueError(f"a prompt string has at most {MAX_TEXT_CHARS} characters")
+        if isinstance(item, list) and (len(item) > MAX_PROMPT_TOKENS or max(item) > MAX_TOKEN_ID):
+            raise ValueError(f"a token-id prompt has at most {MAX_PROMPT_TOKENS} ids, each <= {MAX_TOKEN_ID}")
+    if len(value) > MAX_PROMPTS:
+        raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}")
     return value
 
 
@@ -390,6 +422,8 @@ Prompt = Annotated[
 
 
 class CompletionRequest(SamplingRequest):
+    prompt_param: ClassVar[str] = "prompt"
+
     prompt: Prompt
     logprobs: Annotated[int | None, Field(default=None, ge=0, le=5)]
     echo: bool = False
@@ -416,9 +450,9 @@ class TokenizeRequest(_Request):
     ``tools`` and ``tool_choice`` act as in a chat request, so the ids match what it would send.
     """
 
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    model: str | None = Field(default=None, max_length=MAX_LABEL_CHARS)
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
     tools: Tools
     tool_choice: CheckedToolChoice = None
     add_generation_prompt: bool = True
@@ -438,8 +472,8 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(_Request):
-    model: str | None = None
-    tokens: list[TokenId]
+    model: str | None = Field(default=None, max_length=MAX_LABEL_CHARS)
+    tokens: list[TokenId] = Field(max_length=MAX_PROMPT_TOKENS)
 
 
 class DetokenizeResponse(BaseModel):
@@ -449,7 +483,7 @@ class DetokenizeResponse(BaseModel):
 class PinRequest(TokenizeRequest):
     """What to pin: the same inputs as /tokenize, plus the tenant and salt whose pages to keep."""
 
-    tenant: str | None = None  # default: the caller's tenant
+    tenant: Label  # default: the caller's tenant
     cache_salt: Label
     # A pinned prefix is usually followed by other turns, not by the assistant's reply.
     add_generation_prompt: bool = False

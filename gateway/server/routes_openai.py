@@ -28,6 +28,7 @@ from prefixgate.gateway.server.generation import (
     until_disconnect,
 )
 from prefixgate.gateway.server.metrics import RequestTimer
+from prefixgate.gateway.server.retention import retain_later, retention_ttl
 from prefixgate.gateway.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -110,8 +111,10 @@ class ChoiceState:
     finish_reason: str | None = None
     num_chars: int = 0  # text offset for completion logprobs
     parser: ToolCallParser | None = None  # streaming a response that may hold tool calls
+    token_ids: list[int] = field(default_factory=list)
 
     def add(self, delta: Delta) -> None:
+        self.token_ids.extend(delta.token_ids)
         self.text.append(delta.text)
         if delta.logprobs:
             self.logprobs.extend(delta.logprobs)
@@ -285,6 +288,7 @@ async def stream_events(
     request_id: str,
     opening: Sequence[bytes],
     events: _EventMaker,
+    after: Callable[[dict[int, ChoiceState]], None] | None = None,
 ) -> AsyncIterator[bytes]:
     """Shared SSE loop: opening events, one event per delta, the usage event, ``[DONE]``.
 
@@ -312,6 +316,8 @@ async def stream_events(
             raise RuntimeError("an engine stream ended without its final usage delta")
         usage = sum_usage(usages)  # type: ignore[arg-type]
         timer.on_finish(usage, (c.finish_reason for c in choices.values()))
+        if after is not None:
+            after(choices)
         if include_usage:
             yield events.usage_event(usage)
         yield SSE_DONE
@@ -386,11 +392,22 @@ async def chat_completions(
     streams = await open_streams(state.engine, [generation])
     response_id = f"chatcmpl-{request_id}"
     parse_tools = body.expects_tool_calls
+    ttl = retention_ttl(request, body.retention_seconds) if parse_tools else 0.0
+
+    def retain_tool_pauses(choices: dict[int, ChoiceState]) -> None:
+        # a choice that ended in tool calls: its agent returns with the results and this prefix
+        for c in choices.values():
+            calls = c.parser.calls if c.parser is not None else parse_output("".join(c.text))[1]
+            if chat_finish_reason(c.finish_reason, calls) == "tool_calls":
+                retain_later(request, principal.tenant, body.cache_salt, [*prompt, *c.token_ids],
+                             ttl)
+
     if body.stream:
         events = _ChatEvents(response_id, state.model_name, body.include_usage, parse_tools)
         opening = [events.role(i) for i in range(body.n)]
         return SSEResponse(
-            stream_events(streams, timer, body.n, body.include_usage, request_id, opening, events)
+            stream_events(streams, timer, body.n, body.include_usage, request_id, opening, events,
+                          retain_tool_pauses if parse_tools else None)
         )
 
     def build(choices: dict[int, ChoiceState], usage: Usage) -> ChatCompletionResponse:
@@ -403,6 +420,8 @@ async def chat_completions(
                 logprobs=chat_logprobs(c.logprobs) if body.logprobs else None,
                 finish_reason=chat_finish_reason(c.finish_reason, calls),
             ))
+        if parse_tools:
+            retain_tool_pauses(choices)
         return ChatCompletionResponse(
             id=response_id, model=state.model_name, choices=out, usage=usage_info(usage))
 

@@ -152,6 +152,8 @@ class ServerSettings:
     # this many are kept in memory (in Redis, the TTL alone bounds them)
     response_ttl_s: float = 3600.0
     max_stored_responses: int = 10_000
+    # a response ending in tool calls keeps its pages ahead of LRU eviction this long (0 = off)
+    retention_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -163,6 +165,8 @@ class ServerSettings:
             _check_token(self.admin_key, "admin key", "admin_key")
             if self.admin_key in self.api_keys:
                 raise ValueError("the admin key must differ from every tenant API key")
+        if not 0 <= self.retention_s <= 3600:
+            raise ValueError(f"retention_s must be in [0, 3600], got {self.retention_s}")
         if self.response_ttl_s <= 0 or self.max_stored_responses < 1:
             raise ValueError("response_ttl_s must be > 0 and max_stored_responses >= 1")
         if self.heartbeat_ttl_s <= 0:

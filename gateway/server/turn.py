@@ -25,6 +25,7 @@ from prefixgate.gateway.server.generation import (
     until_disconnect,
 )
 from prefixgate.gateway.server.metrics import RequestTimer
+from prefixgate.gateway.server.retention import retain_later, retention_ttl
 from prefixgate.gateway.server.state import agent_of, engine_request_id, server_state
 from prefixgate.gateway.server.tools import (
     CallEnd,
@@ -63,6 +64,8 @@ class ChatTurn:
     cache_salt: str | None = None
     message_param: str = "messages"
     parameters_param: Callable[[int], str] = lambda i: f"tools[{i}].parameters"
+    retention_s: float | None = None  # the request's hint for a tool pause (gateway/server/retention.py)
+    hold_s: float | None = None  # keep the prompt's pages this long whatever the end (cache_control)
     # the rest of what gateway.server.generation.sampling_params reads
     n: int = 1
     min_p: float | None = None
@@ -71,6 +74,11 @@ class ChatTurn:
     repetition_penalty: float | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+
+    @property
+    def prompt_param(self) -> str:
+        """The field a context-length error names (generation.sampling_params reads it)."""
+        return self.message_param
 
     @property
     def visible_tools(self) -> list[FunctionTool] | None:
@@ -93,8 +101,10 @@ class TurnStream:
     :meth:`collect`; always :meth:`aclose` (idempotent; aborts an unfinished request)."""
 
     def __init__(self, stream: DeltaStream, prompt_ids: list[int], timer: RequestTimer,
-                 parse_tools: bool, tokenizer: Any = None, stop: list[str] | None = None):
+                 parse_tools: bool, tokenizer: Any = None, stop: list[str] | None = None,
+                 on_end: Callable[[TurnEnd, list[int]], None] | None = None):
         self.stream = stream
+        self._on_end = on_end
         self.prompt_ids = prompt_ids
         self.timer = timer
         self._parser = ToolCallParser() if parse_tools else None
@@ -143,7 +153,10 @@ class TurnStream:
             calls = self._parser.calls if self._parser is not None else []
             joined = "".join(text)
             matched = self._matched_stop(output_ids, "".join(shown)) if finish == "stop" else None
-            yield TurnEnd(finish, usage, calls, joined.strip() if calls else joined, matched)
+            end = TurnEnd(finish, usage, calls, joined.strip() if calls else joined, matched)
+            if self._on_end is not None:
+                self._on_end(end, output_ids)
+            yield end
         finally:
             self.timer.on_abort()  # no-op once finished
             await self.aclose()
@@ -184,9 +197,18 @@ async def open_turn(request: Request, principal: Principal, turn: ChatTurn,
     generation = GenerationRequest(
         tuple(prompt), params, tenant=principal.tenant, agent=agent_of(request, turn.user),
         cache_salt=turn.cache_salt, request_id=engine_request_id(request), grammar=grammar)
+    ttl = retention_ttl(request, turn.retention_s)
+
+    def on_end(end: TurnEnd, output_ids: list[int]) -> None:
+        # a session pausing on its tools comes back with this whole prefix: keep it
+        if end.calls and all(c.complete for c in end.calls):
+            retain_later(request, principal.tenant, turn.cache_salt, [*prompt, *output_ids], ttl)
+        if turn.hold_s:
+            retain_later(request, principal.tenant, turn.cache_salt, prompt, turn.hold_s)
+
     (stream,) = await open_streams(state.engine, [generation])
     return TurnStream(stream, prompt, timer, parse_tools=turn.visible_tools is not None,
-                      tokenizer=state.engine.tokenizer, stop=turn.stop)
+                      tokenizer=state.engine.tokenizer, stop=turn.stop, on_end=on_end)
 
 
 __all__ = ["CallEnd", "ChatTurn", "ClientDisconnected", "TurnEnd", "TurnStream", "open_turn"]

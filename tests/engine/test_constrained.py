@@ -15,7 +15,7 @@ from prefixgate.gateway.engine.api import (
     InvalidRequestError,
     SamplingParams,
 )
-from tests.engine.test_engine import SYSTEM, TASKS, chat, make_engine, run, tokens  # noqa: F401 (fixture)
+from tests.engine.test_engine import SYSTEM, TASKS, chat, make_engine, run, tokens  # noqa: F401, F811
 
 SCHEMA = {
     "type": "object",

@@ -266,3 +266,26 @@ def test_metrics_count_constrained_tokens_and_compile_cache_hits(sdk, gateway, c
     assert after["grammar_compiles_total"] - before["grammar_compiles_total"] <= 1
     assert after["grammar_cache_hits_total"] - before["grammar_cache_hits_total"] >= 1
     assert after["constrained_tokens_total"] - before["constrained_tokens_total"] >= 20
+
+
+def test_a_response_ending_in_tool_calls_retains_its_conversation(sdk, gateway, client, engine):
+    """The agent will come back with the tool's result: its prefix is kept ahead of the LRU
+    (X-Retention-Seconds: 0 opts out)."""
+    import time
+
+    def retained_after(headers: dict[str, str]) -> int:
+        assert client.post("/v1/cache/reset").status_code == 200
+        wait_idle(client)
+        assert engine.cache_stats().pages_retained == 0
+        response = sdk.chat.completions.create(
+            model=gateway.model, messages=ASK, tools=TOOLS, tool_choice="required",
+            parallel_tool_calls=False, temperature=0, max_tokens=60, extra_headers=headers)
+        assert response.choices[0].finish_reason == "tool_calls"
+        deadline = time.monotonic() + 10  # retention runs in the background after the response
+        while engine.cache_stats().pages_retained == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return engine.cache_stats().pages_retained
+
+    prompt = len(client.post("/tokenize", json={"messages": ASK, "tools": TOOLS}).json()["tokens"])
+    assert retained_after({}) >= prompt // gateway.page_size
+    assert retained_after({"X-Retention-Seconds": "0"}) == 0

@@ -26,6 +26,7 @@ from prefixgate.gateway.server.protocol import (
     Label,
 )
 from prefixgate.gateway.engine.api import GrammarSpec
+from prefixgate.gateway.server.content import require_part_types
 from prefixgate.gateway.server.tools import FunctionTool, ToolChoice
 from prefixgate.gateway.server.tools.grammar import check_schema
 from prefixgate.gateway.server.turn import ChatTurn
@@ -78,14 +79,7 @@ class Message(_Model):
     @model_validator(mode="before")
     @classmethod
     def _text_only(cls, value: Any) -> Any:
-        blocks = value.get("content") if isinstance(value, dict) else None
-        if isinstance(blocks, list):
-            for i, block in enumerate(blocks):
-                kind = block.get("type") if isinstance(block, dict) else None
-                if kind not in ("text", "tool_use", "tool_result"):
-                    raise ValueError(f"content block {i} has type {kind!r}; this text-only model "
-                                     "takes text, tool_use and tool_result blocks")
-        return value
+        return require_part_types(value, ("text", "tool_use", "tool_result"), "block")
 
 
 class Tool(_Model):
@@ -118,25 +112,18 @@ class OutputConfig(_Model):
     format: OutputFormat | None = None
 
 
-class MessagesRequest(_Model):
+class CountTokensRequest(_Model):
+    """The conversation part of a request (all that /v1/messages/count_tokens takes)."""
+
     model: str | None = None
-    max_tokens: int = Field(ge=1)
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: ToolChoiceModel | None = None
-    stop_sequences: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(
-        default_factory=list, max_length=MAX_STOP_STRINGS)
-    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
-    metadata: Metadata | None = None
-    output_config: OutputConfig | None = None
     cache_control: CacheControl | None = None  # automatic caching: prefixes are cached anyway
-    stream: bool = False
 
     @model_validator(mode="after")
-    def _check(self) -> MessagesRequest:
+    def _check(self) -> CountTokensRequest:
         names = [t.name for t in self.tools or ()]
         if len(set(names)) != len(names):
             raise ValueError("tool names must be unique")
@@ -179,6 +166,30 @@ class MessagesRequest(_Model):
                 out.append({"role": "user", "content": "\n".join(texts)})
         return out
 
+    def function_tools(self) -> list[FunctionTool]:
+        return [FunctionTool(t.name, t.description, t.input_schema) for t in self.tools or ()]
+
+    def tool_choice_record(self) -> ToolChoice:
+        choice = self.tool_choice or ToolChoiceModel()
+        mode = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}[choice.type]
+        return ToolChoice(mode, choice.name, not choice.disable_parallel_tool_use)
+
+    def turn(self) -> ChatTurn:
+        return ChatTurn(messages=self.chat_messages(), tools=self.function_tools(),
+                        tool_choice=self.tool_choice_record())
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(
+        default_factory=list, max_length=MAX_STOP_STRINGS)
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    metadata: Metadata | None = None
+    output_config: OutputConfig | None = None
+    stream: bool = False
+
     def response_format(self) -> GrammarSpec | None:
         fmt = self.output_config.format if self.output_config else None
         if fmt is None:
@@ -188,12 +199,10 @@ class MessagesRequest(_Model):
                            param=param)
 
     def turn(self) -> ChatTurn:
-        choice = self.tool_choice or ToolChoiceModel()
-        mode = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}[choice.type]
         return ChatTurn(
             messages=self.chat_messages(),
-            tools=[FunctionTool(t.name, t.description, t.input_schema) for t in self.tools or ()],
-            tool_choice=ToolChoice(mode, choice.name, not choice.disable_parallel_tool_use),
+            tools=self.function_tools(),
+            tool_choice=self.tool_choice_record(),
             response_format=self.response_format(),
             max_tokens=self.max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -202,15 +211,19 @@ class MessagesRequest(_Model):
             stop=list(self.stop_sequences),
             user=self.metadata.user_id if self.metadata else None,
             parameters_param=lambda i: f"tools[{i}].input_schema",
+            retention_s=self.cache_ttl_s(),
+            hold_s=self.cache_ttl_s(),
         )
 
-
-class CountTokensRequest(_Model):
-    model: str | None = None
-    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
-    system: str | list[TextBlock] | None = None
-    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
-    tool_choice: ToolChoiceModel | None = None
-
-    def turn(self) -> ChatTurn:
-        return MessagesRequest(max_tokens=1, **self.model_dump(exclude_none=True)).turn()
+    def cache_ttl_s(self) -> float | None:
+        """The longest ``cache_control`` TTL on the request or any block (5m by default)."""
+        controls = [self.cache_control] if self.cache_control else []
+        if isinstance(self.system, list):
+            controls += [b.cache_control for b in self.system if b.cache_control]
+        controls += [t.cache_control for t in self.tools or () if t.cache_control]
+        for message in self.messages:
+            if not isinstance(message.content, str):
+                controls += [b.cache_control for b in message.content if b.cache_control]
+        if not controls:
+            return None
+        return max(3600.0 if c.ttl == "1h" else 300.0 for c in controls)

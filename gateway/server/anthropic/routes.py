@@ -96,55 +96,63 @@ async def create_message(body: MessagesRequest, request: Request,
     return _message(message_id, state.model_name, content, end, usage_of(end.usage, state.page_size))
 
 
+class _Blocks:
+    """The open content block of a streamed message: starting one closes the last."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.kind: str | None = None
+
+    def close(self) -> list[bytes]:
+        if self.kind is None:
+            return []
+        self.kind = None
+        return [_event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+
+    def start(self, block: dict[str, Any]) -> list[bytes]:
+        out = self.close()
+        self.index += 1
+        self.kind = block["type"]
+        out.append(_event("content_block_start", {"type": "content_block_start",
+                                                  "index": self.index, "content_block": block}))
+        return out
+
+    def delta(self, delta: dict[str, Any]) -> bytes:
+        return _event("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                              "delta": delta})
+
+
 async def _stream(turn, message_id: str, model: str, page_size: int) -> AsyncIterator[bytes]:
     """message_start, content blocks (text_delta / input_json_delta), message_delta, stop."""
-    prompt_tokens = len(turn.prompt_ids)
-    start_usage = {"input_tokens": prompt_tokens, "cache_creation_input_tokens": 0,
+    start_usage = {"input_tokens": len(turn.prompt_ids), "cache_creation_input_tokens": 0,
                    "cache_read_input_tokens": 0, "output_tokens": 0}
-    block = -1  # index of the open content block
-    open_kind: str | None = None
+    blocks = _Blocks()
     try:
         yield _event("message_start", {"type": "message_start",
                                        "message": _message(message_id, model, [], None, start_usage)})
         yield _event("ping", {"type": "ping"})
         async for event in turn.events():
+            out: list[bytes] = []
             if isinstance(event, TextPiece):
-                if open_kind != "text":
-                    if open_kind is not None:
-                        yield _event("content_block_stop", {"type": "content_block_stop", "index": block})
-                    block += 1
-                    open_kind = "text"
-                    yield _event("content_block_start", {
-                        "type": "content_block_start", "index": block,
-                        "content_block": {"type": "text", "text": ""}})
-                yield _event("content_block_delta", {
-                    "type": "content_block_delta", "index": block,
-                    "delta": {"type": "text_delta", "text": event.text}})
+                if blocks.kind != "text":
+                    out += blocks.start({"type": "text", "text": ""})
+                out.append(blocks.delta({"type": "text_delta", "text": event.text}))
             elif isinstance(event, CallStart):
-                if open_kind is not None:
-                    yield _event("content_block_stop", {"type": "content_block_stop", "index": block})
-                block += 1
-                open_kind = "tool_use"
-                yield _event("content_block_start", {
-                    "type": "content_block_start", "index": block,
-                    "content_block": {"type": "tool_use", "id": tool_use_id(event.id),
-                                      "name": event.name, "input": {}}})
+                out += blocks.start({"type": "tool_use", "id": tool_use_id(event.id),
+                                     "name": event.name, "input": {}})
             elif isinstance(event, CallArguments):
-                yield _event("content_block_delta", {
-                    "type": "content_block_delta", "index": block,
-                    "delta": {"type": "input_json_delta", "partial_json": event.text}})
+                out.append(blocks.delta({"type": "input_json_delta", "partial_json": event.text}))
             elif isinstance(event, CallEnd):
-                yield _event("content_block_stop", {"type": "content_block_stop", "index": block})
-                open_kind = None
+                out += blocks.close()
             elif isinstance(event, TurnEnd):
-                if open_kind is not None:
-                    yield _event("content_block_stop", {"type": "content_block_stop", "index": block})
-                    open_kind = None
-                yield _event("message_delta", {
+                out += blocks.close()
+                out.append(_event("message_delta", {
                     "type": "message_delta",
                     "delta": {"stop_reason": stop_reason(event), "stop_sequence": event.matched_stop},
-                    "usage": usage_of(event.usage, page_size)})
-                yield _event("message_stop", {"type": "message_stop"})
+                    "usage": usage_of(event.usage, page_size)}))
+                out.append(_event("message_stop", {"type": "message_stop"}))
+            for chunk in out:
+                yield chunk
     except EngineError as exc:
         logger.warning("message %s failed mid-stream: %s", message_id, exc.message)
         yield _event("error", anthropic_error_body(exc.status_code, exc.message, exc.param))

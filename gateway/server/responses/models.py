@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from prefixgate.gateway.engine.api import GrammarSpec
+from prefixgate.gateway.server.content import require_part_types
 from prefixgate.gateway.server.protocol import (
     MAX_DESCRIPTION_CHARS,
     MAX_MESSAGES,
@@ -55,14 +56,7 @@ class MessageItem(_Model):
     @model_validator(mode="before")
     @classmethod
     def _text_only(cls, value: Any) -> Any:
-        parts = value.get("content") if isinstance(value, dict) else None
-        if isinstance(parts, list):
-            for i, part in enumerate(parts):
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind not in ("input_text", "output_text", "text", "refusal"):
-                    raise ValueError(f"content part {i} has type {kind!r}; this text-only model "
-                                     "takes input_text and output_text parts")
-        return value
+        return require_part_types(value, ("input_text", "output_text", "text", "refusal"), "part")
 
     @property
     def text(self) -> str:
@@ -158,6 +152,8 @@ class ResponsesRequest(_Model):
     previous_response_id: str | None = Field(default=None, max_length=256)
     stream: bool = False
     cache_salt: Label = None  # the vLLM extra, as on the chat route
+    # how long a response ending in function calls keeps its pages (gateway/server/retention.py)
+    retention_seconds: float | None = Field(default=None, ge=0, le=3600)
 
     @model_validator(mode="before")
     @classmethod
@@ -237,6 +233,7 @@ class ResponsesRequest(_Model):
             cache_salt=self.cache_salt,
             message_param="input",
             parameters_param=lambda i: f"tools[{i}].parameters",
+            retention_s=self.retention_seconds,
         )
 
 

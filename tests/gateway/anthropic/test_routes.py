@@ -5,6 +5,7 @@ sequences, cache usage from real page hits, count_tokens, auth headers and the e
 from __future__ import annotations
 
 import json
+import time
 
 import anthropic
 import httpx
@@ -83,7 +84,7 @@ def test_tool_choice_any_returns_a_valid_tool_use(claude, gateway, stream):
     assert follow.usage.cache_read_input_tokens > 0  # it extends the first turn's prompt
 
 
-def test_cache_control_second_call_reads_the_cache(claude, gateway):
+def test_cache_control_second_call_reads_the_cache(claude, gateway, engine):
     system = [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}]
     first = claude.messages.create(model=gateway.model, max_tokens=4, extra_body=GREEDY,
                                    system=system, messages=[{"role": "user", "content": "Rome?"}])
@@ -91,6 +92,11 @@ def test_cache_control_second_call_reads_the_cache(claude, gateway):
                                     system=system, messages=[{"role": "user", "content": "Oslo?"}])
     assert first.usage.cache_creation_input_tokens > 0
     assert second.usage.cache_read_input_tokens >= first.usage.cache_creation_input_tokens - 16
+    # the breakpoint's prefix is retained (5 minutes by default) ahead of the LRU
+    deadline = time.monotonic() + 10
+    while engine.cache_stats().pages_retained == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.cache_stats().pages_retained >= first.usage.cache_creation_input_tokens // 16
 
 
 def test_output_config_json_schema_is_enforced(claude, gateway):
