@@ -28,7 +28,7 @@ from prefixgate.cache.events import EventSink
 from prefixgate.cache.hashing import BlockHasher, HashedBlock, HashFn
 from prefixgate.cache.page import Page
 from prefixgate.cache.sequence import SequenceBlocks
-from prefixgate.cache.stats import CacheStats, HitCounter, SharedPrefix
+from prefixgate.cache.stats import CacheStats, HitCounter, HitStats, SharedPrefix
 
 OTHER_LABEL = "other"  # per-agent counters beyond max_tracked_agents are folded into this one
 
@@ -55,7 +55,8 @@ class KVCacheManager:
         hash_seed: fixed seed for block hashes (replicas must agree).
         hash_fn: override of the digest (tests force collisions).
         event_sink: receives BlockStored / BlockRemoved.
-        max_tracked_agents: distinct agent labels kept in stats before folding into "other".
+        max_tracked_agents: distinct (tenant, agent) labels kept in stats before folding
+            into the tenant's "other".
     """
 
     def __init__(
@@ -84,7 +85,9 @@ class KVCacheManager:
         self._max_tracked_agents = max_tracked_agents
         self._total = HitCounter()
         self._per_tenant: dict[str, HitCounter] = {}
-        self._per_agent: dict[str, HitCounter] = {}
+        # Keyed by (tenant, agent): a tenant's view lists only its own agents; the admin's
+        # per-agent view sums a label over tenants.
+        self._per_agent: dict[tuple[str, str], HitCounter] = {}
         self.num_cow_copies = 0
 
     # ------------------------------------------------------------------ queries
@@ -386,7 +389,8 @@ class KVCacheManager:
             num_sequences=len(self._seqs),
             total=self._total.frozen(),
             per_tenant={k: v.frozen() for k, v in self._per_tenant.items()},
-            per_agent={k: v.frozen() for k, v in self._per_agent.items()},
+            per_agent=self._agents_summed(),
+            per_tenant_agent=self._agents_by_tenant(),
             top_prefixes=self._top_prefixes(top_k),
             pages_retained=sum(1 for p in pages if p.retain_until > 0),
             retained_evicted=self.pool.num_retained_evicted,
@@ -490,17 +494,36 @@ class KVCacheManager:
         self._total.record(query, hit)
         self._per_tenant.setdefault(tenant, HitCounter()).record(query, hit)
         if agent is not None:
-            if agent not in self._per_agent and len(self._per_agent) >= self._max_tracked_agents:
-                agent = OTHER_LABEL
-            self._per_agent.setdefault(agent, HitCounter()).record(query, hit)
+            key = (tenant, agent)
+            if key not in self._per_agent and len(self._per_agent) >= self._max_tracked_agents:
+                key = (tenant, OTHER_LABEL)  # the cap bounds memory; the fold stays per tenant
+            self._per_agent.setdefault(key, HitCounter()).record(query, hit)
+
+    def _agents_summed(self) -> dict[str, HitStats]:
+        summed: dict[str, HitCounter] = {}
+        for (_, agent), counter in self._per_agent.items():
+            into = summed.setdefault(agent, HitCounter())
+            into.requests += counter.requests
+            into.query_tokens += counter.query_tokens
+            into.hit_tokens += counter.hit_tokens
+        return {agent: counter.frozen() for agent, counter in summed.items()}
+
+    def _agents_by_tenant(self) -> dict[str, dict[str, HitStats]]:
+        by_tenant: dict[str, dict[str, HitStats]] = {}
+        for (tenant, agent), counter in self._per_agent.items():
+            by_tenant.setdefault(tenant, {})[agent] = counter.frozen()
+        return by_tenant
 
     def _top_prefixes(self, top_k: int) -> tuple[SharedPrefix, ...]:
-        groups: dict[int, list[SequenceBlocks]] = {}
+        """The ``top_k`` busiest shared prefixes of EACH tenant, busiest first overall."""
+        # NOTE: grouped by tenant too, so a group never mixes tenants even if a hash collided
+        # across salts; a tenant's view then filters by SharedPrefix.tenant alone.
+        groups: dict[tuple[str, int], list[SequenceBlocks]] = {}
         for seq in self._seqs.values():
             if seq.num_registered and seq.block_table:
-                groups.setdefault(seq.block_table[0], []).append(seq)
+                groups.setdefault((seq.tenant, seq.block_table[0]), []).append(seq)
         found = []
-        for members in groups.values():
+        for (tenant, _), members in groups.items():
             if len(members) < 2:
                 continue
             length = min(m.num_registered for m in members)
@@ -513,7 +536,14 @@ class KVCacheManager:
                     token_ids=tuple(members[0].token_ids[: min(32, shared * self.page_size)]),
                     num_tokens=shared * self.page_size,
                     num_sharers=len(members),
+                    tenant=tenant,
                 )
             )
         found.sort(key=lambda s: (s.num_sharers * s.num_tokens, s.num_sharers), reverse=True)
-        return tuple(found[:top_k])
+        per_tenant: dict[str, int] = {}
+        kept = []
+        for prefix in found:
+            if per_tenant.get(prefix.tenant, 0) < top_k:
+                per_tenant[prefix.tenant] = per_tenant.get(prefix.tenant, 0) + 1
+                kept.append(prefix)
+        return tuple(kept)

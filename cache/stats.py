@@ -7,7 +7,7 @@ adds 1,000 to ``query_tokens`` and the number of prompt tokens served from cache
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(slots=True)
@@ -49,6 +49,7 @@ class SharedPrefix:
     token_ids: tuple[int, ...]  # the first tokens of the prefix (for display), at most 32
     num_tokens: int  # full length of the shared run, in tokens (whole blocks)
     num_sharers: int  # live sequences holding it
+    tenant: str = "default"  # whose sequences share it (pages are never shared across tenants)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +72,11 @@ class CacheStats:
     num_sequences: int
     total: HitStats
     per_tenant: dict[str, HitStats] = field(default_factory=dict)
-    per_agent: dict[str, HitStats] = field(default_factory=dict)
+    per_agent: dict[str, HitStats] = field(default_factory=dict)  # summed over tenants
+    # tenant -> agent -> hits: what one tenant's view lists (it sees only its own agents)
+    per_tenant_agent: dict[str, dict[str, HitStats]] = field(default_factory=dict)
+    # busiest first; up to the manager's top_k PER TENANT, so a tenant's view is never empty
+    # just because other tenants share more
     top_prefixes: tuple[SharedPrefix, ...] = ()
     # retention (cache/retention.py): pages kept ahead of LRU eviction until a deadline
     pages_retained: int = 0  # under retention now (free or in use)
@@ -82,3 +87,27 @@ class CacheStats:
     def usage(self) -> float:
         """Fraction of pages referenced by live sequences (vLLM's kv_cache_usage_perc)."""
         return self.pages_used / self.num_pages if self.num_pages else 0.0
+
+    def for_tenant(self, tenant: str) -> CacheStats:
+        """The snapshot one tenant may see: its own hit counters, agents and shared prefixes.
+
+        Pool geometry and occupancy (pages, evictions, sequences) describe the shared server,
+        not any tenant, and stay; every per-tenant and per-agent figure of other tenants goes,
+        and ``total`` becomes this tenant's own (the global sum would reveal others' traffic).
+
+        Args:
+            tenant: the caller's tenant (from its API key).
+        Returns:
+            A copy with ``total``, ``per_tenant``, ``per_agent``, ``per_tenant_agent`` and
+            ``top_prefixes`` restricted to ``tenant``.
+        """
+        own = self.per_tenant.get(tenant, HitStats(0, 0, 0))
+        agents = dict(self.per_tenant_agent.get(tenant, {}))
+        return replace(
+            self,
+            total=own,
+            per_tenant={tenant: own} if tenant in self.per_tenant else {},
+            per_agent=agents,
+            per_tenant_agent={tenant: agents} if agents else {},
+            top_prefixes=tuple(p for p in self.top_prefixes if p.tenant == tenant),
+        )

@@ -42,6 +42,8 @@ DEFAULTS: dict[str, Any] = {
     "admin_key": None,
     "allowed_origin": [],
     "max_agent_labels": 32,
+    "stats_previews": "on",
+    "metrics_public": "off",
     "log_level": "info",
     "redis_url": None,
     "replica_id": None,
@@ -188,6 +190,20 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         help="distinct agent labels in /metrics before '__other__' (default 32)",
     )
     http.add_argument(
+        "--stats-previews",
+        type=_on_off,
+        metavar="on|off",
+        help="prompt-text previews of the top shared prefixes in /v1/cache/stats and the "
+        "dashboard, shown to the admin key only (default on; off = shown to no one)",
+    )
+    http.add_argument(
+        "--metrics-public",
+        type=_on_off,
+        metavar="on|off",
+        help="serve /metrics without the admin key even with auth on, e.g. to a Prometheus "
+        "scraper on a private network (default off: it lists every tenant and agent label)",
+    )
+    http.add_argument(
         "--log-level", choices=["debug", "info", "warning", "error"], help="default info"
     )
     fleet = p.add_argument_group("scale-out (behind `prefixgate route`)")
@@ -315,6 +331,8 @@ def configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerSettings]:
         served_model_name=values["served_model_name"],
         allowed_origins=tuple(values["allowed_origin"]),
         max_agent_labels=values["max_agent_labels"],
+        stats_previews=values["stats_previews"] == "on",
+        metrics_public=values["metrics_public"] == "on",
         log_level=values["log_level"],
         redis_url=values["redis_url"],
         replica_id=values["replica_id"],

@@ -44,7 +44,7 @@ from prefixgate.gateway.router.settings import RouterSettings
 from prefixgate.gateway.router.state import RouterState
 from prefixgate.gateway.router.stats import fleet_stats_json
 from prefixgate.gateway.server import dashboard
-from prefixgate.gateway.server.auth import Principal, authenticate
+from prefixgate.gateway.server.auth import Principal, authenticate, require_admin
 from prefixgate.gateway.server.errors import install_exception_handlers
 from prefixgate.gateway.server.generation import ClientDisconnected, until_disconnect
 from prefixgate.gateway.server.metrics import CONTENT_TYPE
@@ -281,8 +281,9 @@ def create_router_app(settings: RouterSettings, *, tokenizer: Any = None,
         return await broadcast(request, "/v1/cache/reset")
 
     @app.get("/v1/cache/stats")
-    async def cache_stats(request: Request, _: Principal = Depends(authenticate)) -> dict[str, Any]:
-        return await fleet_stats_json(state, _auth_headers(request))
+    async def cache_stats(request: Request,
+                          principal: Principal = Depends(authenticate)) -> dict[str, Any]:
+        return await fleet_stats_json(state, _auth_headers(request), principal)
 
     @app.get("/health", response_model=None)
     async def health() -> Response:
@@ -301,7 +302,9 @@ def create_router_app(settings: RouterSettings, *, tokenizer: Any = None,
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if not state.settings.metrics_public:
+            await require_admin(request)  # every tenant's labels; open when auth is off
         fleet = (await state.index.fleet_stats()
                  if state.index is not None and state.index.up else None)
         return Response(state.metrics.render(fleet), media_type=CONTENT_TYPE)

@@ -28,6 +28,7 @@ ROUTE_DEFAULTS: dict[str, Any] = {
     "health_interval": 1.0,
     "request_timeout": 600.0,
     "log_level": "info",
+    "metrics_public": "off",
 }
 
 
@@ -75,6 +76,9 @@ def add_route_parser(sub: Any, positive_int: Any, positive_float: Any) -> argpar
     http.add_argument("--port", type=int, help="port (default 8000)")
     http.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
                       help="default info (one line per placement)")
+    http.add_argument("--metrics-public", choices=["on", "off"],
+                      help="serve /metrics without the admin key even with auth on, e.g. to a "
+                      "Prometheus scraper on a private network (default off)")
     return p
 
 
@@ -98,4 +102,5 @@ def route_settings(values: Mapping[str, Any]) -> RouterSettings:
         health_interval_s=values["health_interval"],
         request_timeout_s=values["request_timeout"],
         log_level=values["log_level"],
+        metrics_public=values["metrics_public"] == "on",
     )

@@ -60,6 +60,9 @@ class RouterSettings:
     namespace: str = DEFAULT_NAMESPACE
     seed: int = 0  # the random policy's seed (benchmarks)
     log_level: str = "info"
+    # /metrics lists every tenant and agent label: with auth on it needs the admin key unless
+    # this opens it (a Prometheus scraper on a private network)
+    metrics_public: bool = False
 
     def __post_init__(self) -> None:
         if not self.replicas:

@@ -29,8 +29,8 @@ from prefixgate.gateway.router.recent import RecentRoutes, SessionTable
 from prefixgate.gateway.router.settings import RouterSettings
 from prefixgate.gateway.scaleout.keys import RedisKeys
 from prefixgate.gateway.scaleout.redis_client import REDIS_ERRORS
-from prefixgate.gateway.server.responses.store import REDIS_KEY_PREFIX as RESPONSE_KEY_PREFIX
 from prefixgate.gateway.server.auth import KeyTable
+from prefixgate.gateway.server.responses.store import REDIS_KEY_PREFIX as RESPONSE_KEY_PREFIX
 
 logger = logging.getLogger("prefixgate.router")
 

@@ -3,6 +3,10 @@
 Counters come from Redis, where every replica adds its deltas (they include replicas that
 left); when Redis is down (or not configured) the router asks each routable replica instead
 and sums what they answer. Either way ``per_replica`` adds the router's own view.
+
+With auth on, a tenant key sees its own tenant only, as on a replica: its counters and agents
+(Redis keeps them per tenant; the replicas filter what they answer by the forwarded key), and no
+per-replica hit counters of the whole fleet.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import httpx
 
 from prefixgate.cache.stats import HitStats
 from prefixgate.gateway.router.state import RouterState
-from prefixgate.gateway.server.routes_cache import busiest, hit_json
+from prefixgate.gateway.server.auth import Principal
+from prefixgate.gateway.server.routes_cache import busiest, hit_json, scope_json
 
 MAX_STATS_AGENTS = 200
 
@@ -57,18 +62,28 @@ async def _from_replicas(state: RouterState, headers: Mapping[str, str]
     return per_replica, per_tenant, per_agent
 
 
-async def fleet_stats_json(state: RouterState, headers: Mapping[str, str]) -> dict[str, Any]:
+async def fleet_stats_json(state: RouterState, headers: Mapping[str, str],
+                           principal: Principal) -> dict[str, Any]:
     fleet = await state.index.fleet_stats() if state.index is not None and state.index.up else None
     if fleet is not None:
         source = "redis"
         per_replica = dict(fleet.per_replica)
         per_tenant, per_agent = dict(fleet.per_tenant), dict(fleet.per_agent)
+        if not principal.is_admin:
+            # NOTE: Redis holds every tenant's counters; a tenant gets its own only, and the
+            # per-replica totals (everyone's traffic) are not its to see.
+            tenant = principal.tenant
+            per_agent = dict(fleet.per_tenant_agent.get(tenant, {}))
+            per_tenant = {tenant: per_tenant[tenant]} if tenant in per_tenant else {}
+            per_replica = {}
     else:
-        source = "replicas"
+        source = "replicas"  # they answered the forwarded key: already this caller's view
         per_replica, per_tenant, per_agent = await _from_replicas(state, headers)
     total = HitStats(sum(s.requests for s in per_replica.values()),
                      sum(s.query_tokens for s in per_replica.values()),
                      sum(s.hit_tokens for s in per_replica.values()))
+    if not principal.is_admin:
+        total = per_tenant.get(principal.tenant, HitStats(0, 0, 0))
     redis_up = state.redis_up
     replicas: dict[str, Any] = {}
     # Fleet page totals and load from fresh heartbeats (what the dashboard's pool view shows).
@@ -101,6 +116,7 @@ async def fleet_stats_json(state: RouterState, headers: Mapping[str, str]) -> di
         replicas[name] = {"departed": True, **hit_json(stats)}
     return {
         "object": "fleet.cache.stats",
+        **scope_json(principal, state.settings.auth_enabled),
         "source": source,
         "page_size": state.settings.page_size,
         "num_pages": num_pages,

@@ -1,4 +1,5 @@
-"""Fleet-wide prefix-cache counters in Redis: per replica, per tenant, per agent.
+"""Fleet-wide prefix-cache counters in Redis: per replica, per tenant, per agent (and per agent
+of each tenant, for a tenant's own view).
 
 Each replica process writes its cumulative counters as one JSON snapshot under a key of its
 own (replica id + start time), overwritten at most every ``stats_interval_s``. Writes are
@@ -13,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prefixgate.cache.stats import CacheStats, HitStats
@@ -35,6 +36,9 @@ def snapshot_json(replica_id: str, cache: CacheStats) -> bytes:
         "total": _counts(cache.total),
         "tenant": {name: _counts(s) for name, s in cache.per_tenant.items()},
         "agent": {name: _counts(s) for name, s in cache.per_agent.items()},
+        # so the router can show a tenant its own agents only
+        "tenant_agent": {tenant: {name: _counts(s) for name, s in agents.items()}
+                         for tenant, agents in cache.per_tenant_agent.items()},
     }, separators=(",", ":")).encode()
 
 
@@ -52,6 +56,8 @@ class FleetStats:
     per_replica: Mapping[str, HitStats]
     per_tenant: Mapping[str, HitStats]
     per_agent: Mapping[str, HitStats]
+    # tenant -> agent -> hits (absent from snapshots written before it existed)
+    per_tenant_agent: Mapping[str, Mapping[str, HitStats]] = field(default_factory=dict)
 
     @property
     def total(self) -> HitStats:
@@ -78,6 +84,7 @@ async def read_fleet_stats(redis: Any, keys: RedisKeys) -> FleetStats:
     per_replica: dict[str, HitStats] = {}
     per_tenant: dict[str, HitStats] = {}
     per_agent: dict[str, HitStats] = {}
+    per_tenant_agent: dict[str, dict[str, HitStats]] = {}
     expired = []
     for name, raw in zip(names, raws, strict=True):
         if raw is None:
@@ -90,8 +97,11 @@ async def read_fleet_stats(redis: Any, keys: RedisKeys) -> FleetStats:
                 _add(per_tenant, tenant, counts)
             for agent, counts in data["agent"].items():
                 _add(per_agent, agent, counts)
+            for tenant, agents in data.get("tenant_agent", {}).items():
+                for agent, counts in agents.items():
+                    _add(per_tenant_agent.setdefault(tenant, {}), agent, counts)
         except (ValueError, KeyError, TypeError) as exc:
             logger.warning("ignoring malformed stats snapshot %r: %s", name, exc)
     if expired:
         await redis.srem(keys.stats_index, *expired)
-    return FleetStats(per_replica, per_tenant, per_agent)
+    return FleetStats(per_replica, per_tenant, per_agent, per_tenant_agent)

@@ -10,14 +10,15 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from prefixgate.gateway.engine.api import EngineLike
-from prefixgate.gateway.server import dashboard, routes_cache, routes_openai, routes_ops
-from prefixgate.gateway.server.auth import KeyTable
+from prefixgate.gateway.server import dashboard, routes_cache, routes_ops
 from prefixgate.gateway.server.anthropic import routes as anthropic_routes
-from prefixgate.gateway.server.responses import routes as responses_routes
-from prefixgate.gateway.server.responses.store import MemoryResponseStore, RedisResponseStore
+from prefixgate.gateway.server.auth import KeyTable
 from prefixgate.gateway.server.errors import REQUEST_ID_HEADER, install_exception_handlers
 from prefixgate.gateway.server.metrics import GatewayMetrics
+from prefixgate.gateway.server.openai import routes as openai_routes
 from prefixgate.gateway.server.request_id import RequestIdMiddleware
+from prefixgate.gateway.server.responses import routes as responses_routes
+from prefixgate.gateway.server.responses.store import MemoryResponseStore, RedisResponseStore
 from prefixgate.gateway.server.settings import ServerSettings
 from prefixgate.gateway.server.state import ServerState
 from prefixgate.gateway.server.tokenization import Tokenization
@@ -97,7 +98,7 @@ def create_app(
                                                   ttl_s=settings.response_ttl_s)
     app.state.keys = keys  # read by the auth dependencies
     install_exception_handlers(app)
-    app.include_router(routes_openai.router)
+    app.include_router(openai_routes.router)
     app.include_router(anthropic_routes.router)
     app.include_router(responses_routes.router)
     app.include_router(routes_cache.router)

@@ -18,9 +18,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from prefixgate.gateway.engine.api import EngineError, InvalidRequestError, OverloadedError
 from prefixgate.gateway.server.anthropic.errors import PATH_PREFIX as ANTHROPIC_PATH
 from prefixgate.gateway.server.anthropic.errors import anthropic_error_body
-from prefixgate.gateway.engine.api import EngineError, InvalidRequestError, OverloadedError
 
 logger = logging.getLogger("prefixgate.server")
 

@@ -24,7 +24,7 @@ from prefixgate.gateway.engine.api import (
     SamplingParams,
     Usage,
 )
-from prefixgate.gateway.server.protocol import SamplingRequest
+from prefixgate.gateway.server.openai.protocol import SamplingRequest
 
 
 class ClientDisconnected(Exception):

@@ -1,5 +1,8 @@
 """Cache endpoints: JSON stats (global, per tenant, per agent, pages, top shared prefixes, engine),
-and admin actions pin / unpin / reset (admin key required when auth is on)."""
+and admin actions pin / unpin / reset (admin key required when auth is on).
+
+With auth on, a tenant key's stats cover its own tenant only; the admin key sees all tenants.
+"""
 
 from __future__ import annotations
 
@@ -12,13 +15,14 @@ from fastapi import APIRouter, Depends, Request
 from prefixgate.cache.stats import HitStats
 from prefixgate.gateway.server.auth import Principal, authenticate, require_admin
 from prefixgate.gateway.server.metrics import OTHER_LABEL
-from prefixgate.gateway.server.protocol import PinRequest, PinResponse, ResetResponse
-from prefixgate.gateway.server.routes_openai import tokens_of
+from prefixgate.gateway.server.openai.protocol import PinRequest, PinResponse, ResetResponse
+from prefixgate.gateway.server.openai.routes import tokens_of
 from prefixgate.gateway.server.state import ServerState, server_state
 
 router = APIRouter()
 
 PREFIX_PREVIEW_WORDS = 12
+TOP_PREFIXES = 5  # shown per answer (the snapshot holds up to this many per tenant)
 
 
 def hit_json(stats: HitStats) -> dict[str, Any]:
@@ -52,22 +56,38 @@ def preview(text: str) -> str:
     return head + (" …" if len(words) > PREFIX_PREVIEW_WORDS else "")
 
 
-async def stats_json(state: ServerState) -> dict[str, Any]:
+def scope_json(principal: Principal, auth_enabled: bool) -> dict[str, Any]:
+    """Whose view a stats answer is: ``open`` (no auth), ``admin`` (all tenants) or ``tenant``."""
+    if not auth_enabled:
+        return {"scope": "open"}
+    if principal.is_admin:
+        return {"scope": "admin"}
+    return {"scope": "tenant", "tenant": principal.tenant}
+
+
+async def stats_json(state: ServerState, principal: Principal) -> dict[str, Any]:
+    """The stats ``principal`` may see.
+
+    NOTE: a tenant key sees only its own tenant (:meth:`CacheStats.for_tenant`): another
+    tenant's name, agent labels, counters or prompt text would disclose its traffic (the
+    observability twin of the cache's tenant salt). Prompt-text previews go to the admin only,
+    and to no one with ``--stats-previews off``.
+    """
     cache = await state.cache_stats()
     engine = await state.engine_stats()
+    if not principal.is_admin:
+        cache = cache.for_tenant(principal.tenant)
+    with_text = principal.is_admin and state.settings.stats_previews
     prefixes = []
-    for prefix in cache.top_prefixes:
-        text = await state.tokenization.decode(prefix.token_ids)
-        prefixes.append(
-            {
-                "text": preview(text),
-                "num_tokens": prefix.num_tokens,
-                "num_sharers": prefix.num_sharers,
-            }
-        )
+    for prefix in cache.top_prefixes[:TOP_PREFIXES]:
+        entry: dict[str, Any] = {"num_tokens": prefix.num_tokens, "num_sharers": prefix.num_sharers}
+        if with_text:
+            entry["text"] = preview(await state.tokenization.decode(prefix.token_ids))
+        prefixes.append(entry)
     return {
         "object": "cache.stats",
         "model": state.model_name,
+        **scope_json(principal, state.settings.auth_enabled),
         "global": hit_json(cache.total),
         "per_tenant": busiest(cache.per_tenant, max(len(cache.per_tenant), 1)),
         "per_agent": busiest(cache.per_agent, state.settings.max_stats_agents),
@@ -97,8 +117,10 @@ async def stats_json(state: ServerState) -> dict[str, Any]:
 
 
 @router.get("/v1/cache/stats")
-async def cache_stats(request: Request, _: Principal = Depends(authenticate)) -> dict[str, Any]:
-    return await stats_json(server_state(request))
+async def cache_stats(
+    request: Request, principal: Principal = Depends(authenticate)
+) -> dict[str, Any]:
+    return await stats_json(server_state(request), principal)
 
 
 async def _pin_or_unpin(

@@ -1,4 +1,5 @@
-"""Operational endpoints: liveness and Prometheus metrics (both open, even with auth on)."""
+"""Operational endpoints: liveness (always open) and Prometheus metrics (with auth on, the admin
+key, unless ``--metrics-public on``: the series carry every tenant and agent label)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import asyncio
 
 from fastapi import APIRouter, Request, Response
 
+from prefixgate.gateway.server.auth import require_admin
 from prefixgate.gateway.server.metrics import CONTENT_TYPE
 from prefixgate.gateway.server.state import server_state
 
@@ -26,6 +28,9 @@ async def health(request: Request) -> dict[str, object]:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
+    state = server_state(request)
+    if not state.settings.metrics_public:
+        await require_admin(request)  # 401/403 in the error envelope; open when auth is off
     # Collecting reads the engine's snapshots (its lock): on a worker thread.
-    body = await asyncio.to_thread(server_state(request).metrics.render)
+    body = await asyncio.to_thread(state.metrics.render)
     return Response(body, media_type=CONTENT_TYPE)

@@ -130,8 +130,9 @@ class ServerSettings:
     """HTTP-side settings (the engine's live in :class:`gateway.engine.config.EngineConfig`).
 
     Auth is on when any API key or an admin key is configured: every endpoint except
-    ``/health`` and ``/metrics`` then needs ``Authorization: Bearer <key>``, and the cache
-    admin endpoints (pin, unpin, reset) need the admin key.
+    ``/health`` then needs ``Authorization: Bearer <key>``; the cache admin endpoints (pin,
+    unpin, reset) and ``/metrics`` (unless ``metrics_public``) need the admin key, and a tenant
+    key's ``/v1/cache/stats`` shows only its own tenant.
     """
 
     host: str = "127.0.0.1"
@@ -142,6 +143,12 @@ class ServerSettings:
     allowed_origins: tuple[str, ...] = ()  # CORS stays off unless origins are given
     max_agent_labels: int = 32  # distinct agent label values in /metrics; the rest are "__other__"
     max_stats_agents: int = 200  # agents listed in /v1/cache/stats; the rest are folded together
+    # Prompt-text previews of the top shared prefixes in /v1/cache/stats (admin only, with auth
+    # on); off = never decoded nor shown to anyone.
+    stats_previews: bool = True
+    # /metrics carries every tenant and agent label: with auth on it needs the admin key unless
+    # this opens it (a Prometheus scraper on a private network).
+    metrics_public: bool = False
     log_level: str = "info"
     # Scale-out (gateway/scaleout): publish the cache index, load and stats to Redis when set.
     redis_url: str | None = None

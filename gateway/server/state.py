@@ -12,8 +12,8 @@ from prefixgate.cache.stats import CacheStats
 from prefixgate.gateway.engine.api import EngineLike, EngineStats, InvalidRequestError
 from prefixgate.gateway.server.auth import KeyTable
 from prefixgate.gateway.server.errors import ModelNotFoundError
+from prefixgate.gateway.server.fields import MAX_LABEL_CHARS
 from prefixgate.gateway.server.metrics import GatewayMetrics
-from prefixgate.gateway.server.protocol import MAX_LABEL_CHARS
 from prefixgate.gateway.server.settings import ServerSettings
 from prefixgate.gateway.server.tokenization import Tokenization
 

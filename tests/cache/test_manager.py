@@ -258,3 +258,30 @@ def test_precomputed_blocks_are_used_and_checked():
         m.allocate("b", tokens, blocks=blocks[:1])
     assert m.allocate("b", tokens, blocks=blocks).num_cached_tokens == 8
     m.check_integrity()
+
+
+def test_agents_and_prefixes_are_keyed_by_tenant():
+    """One agent label in two tenants: summed for the admin, apart per tenant; shared prefixes
+    carry their tenant and the snapshot keeps each tenant's own top_k."""
+    m = KVCacheManager(32, 4, watermark=0)
+    alpha_system, beta_system = list(range(8)), list(range(50, 62))
+    for i in range(2):
+        run_prompt(m, ("a", i), alpha_system + [100 + i], tenant="alpha", agent="planner",
+                   extra_keys=make_extra_keys("m", "alpha"))
+    for i in range(3):
+        run_prompt(m, ("b", i), beta_system + [200 + i], tenant="beta", agent="planner",
+                   extra_keys=make_extra_keys("m", "beta"))
+    s = m.stats(top_k=1)
+    assert s.per_agent["planner"].requests == 5
+    assert s.per_tenant_agent["alpha"]["planner"].requests == 2
+    assert s.per_tenant_agent["beta"]["planner"].requests == 3
+    # beta's prefix is busier, yet alpha keeps its own (top_k counts per tenant)
+    assert [(p.tenant, p.num_sharers) for p in s.top_prefixes] == [("beta", 3), ("alpha", 2)]
+
+    alpha = s.for_tenant("alpha")
+    assert alpha.total == s.per_tenant["alpha"] and set(alpha.per_tenant) == {"alpha"}
+    assert alpha.per_agent == {"planner": s.per_tenant_agent["alpha"]["planner"]}
+    assert [p.token_ids for p in alpha.top_prefixes] == [tuple(alpha_system)]
+    nobody = s.for_tenant("gamma")
+    assert nobody.total.requests == 0 and not nobody.per_tenant and not nobody.per_agent
+    assert nobody.top_prefixes == () and nobody.num_pages == s.num_pages

@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from prefixgate.gateway.server import protocol as p
-from prefixgate.gateway.server.protocol import (
+from prefixgate.gateway.server import fields as p
+from prefixgate.gateway.server.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     TokenizeRequest,

@@ -124,9 +124,9 @@ def test_missing_and_wrong_key_are_401(gateway):
             "/v1/chat/completions", json=body, headers={"Authorization": "Basic abc"}
         )
         assert malformed.status_code == 401
-        # health and metrics stay open for probes and scrapers
+        # health stays open for probes; metrics need the admin key (or --metrics-public on)
         assert c.get("/health").status_code == 200
-        assert c.get("/metrics").status_code == 200
+        assert envelope(c.get("/metrics"))["type"] == "authentication_error"
 
 
 def test_unknown_token_id_is_400(client):

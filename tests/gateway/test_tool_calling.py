@@ -289,3 +289,23 @@ def test_a_response_ending_in_tool_calls_retains_its_conversation(sdk, gateway, 
     prompt = len(client.post("/tokenize", json={"messages": ASK, "tools": TOOLS}).json()["tokens"])
     assert retained_after({}) >= prompt // gateway.page_size
     assert retained_after({"X-Retention-Seconds": "0"}) == 0
+
+
+def test_auto_tool_choice_answers_in_text_or_valid_calls(sdk, gateway):
+    """auto: the model decides (this small model answers in text here); whatever it does, the
+    message is well formed: text without the call format leaking, or calls valid for their
+    schema; streamed and whole agree. (That a started call is forced valid under auto is
+    checked on the grammar itself: tests/gateway/tools/test_grammar.py.)"""
+    kwargs = dict(model=gateway.model, messages=ASK, tools=TOOLS, tool_choice="auto",
+                  temperature=0, max_tokens=40)
+    whole = sdk.chat.completions.create(**kwargs).choices[0]
+    if whole.message.tool_calls:
+        check_calls(whole.message)
+        assert whole.finish_reason in ("tool_calls", "length")
+    else:
+        assert whole.message.content and "<tool_call>" not in whole.message.content
+        assert whole.finish_reason in ("stop", "length")
+    streamed = "".join(chunk.choices[0].delta.content or ""
+                       for chunk in sdk.chat.completions.create(stream=True, **kwargs)
+                       if chunk.choices)
+    assert streamed == (whole.message.content or "")

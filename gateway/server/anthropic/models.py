@@ -17,7 +17,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from prefixgate.gateway.server.protocol import (
+from prefixgate.gateway.engine.api import GrammarSpec
+from prefixgate.gateway.server.content import require_part_types
+from prefixgate.gateway.server.fields import (
     MAX_DESCRIPTION_CHARS,
     MAX_MESSAGES,
     MAX_STOP_STRINGS,
@@ -25,8 +27,6 @@ from prefixgate.gateway.server.protocol import (
     FunctionName,
     Label,
 )
-from prefixgate.gateway.engine.api import GrammarSpec
-from prefixgate.gateway.server.content import require_part_types
 from prefixgate.gateway.server.tools import FunctionTool, ToolChoice
 from prefixgate.gateway.server.tools.grammar import check_schema
 from prefixgate.gateway.server.turn import ChatTurn

@@ -24,7 +24,7 @@ from pydantic import (
 
 from prefixgate.gateway.engine.api import GrammarSpec
 from prefixgate.gateway.server.content import require_part_types
-from prefixgate.gateway.server.protocol import (
+from prefixgate.gateway.server.fields import (
     MAX_DESCRIPTION_CHARS,
     MAX_MESSAGES,
     MAX_TOOLS,

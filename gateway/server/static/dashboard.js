@@ -483,7 +483,9 @@
     const trs = prefixes.map((p) => {
       const tr = document.createElement("tr");
       tr.dataset.testid = "prefix-row";
-      cellWith(tr, "prefix-text", "prefix-text", p.text, p.text);
+      // No text when the server withholds previews (a tenant key, or --stats-previews off).
+      const text = typeof p.text === "string" ? p.text : "(preview hidden)";
+      cellWith(tr, "prefix-text", "prefix-text", text, text);
       cellWith(tr, "num", "prefix-tokens", p.num_tokens, fmtInt(p.num_tokens));
       barCell(tr, "sharers", "prefix-sharers", p.num_sharers / most, p.num_sharers, fmtInt(p.num_sharers));
       return tr;

@@ -24,7 +24,12 @@ from typing import Any
 
 from prefixgate.gateway.engine.api import GrammarSpec, InvalidRequestError
 from prefixgate.gateway.engine.grammar import json_schema_ebnf
-from prefixgate.gateway.server.tools.prompt import CALL_END, CALL_SEPARATOR, TOOL_CALL_OPEN, call_begin
+from prefixgate.gateway.server.tools.prompt import (
+    CALL_END,
+    CALL_SEPARATOR,
+    TOOL_CALL_OPEN,
+    call_begin,
+)
 from prefixgate.gateway.server.tools.records import FunctionTool, ToolChoice
 
 # Nesting of JSON containers a schema may have: deeper ones are refused before any converter

@@ -28,8 +28,7 @@ from prefixgate.gateway.server.generation import (
     until_disconnect,
 )
 from prefixgate.gateway.server.metrics import RequestTimer
-from prefixgate.gateway.server.retention import retain_later, retention_ttl
-from prefixgate.gateway.server.protocol import (
+from prefixgate.gateway.server.openai.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -44,9 +43,9 @@ from prefixgate.gateway.server.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
-    LogprobEntry,
     FunctionCallDelta,
     FunctionCallOut,
+    LogprobEntry,
     ModelCard,
     ModelList,
     PromptTokensDetails,
@@ -58,6 +57,9 @@ from prefixgate.gateway.server.protocol import (
     UsageInfo,
     template_tools,
 )
+from prefixgate.gateway.server.retention import retain_later, retention_ttl
+from prefixgate.gateway.server.sse import SSE_DONE, SSEResponse, sse_event
+from prefixgate.gateway.server.state import ServerState, agent_of, engine_request_id, server_state
 from prefixgate.gateway.server.tools import (
     CallArguments,
     CallStart,
@@ -66,8 +68,6 @@ from prefixgate.gateway.server.tools import (
     ToolCallParser,
     parse_output,
 )
-from prefixgate.gateway.server.sse import SSE_DONE, SSEResponse, sse_event
-from prefixgate.gateway.server.state import ServerState, agent_of, engine_request_id, server_state
 
 logger = logging.getLogger("prefixgate.server")
 router = APIRouter()

@@ -1,0 +1,69 @@
+"""Request field definitions shared by every API surface (OpenAI chat/completions, Responses,
+Anthropic Messages): the bounds of every size and sampling knob, in one place."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BeforeValidator, Field
+
+# --------------------------------------------------------------------------------------------
+# Shared field definitions (the bounds of every sampling knob, in one place)
+# --------------------------------------------------------------------------------------------
+# Every numeric and size field is bounded here, so a bad value is a 400 naming its field and
+# never reaches the engine; bounds that depend on the model (top_k <= vocabulary size, prompt +
+# max_tokens <= context) are checked by the engine before the request is queued, also as 400s.
+MAX_N = 16  # choices per request: each one holds its own pages
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 512  # per stop string: matched against the output's tail every token
+MAX_STOP_TOKEN_IDS = 64
+MAX_TOKEN_ID = 2**31 - 1  # token ids and token counts fit int32 (the vocabulary is checked later)
+MAX_TEXT_CHARS = 1 << 20  # one message's content, one prompt string, one tool call's arguments
+MAX_CONTENT_PARTS = 256
+MAX_PROMPT_TOKENS = 1 << 20  # one token-id prompt (the context length cuts it much shorter)
+MAX_PROMPTS = 64  # /v1/completions: prompts in one request
+MAX_LABEL_CHARS = 256  # `user` / X-Agent-Id / cache_salt: they key stats and hashes
+MAX_MESSAGES = 2048
+MAX_TOOLS = 128
+MAX_DESCRIPTION_CHARS = 8192
+MAX_GRAMMAR_CHARS = 64 * 1024  # regex / EBNF text of a response_format
+
+MaxTokens = Annotated[int | None, Field(default=None, ge=1, le=MAX_TOKEN_ID)]
+Temperature = Annotated[float | None, Field(default=None, ge=0.0, le=2.0)]
+TopP = Annotated[float | None, Field(default=None, gt=0.0, le=1.0)]
+# -1 or 0 = off (vLLM and HF spellings); the engine also rejects top_k > its vocabulary size
+TopK = Annotated[int | None, Field(default=None, ge=-1, le=MAX_TOKEN_ID)]
+MinP = Annotated[float | None, Field(default=None, ge=0.0, le=1.0)]
+Penalty = Annotated[float | None, Field(default=None, ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[float | None, Field(default=None, gt=0.0, le=10.0)]
+Seed = Annotated[int | None, Field(default=None, ge=-(2**63), le=2**63 - 1)]  # int64
+NumChoices = Annotated[int, Field(default=1, ge=1, le=MAX_N)]
+TopLogprobs = Annotated[int | None, Field(default=None, ge=0, le=20)]
+Label = Annotated[str | None, Field(default=None, min_length=1, max_length=MAX_LABEL_CHARS)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
+
+
+def _stop_list(value: Any) -> Any:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    return value
+
+
+def _check_stop(value: list[str]) -> list[str]:
+    if len(value) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(value)}")
+    if any(not s for s in value):
+        raise ValueError("stop strings must be non-empty")
+    longest = max(map(len, value), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters, got {longest}")
+    return value
+
+
+Stop = Annotated[list[str], BeforeValidator(_stop_list), AfterValidator(_check_stop)]
+
+# a function (tool) name, as OpenAI allows it
+FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
