@@ -16,6 +16,7 @@ from typing import Any
 
 from prefixgate.gateway.engine.config import EngineConfig
 from prefixgate.gateway.router.cli import ROUTE_DEFAULTS, add_route_parser, route_settings
+from prefixgate.gateway.server.limits import LIMIT_DEFAULTS, add_limit_flags, limits_from_values
 from prefixgate.gateway.server.settings import ServerSettings, env_var, merge_api_keys
 
 DEFAULTS: dict[str, Any] = {
@@ -52,6 +53,7 @@ DEFAULTS: dict[str, Any] = {
     "response_ttl": 3600.0,
     "max_stored_responses": 10_000,
     "retention": 30.0,
+    **LIMIT_DEFAULTS,
 }
 
 
@@ -206,6 +208,7 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     http.add_argument(
         "--log-level", choices=["debug", "info", "warning", "error"], help="default info"
     )
+    add_limit_flags(p)
     fleet = p.add_argument_group("scale-out (behind `prefixgate route`)")
     fleet.add_argument(
         "--redis-url", help="publish the cache index, load and stats here (redis://host:6379)"
@@ -341,6 +344,7 @@ def configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerSettings]:
         response_ttl_s=values["response_ttl"],
         max_stored_responses=values["max_stored_responses"],
         retention_s=values["retention"],
+        limits=limits_from_values(values),
     )
     return engine, settings
 

@@ -49,6 +49,7 @@ from prefixgate.gateway.server.errors import install_exception_handlers
 from prefixgate.gateway.server.generation import ClientDisconnected, until_disconnect
 from prefixgate.gateway.server.metrics import CONTENT_TYPE
 from prefixgate.gateway.server.request_id import RequestIdMiddleware
+from prefixgate.gateway.server.slow_clients import BodyLimitMiddleware
 
 logger = logging.getLogger("prefixgate.router")
 
@@ -311,5 +312,6 @@ def create_router_app(settings: RouterSettings, *, tokenizer: Any = None,
 
     # The replicas' dashboard, polling the fleet-wide /v1/cache/stats above.
     app.include_router(dashboard.router)
+    app.add_middleware(BodyLimitMiddleware, limits=settings.limits)
     app.add_middleware(RequestIdMiddleware)
     return app

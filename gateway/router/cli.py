@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from prefixgate.gateway.router.settings import POLICIES, RouterSettings
+from prefixgate.gateway.server.limits import LIMIT_DEFAULTS, add_limit_flags, limits_from_values
 from prefixgate.gateway.server.settings import merge_api_keys
 
 ROUTE_DEFAULTS: dict[str, Any] = {
@@ -29,6 +30,7 @@ ROUTE_DEFAULTS: dict[str, Any] = {
     "request_timeout": 600.0,
     "log_level": "info",
     "metrics_public": "off",
+    **LIMIT_DEFAULTS,
 }
 
 
@@ -79,6 +81,7 @@ def add_route_parser(sub: Any, positive_int: Any, positive_float: Any) -> argpar
     http.add_argument("--metrics-public", choices=["on", "off"],
                       help="serve /metrics without the admin key even with auth on, e.g. to a "
                       "Prometheus scraper on a private network (default off)")
+    add_limit_flags(p)
     return p
 
 
@@ -103,4 +106,5 @@ def route_settings(values: Mapping[str, Any]) -> RouterSettings:
         request_timeout_s=values["request_timeout"],
         log_level=values["log_level"],
         metrics_public=values["metrics_public"] == "on",
+        limits=limits_from_values(values),
     )

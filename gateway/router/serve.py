@@ -10,6 +10,7 @@ import uvicorn
 from prefixgate.gateway.router.app import create_router_app
 from prefixgate.gateway.router.settings import RouterSettings
 from prefixgate.gateway.server.serve import BoundServer
+from prefixgate.gateway.server.slow_clients import uvicorn_options
 
 logger = logging.getLogger("prefixgate.router")
 
@@ -32,7 +33,8 @@ def router_server(settings: RouterSettings, app: Any = None) -> RouterServer:
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level, lifespan="on",
                             timeout_graceful_shutdown=5,
-                            access_log=settings.log_level == "debug")
+                            access_log=settings.log_level == "debug",
+                            **uvicorn_options(settings.limits))
     return RouterServer(config)
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from prefixgate.gateway.scaleout.keys import DEFAULT_NAMESPACE
+from prefixgate.gateway.server.limits import ConnectionLimits
 
 POLICIES: tuple[str, ...] = ("cache_aware", "round_robin", "random")
 
@@ -63,6 +64,8 @@ class RouterSettings:
     # /metrics lists every tenant and agent label: with auth on it needs the admin key unless
     # this opens it (a Prometheus scraper on a private network)
     metrics_public: bool = False
+    # slow and greedy clients, as on a replica (gateway/server/limits.py)
+    limits: ConnectionLimits = field(default_factory=ConnectionLimits)
 
     def __post_init__(self) -> None:
         if not self.replicas:

@@ -20,6 +20,7 @@ from prefixgate.gateway.server.request_id import RequestIdMiddleware
 from prefixgate.gateway.server.responses import routes as responses_routes
 from prefixgate.gateway.server.responses.store import MemoryResponseStore, RedisResponseStore
 from prefixgate.gateway.server.settings import ServerSettings
+from prefixgate.gateway.server.slow_clients import BodyLimitMiddleware
 from prefixgate.gateway.server.state import ServerState
 from prefixgate.gateway.server.tokenization import Tokenization
 
@@ -104,6 +105,8 @@ def create_app(
     app.include_router(routes_cache.router)
     app.include_router(routes_ops.router)
     app.include_router(dashboard.router)
+    # Inside CORS and the request id, so a 413/408 carries both.
+    app.add_middleware(BodyLimitMiddleware, limits=settings.limits)
     if settings.allowed_origins:
         app.add_middleware(
             CORSMiddleware,

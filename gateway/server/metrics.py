@@ -186,6 +186,14 @@ class EngineCollector(Collector):
         yield pages
         yield gauge("kv_pages_total", "KV pages in the pool.", cache.num_pages)
         yield gauge("kv_pages_pinned", "KV pages pinned (never evicted).", cache.pages_pinned)
+        yield gauge("kv_pages_retained",
+                    "KV pages under retention (kept ahead of LRU eviction until a deadline).",
+                    cache.pages_retained)
+        yield counter("kv_retained_evicted",
+                      "Retained pages reused before their deadline (memory pressure).",
+                      cache.retained_evicted)
+        yield counter("kv_retention_expiries", "Retentions that ran out (pages back to the LRU).",
+                      cache.retention_expiries)
         yield gauge(
             "kv_fragmentation", "Allocated but unused slots / allocated slots.", cache.fragmentation
         )

@@ -15,6 +15,7 @@ from prefixgate.gateway.engine.api import EngineLike
 from prefixgate.gateway.engine.config import EngineConfig
 from prefixgate.gateway.server.app import create_app
 from prefixgate.gateway.server.settings import ServerSettings
+from prefixgate.gateway.server.slow_clients import uvicorn_options
 
 logger = logging.getLogger("prefixgate.server")
 
@@ -127,6 +128,7 @@ def uvicorn_config(app: Any, settings: ServerSettings) -> uvicorn.Config:
         # Streams end when the engine stops; do not wait minutes for slow clients on shutdown.
         timeout_graceful_shutdown=5,
         access_log=settings.log_level == "debug",
+        **uvicorn_options(settings.limits),
     )
 
 

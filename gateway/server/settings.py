@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
+from prefixgate.gateway.server.limits import ConnectionLimits
+
 DEFAULT_TENANT = "default"
 ENV_PREFIX = "PREFIXGATE_"
 
@@ -161,6 +163,8 @@ class ServerSettings:
     max_stored_responses: int = 10_000
     # a response ending in tool calls keeps its pages ahead of LRU eviction this long (0 = off)
     retention_s: float = 30.0
+    # slow and greedy clients: header/body deadlines, connection and body-size caps
+    limits: ConnectionLimits = field(default_factory=ConnectionLimits)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -288,6 +288,7 @@ def test_a_response_ending_in_tool_calls_retains_its_conversation(sdk, gateway, 
 
     prompt = len(client.post("/tokenize", json={"messages": ASK, "tools": TOOLS}).json()["tokens"])
     assert retained_after({}) >= prompt // gateway.page_size
+    assert client.get("/v1/cache/stats").json()["pages_retained"] >= prompt // gateway.page_size
     assert retained_after({"X-Retention-Seconds": "0"}) == 0
 
 
