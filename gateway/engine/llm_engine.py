@@ -431,6 +431,8 @@ class LLMEngine:
     @staticmethod
     def _row_bitmask(bitmask: torch.Tensor, row_masks: list[int], device: torch.device) -> torch.Tensor:
         """One bitmask row per sampled row: its grammar's, or all ones (-1) for a free row."""
+        if row_masks == list(range(bitmask.shape[0])):  # every row constrained, in fill order
+            return bitmask.to(device)
         full = torch.full((len(row_masks), bitmask.shape[1]), -1, dtype=torch.int32)
         taken = [i for i, m in enumerate(row_masks) if m >= 0]
         full[taken] = bitmask[[row_masks[i] for i in taken]]

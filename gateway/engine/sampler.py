@@ -107,9 +107,6 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow],
     if token_bitmask is not None:
         logits = logits.contiguous()  # consumed: masked in place (raw_logprobs is its own tensor)
         apply_token_bitmask(logits, token_bitmask)
-        best = logits.max(dim=-1).values
-        dead = best == float("-inf")
-        dead_ends = dead.tolist() if bool(dead.any()) else None
     if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
            for r in rows):
         logits = logits.clone()
@@ -132,6 +129,11 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow],
         sampled = (probs / noise).argmax(dim=-1)
         chosen = torch.where(greedy, chosen, sampled)
 
+    if token_bitmask is not None:
+        # a row whose grammar allows nothing picks a -inf token (argmax of all -inf, or of the
+        # NaNs their softmax gives): one gathered value per row finds it, not a second pass
+        dead = logits.gather(1, chosen.unsqueeze(1)).squeeze(1) == float("-inf")
+        dead_ends = dead.tolist() if bool(dead.any()) else None
     token_ids = chosen.tolist()
     if raw_logprobs is None:
         return SampleResult(token_ids, None, None, None, dead_ends)
