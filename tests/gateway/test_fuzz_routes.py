@@ -4,7 +4,7 @@ Bodies are drawn from each route's JSON schema (``from_schema`` below covers the
 emits: objects, anyOf, $ref, enums, bounded numbers and strings, arrays), then half of them get
 one field replaced by an arbitrary JSON value (huge ints, NaN, deep nesting, wrong types). The
 server must never answer 5xx, every 4xx carries an error envelope, and a stream never ends in
-an internal error. Bounded: ``PREFIXGATE_FUZZ_SECONDS`` (default 90) of sending in all;
+an internal error. Bounded: ``PREFIXGATE_FUZZ_SECONDS`` (default 45) of sending in all;
 generation is kept to a few tokens so the budget goes to inputs, not decoding.
 """
 
@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 pytestmark = pytest.mark.slow
 
-BUDGET_S = float(os.environ.get("PREFIXGATE_FUZZ_SECONDS", "90"))
+BUDGET_S = float(os.environ.get("PREFIXGATE_FUZZ_SECONDS", "45"))
 # cache administration changes what every later test sees (pins hold pages): not fuzzed here
 SKIP = ("/v1/cache/",)
 GENERATES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
