@@ -16,6 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from prefixgate.gateway.engine.config import EngineConfig
+from prefixgate.gateway.engine.factory import create_llm_engine
 from prefixgate.gateway.engine.runner import ModelRunner
 
 RUNNER_NUM_PAGES = 512
@@ -50,3 +52,15 @@ def hf_model(default_gguf_path):
         str(default_gguf_path.parent), gguf_file=default_gguf_path.name, dtype=torch.float32
     )
     return model.eval()
+
+
+@pytest.fixture(scope="module")
+def make_engine(loaded_model):
+    """A factory of sync engines on the shared default model (EngineConfig overrides)."""
+
+    def make(**overrides) -> object:
+        cfg = EngineConfig(**{"num_pages": 256, "page_size": 16, "device": "cpu", **overrides})
+        engine, _ = create_llm_engine(cfg, loaded=loaded_model)
+        return engine
+
+    return make

@@ -16,7 +16,6 @@ from prefixgate.gateway.engine.api import (
 )
 from prefixgate.gateway.engine.config import EngineConfig, step_token_budget
 from prefixgate.gateway.engine.engine import AsyncEngine
-from prefixgate.gateway.engine.factory import create_llm_engine
 
 SYSTEM = (
     "You are a meticulous research assistant in a team of software agents. You can call tools to "
@@ -33,16 +32,6 @@ TASKS = [
     "Suggest a benchmark for the router.", "Write a haiku about KV caches.",
     "What happens when Redis is down?", "Describe chunked prefill in one line.",
 ]
-
-
-@pytest.fixture(scope="module")
-def make_engine(loaded_model):
-    def make(**overrides) -> object:
-        cfg = EngineConfig(**{"num_pages": 256, "page_size": 16, "device": "cpu", **overrides})
-        engine, _ = create_llm_engine(cfg, loaded=loaded_model)
-        return engine
-
-    return make
 
 
 def chat(tokenizer, task: str) -> tuple[int, ...]:

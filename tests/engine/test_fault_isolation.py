@@ -21,9 +21,7 @@ from prefixgate.gateway.engine.api import (
     InvalidRequestError,
     SamplingParams,
 )
-from prefixgate.gateway.engine.config import EngineConfig
 from prefixgate.gateway.engine.engine import AsyncEngine
-from prefixgate.gateway.engine.factory import create_llm_engine
 from tests.engine.test_constrained import JSON, valid
 from tests.engine.test_engine import TASKS, chat, run
 
@@ -46,15 +44,6 @@ def batch(tokenizer, tag: str) -> list[GenerationRequest]:
                                       SamplingParams(max_tokens=48, temperature=0),
                                       request_id=f"{tag}15", grammar=JSON))
     return requests
-
-
-@pytest.fixture(scope="module")
-def make_engine(loaded_model):
-    def make(**overrides):
-        config = EngineConfig(**{"num_pages": 256, "page_size": 16, "device": "cpu", **overrides})
-        return create_llm_engine(config, loaded=loaded_model)[0]
-
-    return make
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ agents' traffic, where the plain LRU recomputes it; greedy output is the same ei
 from __future__ import annotations
 
 from prefixgate.gateway.engine.api import GenerationRequest
-from tests.engine.test_engine import SYSTEM, TASKS, chat, greedy, make_engine, run, tokens  # noqa: F401, F811
+from tests.engine.test_engine import SYSTEM, TASKS, chat, greedy, run, tokens
 
 
 def _session_returns(make_engine, tokenizer, retain: bool) -> tuple[int, list[int], object]:
