@@ -153,7 +153,8 @@ class AsyncEngine:
         if request.grammar is not None:
             # compiled here, off the engine thread (a cold schema takes milliseconds; a cached
             # one microseconds); a grammar that cannot compile fails before the first delta
-            grammar = await loop.run_in_executor(None, self.core.compile_grammar, request.grammar)
+            grammar = await loop.run_in_executor(None, self.core.compile_grammar, request.grammar,
+                                                 request.tenant)
         queue: asyncio.Queue[Delta | EngineError] = asyncio.Queue()
 
         def sink(item: Delta | EngineError) -> None:

@@ -164,9 +164,9 @@ class LLMEngine:
             "grammar_compile_seconds": stats.compile_seconds if stats else 0.0,
         }
 
-    def compile_grammar(self, spec: GrammarSpec) -> CompiledGrammar:
-        """Compile (or fetch from the cache) ``spec``; raises InvalidRequestError if it cannot."""
-        return self.grammars.compile(spec)
+    def compile_grammar(self, spec: GrammarSpec, tenant: str = "default") -> CompiledGrammar:
+        """Compile (or fetch from ``tenant``'s cache) ``spec``; InvalidRequestError if it cannot."""
+        return self.grammars.compile(spec, tenant)
 
     # ------------------------------------------------------------------ requests
 
@@ -210,7 +210,7 @@ class LLMEngine:
         """
         self.validate(request)
         if request.grammar is not None and grammar is None:
-            grammar = self.compile_grammar(request.grammar)
+            grammar = self.compile_grammar(request.grammar, request.tenant)
         if request.request_id in self._requests:
             raise InvalidRequestError(f"duplicate request id {request.request_id}")
         if self.scheduler.num_waiting >= self.config.max_waiting:

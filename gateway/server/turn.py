@@ -191,7 +191,7 @@ async def open_turn(request: Request, principal: Principal, turn: ChatTurn,
     prompt = await state.tokenization.chat_with_tools(
         turn.messages, turn.visible_tools, True, turn.message_param)
     grammar = tool_grammar(turn.tools, turn.tool_choice, turn.response_format,
-                           turn.parameters_param)
+                           turn.parameters_param, scope=principal.tenant)
     params = sampling_params(turn, len(prompt), state.capacity, state.page_size,  # type: ignore[arg-type]
                              turn.max_tokens, False, 0)
     generation = GenerationRequest(

@@ -15,7 +15,7 @@ from prefixgate.gateway.engine.api import (
     InvalidRequestError,
     SamplingParams,
 )
-from tests.engine.test_engine import SYSTEM, TASKS, chat, make_engine, run, tokens  # noqa: F401, F811
+from tests.engine.test_engine import SYSTEM, TASKS, chat, run, tokens
 
 SCHEMA = {
     "type": "object",
@@ -193,3 +193,17 @@ def test_logprobs_stay_those_of_the_raw_distribution(engines, tokenizer):
         for lp in delta.logprobs or ():
             assert lp.logprob <= 0 and len(lp.top) == 3
             assert all(t.logprob > float("-inf") for t in lp.top)
+
+
+def test_each_tenant_compiles_into_its_own_cache(engines):
+    """A warm compile is microseconds, a cold one milliseconds: a cache shared across tenants
+    would let one tenant time which schemas another sends. Tenants never share an entry."""
+    engine = engines["cached"]
+    spec = GrammarSpec("json_schema", json.dumps({"type": "object", "properties": {
+        "tenant_probe": {"type": "boolean"}}}))
+    alpha = engine.compile_grammar(spec, "alpha")
+    misses = engine.grammars.stats.misses
+    assert engine.compile_grammar(spec, "alpha") is alpha  # alpha's own entry: a hit
+    assert engine.grammars.stats.misses == misses
+    beta = engine.compile_grammar(spec, "beta")  # beta compiles its own: a miss, not alpha's
+    assert engine.grammars.stats.misses == misses + 1 and beta is not alpha

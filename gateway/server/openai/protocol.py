@@ -325,12 +325,15 @@ class ChatCompletionRequest(SamplingRequest):
     def template_tools(self) -> list[FunctionTool] | None:
         return template_tools(self.tools, self.tool_choice)
 
-    def output_grammar(self) -> GrammarSpec | None:
-        """The grammar of the whole output: tool calls and/or the response format."""
+    def output_grammar(self, scope: str = "") -> GrammarSpec | None:
+        """The grammar of the whole output: tool calls and/or the response format.
+
+        ``scope``: the tenant (grammar caches are per tenant, gateway/server/tools/grammar.py).
+        """
         response = self.response_format.grammar_spec() if self.response_format else None
         return tool_grammar(
             function_tools(self.tools), tool_choice_of(self.tool_choice, self.parallel_tool_calls),
-            response, lambda i: f"tools[{i}].function.parameters")
+            response, lambda i: f"tools[{i}].function.parameters", scope=scope)
 
     @property
     def expects_tool_calls(self) -> bool:

@@ -368,7 +368,7 @@ async def chat_completions(
     agent = agent_of(request, body.user)
     prompt = await state.tokenization.chat_with_tools(
         body.template_messages(), body.template_tools(), True)
-    grammar = body.output_grammar()
+    grammar = body.output_grammar(scope=principal.tenant)
     params = sampling_params(
         body,
         len(prompt),

@@ -71,17 +71,20 @@ def check_schema(schema: Any, param: str, *, object_only: bool) -> str:
 
 
 @functools.lru_cache(maxsize=1024)
-def _ebnf(schema_text: str, strict: bool) -> str:
+def _ebnf(schema_text: str, strict: bool, scope: str) -> str:
+    # NOTE: cached per scope (tenant): a warm conversion is faster than a cold one, and a shared
+    # cache would let one tenant time whether another one sent a schema
     # the converter walks the schema once; a swarm repeats its schemas, so this is warm after
     # the first request (the compiled grammar is cached again by the engine)
     return json_schema_ebnf(json.loads(schema_text), strict=strict)
 
 
-def schema_grammar(schema: Any, param: str, *, strict: bool = True, object_only: bool = False) -> str:
+def schema_grammar(schema: Any, param: str, *, strict: bool = True, object_only: bool = False,
+                   scope: str = "") -> str:
     """The canonical-JSON EBNF of ``schema`` (cached); a 400 naming ``param`` if it is bad."""
     text = check_schema(schema, param, object_only=object_only)
     try:
-        return _ebnf(text, strict)
+        return _ebnf(text, strict, scope)
     except (RuntimeError, ValueError, TypeError, RecursionError) as exc:
         message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         if message.startswith("[") and "] " in message:
@@ -90,14 +93,14 @@ def schema_grammar(schema: Any, param: str, *, strict: bool = True, object_only:
                                   param=param, code="invalid_grammar") from exc
 
 
-def _format_of(spec: GrammarSpec) -> dict[str, Any]:
+def _format_of(spec: GrammarSpec, scope: str) -> dict[str, Any]:
     """A response_format grammar as a structural-tag element (JSON kinds only)."""
     if spec.kind == "json_schema":
-        return {"type": "grammar",
-                "grammar": schema_grammar(json.loads(spec.source), spec.param, strict=spec.strict)}
+        return {"type": "grammar", "grammar": schema_grammar(
+            json.loads(spec.source), spec.param, strict=spec.strict, scope=scope)}
     if spec.kind == "json_object":
-        return {"type": "grammar", "grammar": schema_grammar({"type": "object"}, spec.param,
-                                                             strict=False)}
+        return {"type": "grammar", "grammar": schema_grammar(
+            {"type": "object"}, spec.param, strict=False, scope=scope)}
     raise InvalidRequestError(
         f"response_format {spec.kind!r} cannot be combined with tools (json_schema and "
         "json_object can)", param=spec.param)
@@ -108,6 +111,7 @@ def tool_grammar(
     choice: ToolChoice,
     response_format: GrammarSpec | None,
     parameters_param: Callable[[int], str],
+    scope: str = "",
 ) -> GrammarSpec | None:
     """The grammar of a request's output given its tools, tool choice and response format.
 
@@ -116,6 +120,7 @@ def tool_grammar(
         choice: the (validated) tool choice; ``function`` names one of ``tools``.
         response_format: the JSON grammar asked for the text answer, if any.
         parameters_param: the request field of tool i's schema (for errors).
+        scope: the tenant (caches are per tenant, see ``_ebnf``).
     """
     if not tools or choice.mode == "none":
         return response_format
@@ -128,7 +133,7 @@ def tool_grammar(
         if choice.mode == "function" and tool.name != choice.name:
             continue
         ebnf = schema_grammar(tool.schema, parameters_param(index), strict=tool.strict,
-                              object_only=True)
+                              object_only=True, scope=scope)
         tags.append({"type": "tag", "begin": call_begin(tool.name),
                      "content": {"type": "grammar", "grammar": ebnf}, "end": CALL_END})
     one_only = choice.mode == "function" or not choice.parallel
@@ -137,7 +142,7 @@ def tool_grammar(
     if choice.mode != "auto":
         fmt: dict[str, Any] = calls_only
     elif response_format is not None:
-        fmt = {"type": "or", "elements": [_format_of(response_format), calls_only]}
+        fmt = {"type": "or", "elements": [_format_of(response_format, scope), calls_only]}
     else:
         fmt = {"type": "triggered_tags", "triggers": [TOOL_CALL_OPEN], "tags": tags,
                "at_least_one": False, "stop_after_first": one_only}
