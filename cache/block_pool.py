@@ -49,6 +49,9 @@ class BlockPool:
         self.clock = clock
         self.num_retained_evicted = 0  # retained pages reused before their deadline (pressure)
         self.num_retention_expiries = 0
+        # called with (page id, its block) when a cached page is evicted for reuse, before its
+        # K/V is overwritten (the second tier copies it out: gateway/engine/kv_tier.py)
+        self.evict_sink: Callable[[int, HashedBlock], None] | None = None
 
     @property
     def num_free_pages(self) -> int:
@@ -68,6 +71,7 @@ class BlockPool:
     def _expire(self) -> None:
         for page in self.retained.pop_expired(self.clock()):
             page.retain_until = page.retain_ttl = 0.0
+            page.retain_tenant = None
             self.num_retention_expiries += 1
             self.free_queue.append(page)  # back to the ordinary LRU, most recent end
 
@@ -92,6 +96,7 @@ class BlockPool:
             else:  # only retained pages are left: the earliest deadline goes first
                 page = self.retained.pop_earliest()
                 page.retain_until = page.retain_ttl = 0.0
+                page.retain_tenant = None
                 self.num_retained_evicted += 1
             if page.block_hash is not None:
                 self._evict(page)
@@ -143,17 +148,20 @@ class BlockPool:
                     self.retained.add(page)
                 elif page.block_hash is not None:
                     page.retain_until = page.retain_ttl = 0.0
+                    page.retain_tenant = None
                     self.free_queue.append(page)
                 else:
                     self.free_queue.appendleft(page)
 
-    def retain(self, page: Page, ttl_s: float) -> bool:
+    def retain(self, page: Page, ttl_s: float, tenant: str = "default") -> bool:
         """Keep cached ``page`` ahead of LRU eviction for ``ttl_s`` seconds from now (a later
-        deadline is kept); a hit renews it. Returns False for a page without a hash."""
+        deadline is kept); a hit renews it. ``tenant``'s retention budget pays for it. Returns
+        False for a page without a hash."""
         if page.block_hash is None or ttl_s <= 0:
             return False
         page.retain_until = max(page.retain_until, self.clock() + ttl_s)
         page.retain_ttl = max(page.retain_ttl, ttl_s)
+        page.retain_tenant = tenant
         if page.ref_count == 0:
             if page in self.retained:
                 self.retained.remove(page)  # re-queued under its new deadline
@@ -219,6 +227,10 @@ class BlockPool:
 
     def _evict(self, page: Page) -> None:
         self.num_evictions += 1
+        if self.evict_sink is not None:  # the second tier: spill the page before its reuse
+            assert page.block_hash is not None and page.parent_hash is not None
+            self.evict_sink(page.page_id, HashedBlock(page.block_hash, page.parent_hash,
+                                                      page.token_bytes or b"", page.extra_keys))
         self._drop_hash(page)
 
     def _drop_hash(self, page: Page) -> None:
@@ -228,5 +240,6 @@ class BlockPool:
         page.block_hash = page.parent_hash = page.token_bytes = None
         page.extra_keys = b""
         page.retain_until = page.retain_ttl = 0.0
+        page.retain_tenant = None
         if self.event_sink is not None:
             self.event_sink(BlockRemoved(block_hash))

@@ -89,6 +89,8 @@ class KVCacheManager:
         # per-agent view sums a label over tenants.
         self._per_agent: dict[tuple[str, str], HitCounter] = {}
         self.num_cow_copies = 0
+        self._evicted: list[tuple[int, HashedBlock]] = []  # see capture_evictions()
+        self._unwritten: set[int] = set()  # installed from the tier, load not written yet
 
     # ------------------------------------------------------------------ queries
 
@@ -189,6 +191,16 @@ class KVCacheManager:
                                        f"{len(token_ids)} tokens")
         match = self._match(blocks, len(token_ids)) if self.enable_caching else PrefixMatch(0, (), 0, 0)
         pages = [self.pool.pages[i] for i in match.page_ids]
+        # Retention hits, counted before touch() takes the pages out of the retained set: hit
+        # pages that were free and under an unexpired retention (a returning turn whose prefix
+        # retention kept). NOTE: the hit stops one token short of a whole prompt (invariant 5).
+        retention_hit = 0
+        if count_query and self.pool.retained:
+            now = self.pool.clock()
+            for index, page in enumerate(pages):
+                if page.ref_count == 0 and page.retain_until > now and page in self.pool.retained:
+                    retention_hit += max(0, min(self.page_size,
+                                                match.num_cached_tokens - index * self.page_size))
         self.pool.touch(pages)
         seq = SequenceBlocks(
             seq_id=seq_id,
@@ -207,7 +219,7 @@ class KVCacheManager:
             for block in blocks[len(pages) :]:
                 self._pending.setdefault(block.block_hash, seq_id)
         if count_query:
-            self._record_query(tenant, agent, len(token_ids), match.num_cached_tokens)
+            self._record_query(tenant, agent, len(token_ids), match.num_cached_tokens, retention_hit)
         return Allocation(match.num_cached_tokens, tuple(seq.block_table))
 
     def append_tokens(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
@@ -326,32 +338,46 @@ class KVCacheManager:
         return sum(self.pool.unpin(p) for p in self._cached_prefix_pages(token_ids, extra_keys))
 
     def retain(self, token_ids: Sequence[int], extra_keys: bytes, ttl_s: float,
-               max_pages: int | None = None) -> int:
+               max_pages: int | None = None, *, tenant: str = "default",
+               max_tenant_pages: int | None = None) -> int:
         """Retain the cached full blocks of ``token_ids``'s prefix for ``ttl_s`` seconds: they
         are evicted only after every unretained free page (earliest deadline first), and a hit
-        renews them. Soft: they never block an allocation.
+        renews them. Soft: they never block an allocation. Pins are untouched by budgets.
 
         Args:
-            max_pages: the retention budget (pages retained in the whole pool); blocks past it
-                are left to the LRU.
+            max_pages: the global retention budget (pages retained in the whole pool).
+            tenant: whose budget pays; pages it already retains count against it.
+            max_tenant_pages: the tenant's retention budget (pages it may hold retained).
+                Blocks past either budget are left to the LRU; renewing a retained page costs
+                no budget.
 
         Returns:
             How many pages are retained now for this prefix.
         """
         pages = self._cached_prefix_pages(token_ids, extra_keys)
         in_budget = self.num_retained_pages() if max_pages is not None else 0
+        tenant_in_budget = self.num_retained_pages(tenant) if max_tenant_pages is not None else 0
         retained = 0
         for page in pages:
-            if page.retain_until <= 0 and max_pages is not None:
-                if in_budget >= max_pages:
+            if page.retain_until <= 0:
+                if max_pages is not None and in_budget >= max_pages:
+                    break
+                if max_tenant_pages is not None and tenant_in_budget >= max_tenant_pages:
                     break
                 in_budget += 1
-            retained += self.pool.retain(page, ttl_s)
+                tenant_in_budget += 1
+            retained += self.pool.retain(page, ttl_s, tenant)
         return retained
 
-    def num_retained_pages(self) -> int:
-        """Pages under retention: free retained ones plus referenced ones with a deadline."""
-        return sum(1 for p in self.pool.pages if p.retain_until > 0)
+    def num_retained_pages(self, tenant: str | None = None) -> int:
+        """Pages under retention: free retained ones plus referenced ones with a deadline.
+
+        Args:
+            tenant: count only the pages whose retention ``tenant``'s budget pays for.
+        """
+        if tenant is None:
+            return sum(1 for p in self.pool.pages if p.retain_until > 0)
+        return sum(1 for p in self.pool.pages if p.retain_until > 0 and p.retain_tenant == tenant)
 
     def num_pinned_prefix_pages(self, token_ids: Sequence[int], extra_keys: bytes = b"") -> int:
         """How many leading full blocks of ``token_ids`` are cached and pinned right now."""
@@ -360,6 +386,65 @@ class KVCacheManager:
     def reset_cache(self) -> int:
         """Drop every unreferenced cached page's hash (pinned and in-use pages stay)."""
         return self.pool.reset()
+
+    # ------------------------------------------------------------------ second tier
+
+    def capture_evictions(self) -> None:
+        """Start recording evicted cached pages (page id, block) for :meth:`take_evicted`: the
+        second tier copies them out before the step's writes reuse them."""
+        self.pool.evict_sink = self._on_evict
+
+    def _on_evict(self, page_id: int, block: HashedBlock) -> None:
+        if page_id in self._unwritten:
+            # NOTE: installed this step and evicted again before its load was written: the
+            # pool does not hold that block's K/V yet, so there is nothing true to spill
+            self._unwritten.discard(page_id)
+            return
+        self._evicted.append((page_id, block))
+
+    def take_evicted(self) -> list[tuple[int, HashedBlock]]:
+        """Pages evicted since the last call, in eviction order; also ends the step's install
+        window (its loads are written now)."""
+        evicted, self._evicted = self._evicted, []
+        self._unwritten.clear()
+        return evicted
+
+    def forget_pages(self, page_ids: Sequence[int]) -> set[Hashable]:
+        """Drop the hashes of ``page_ids`` (their K/V is not what the hash says); returns the
+        live sequences holding any of them, which the caller must fail."""
+        doomed = set(page_ids)
+        for page_id in doomed:
+            page = self.pool.pages[page_id]
+            if page.block_hash is not None:
+                self.pool._drop_hash(page)
+        return {s.seq_id for s in self._seqs.values() if doomed.intersection(s.block_table)}
+
+    def install_blocks(self, blocks: Sequence[HashedBlock], max_pages: int) -> list[int]:
+        """Give verified blocks loaded from the second tier pages of their own, registered
+        under their hashes, free-but-cached (refcount 0) so the request's lookup hits them.
+
+        NOTE: the pages hold their K/V only once the runner writes the load, which the engine
+        does before the step's forward (the first read); :meth:`take_evicted` closes the window.
+
+        Args:
+            blocks: consecutive blocks continuing a cached prefix (block i's parent is i-1's).
+            max_pages: at most this many pages (what admission can spare).
+        Returns:
+            The page ids, in block order; stops early at a block someone cached meanwhile.
+        """
+        if not self.enable_caching:
+            return []
+        room = min(len(blocks), max_pages, self.pool.num_free_pages - self.watermark_pages)
+        pages: list[Page] = []
+        for block in blocks[: max(room, 0)]:
+            if block.block_hash in self.pool.cached:
+                break
+            (page,) = self.pool.allocate(1)
+            self.pool.register(page, block)
+            pages.append(page)
+        self._unwritten.update(p.page_id for p in pages)
+        self.pool.release(reversed(pages))  # tail first, as free() does: heads outlive tails
+        return [p.page_id for p in pages]
 
     # ------------------------------------------------------------------ stats
 
@@ -376,6 +461,10 @@ class KVCacheManager:
                     filled[page_id] = n
         allocated = len(filled) * self.page_size
         fragmentation = (allocated - sum(filled.values())) / allocated if allocated else 0.0
+        retained_per_tenant: dict[str, int] = {}
+        for p in pages:
+            if p.retain_tenant is not None:
+                retained_per_tenant[p.retain_tenant] = retained_per_tenant.get(p.retain_tenant, 0) + 1
         return CacheStats(
             num_pages=self.num_pages,
             page_size=self.page_size,
@@ -395,6 +484,7 @@ class KVCacheManager:
             pages_retained=sum(1 for p in pages if p.retain_until > 0),
             retained_evicted=self.pool.num_retained_evicted,
             retention_expiries=self.pool.num_retention_expiries,
+            retained_per_tenant=retained_per_tenant,
         )
 
     # ------------------------------------------------------------------ integrity
@@ -407,6 +497,13 @@ class KVCacheManager:
             raise IntegrityError("free queue length/uniqueness broken")
         if any(p.retain_until <= 0 or p.block_hash is None for p in pool.retained):
             raise IntegrityError("a retained free page without a deadline or a hash")
+        for page in pool.pages:
+            # a retention always names whose budget pays for it, and only a retention does
+            if (page.retain_until > 0) != (page.retain_tenant is not None):
+                raise IntegrityError(f"{page}: retention deadline {page.retain_until} but tenant "
+                                     f"{page.retain_tenant!r}")
+            if page.retain_until > 0 and page.block_hash is None:
+                raise IntegrityError(f"{page}: retained without a hash")
         refs = [0] * self.num_pages
         for seq in self._seqs.values():
             for page_id in seq.block_table:
@@ -490,22 +587,20 @@ class KVCacheManager:
             pages.append(page)
         return pages
 
-    def _record_query(self, tenant: str, agent: str | None, query: int, hit: int) -> None:
-        self._total.record(query, hit)
-        self._per_tenant.setdefault(tenant, HitCounter()).record(query, hit)
+    def _record_query(self, tenant: str, agent: str | None, query: int, hit: int,
+                      retention_hit: int = 0) -> None:
+        self._total.record(query, hit, retention_hit)
+        self._per_tenant.setdefault(tenant, HitCounter()).record(query, hit, retention_hit)
         if agent is not None:
             key = (tenant, agent)
             if key not in self._per_agent and len(self._per_agent) >= self._max_tracked_agents:
                 key = (tenant, OTHER_LABEL)  # the cap bounds memory; the fold stays per tenant
-            self._per_agent.setdefault(key, HitCounter()).record(query, hit)
+            self._per_agent.setdefault(key, HitCounter()).record(query, hit, retention_hit)
 
     def _agents_summed(self) -> dict[str, HitStats]:
         summed: dict[str, HitCounter] = {}
         for (_, agent), counter in self._per_agent.items():
-            into = summed.setdefault(agent, HitCounter())
-            into.requests += counter.requests
-            into.query_tokens += counter.query_tokens
-            into.hit_tokens += counter.hit_tokens
+            summed.setdefault(agent, HitCounter()).add(counter)
         return {agent: counter.frozen() for agent, counter in summed.items()}
 
     def _agents_by_tenant(self) -> dict[str, dict[str, HitStats]]:

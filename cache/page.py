@@ -26,9 +26,11 @@ class Page:
     token_bytes: bytes | None = None
     extra_keys: bytes = b""
     # Retention (cache/retention.py): kept ahead of LRU eviction until this monotonic deadline
-    # (0 = not retained); a hit extends it by ``retain_ttl`` again.
+    # (0 = not retained); a hit extends it by ``retain_ttl`` again. ``retain_tenant`` is whose
+    # budget the retention counts against (set iff ``retain_until`` is).
     retain_until: float = 0.0
     retain_ttl: float = 0.0
+    retain_tenant: str | None = None
     # Free-queue links (None when not queued, or at an end).
     prev: Page | None = None
     next: Page | None = None

@@ -3,6 +3,12 @@
 Queries and hits are counted in TOKENS (vLLM's convention): a request with a 1,000-token prompt
 adds 1,000 to ``query_tokens`` and the number of prompt tokens served from cached pages to
 ``hit_tokens``.
+
+A **retention hit** is a hit on pages that were free AND under retention when the request came
+(cache/retention.py): a returning turn whose prefix was kept ahead of the LRU for it.
+``retention_hit_tokens`` is the part of ``hit_tokens`` those pages served; ``retention_hits``
+counts the requests with any. It is an upper bound on what retention saved: without memory
+pressure the LRU would have kept some of those pages anyway.
 """
 
 from __future__ import annotations
@@ -17,18 +23,32 @@ class HitCounter:
     requests: int = 0
     query_tokens: int = 0
     hit_tokens: int = 0
+    retention_hits: int = 0  # requests whose hit included retained free pages
+    retention_hit_tokens: int = 0  # hit tokens served by those pages (part of hit_tokens)
 
-    def record(self, query_tokens: int, hit_tokens: int) -> None:
+    def record(self, query_tokens: int, hit_tokens: int, retention_hit_tokens: int = 0) -> None:
         self.requests += 1
         self.query_tokens += query_tokens
         self.hit_tokens += hit_tokens
+        if retention_hit_tokens:
+            self.retention_hits += 1
+            self.retention_hit_tokens += retention_hit_tokens
+
+    def add(self, other: HitCounter) -> None:
+        """Sum ``other`` into this counter (folding labels together)."""
+        self.requests += other.requests
+        self.query_tokens += other.query_tokens
+        self.hit_tokens += other.hit_tokens
+        self.retention_hits += other.retention_hits
+        self.retention_hit_tokens += other.retention_hit_tokens
 
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
     def frozen(self) -> HitStats:
-        return HitStats(self.requests, self.query_tokens, self.hit_tokens)
+        return HitStats(self.requests, self.query_tokens, self.hit_tokens, self.retention_hits,
+                        self.retention_hit_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +56,8 @@ class HitStats:
     requests: int
     query_tokens: int
     hit_tokens: int  # = prompt tokens saved from compute
+    retention_hits: int = 0  # requests whose hit included retained free pages (module doc)
+    retention_hit_tokens: int = 0  # hit tokens those retained pages served
 
     @property
     def hit_rate(self) -> float:
@@ -82,6 +104,7 @@ class CacheStats:
     pages_retained: int = 0  # under retention now (free or in use)
     retained_evicted: int = 0  # retained pages reused before their deadline (memory pressure)
     retention_expiries: int = 0  # retentions that ran out (their pages went back to the LRU)
+    retained_per_tenant: dict[str, int] = field(default_factory=dict)  # pages_retained by tenant
 
     @property
     def usage(self) -> float:
@@ -98,8 +121,8 @@ class CacheStats:
         Args:
             tenant: the caller's tenant (from its API key).
         Returns:
-            A copy with ``total``, ``per_tenant``, ``per_agent``, ``per_tenant_agent`` and
-            ``top_prefixes`` restricted to ``tenant``.
+            A copy with ``total``, ``per_tenant``, ``per_agent``, ``per_tenant_agent``,
+            ``top_prefixes`` and ``retained_per_tenant`` restricted to ``tenant``.
         """
         own = self.per_tenant.get(tenant, HitStats(0, 0, 0))
         agents = dict(self.per_tenant_agent.get(tenant, {}))
@@ -110,4 +133,6 @@ class CacheStats:
             per_agent=agents,
             per_tenant_agent={tenant: agents} if agents else {},
             top_prefixes=tuple(p for p in self.top_prefixes if p.tenant == tenant),
+            retained_per_tenant={tenant: self.retained_per_tenant[tenant]}
+            if tenant in self.retained_per_tenant else {},
         )

@@ -53,6 +53,11 @@ DEFAULTS: dict[str, Any] = {
     "response_ttl": 3600.0,
     "max_stored_responses": 10_000,
     "retention": 30.0,
+    "kv_tier": "off",
+    "kv_tier_size": 4.0,
+    "kv_tier_path": None,
+    "retention_learn": "on",
+    "retention_tenant_budget": 0.25,
     **LIMIT_DEFAULTS,
 }
 
@@ -165,6 +170,22 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         metavar="on|off",
         help="share cached prefix pages between requests (default on; off = baseline)",
     )
+    model.add_argument(
+        "--kv-tier",
+        choices=["off", "host", "redis"],
+        help="a second KV tier for evicted cached pages, loaded back instead of recomputed: "
+        "host = host memory (a memory-mapped file with --kv-tier-path), redis = the fleet's "
+        "Redis at --redis-url, shared by every replica (default off)",
+    )
+    model.add_argument(
+        "--kv-tier-size",
+        type=_positive_float,
+        metavar="GB",
+        help="the host tier's size in GiB (default 4; Redis is bounded by its own maxmemory)",
+    )
+    model.add_argument(
+        "--kv-tier-path", metavar="FILE", help="back the host tier by this file on local disk"
+    )
     http = p.add_argument_group("HTTP and auth")
     http.add_argument("--host", help="bind address (default 127.0.0.1)")
     http.add_argument("--port", type=int, help="port (default 8000; 0 = any free port)")
@@ -232,6 +253,21 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         help="a response that ends in tool calls keeps its pages ahead of LRU eviction for S "
         "seconds, until the agent returns with the result (default 30; 0 = off; requests may "
         "hint it: retention_seconds, X-Retention-Seconds, Anthropic cache_control.ttl)",
+    )
+    fleet.add_argument(
+        "--retention-learn",
+        type=_on_off,
+        metavar="on|off",
+        help="learn each agent's tool pauses and derive the default TTL from them: margin x "
+        "their p90, capped by the prefix's recompute cost; --retention until 8 pauses are "
+        "seen (default on; off = always --retention)",
+    )
+    fleet.add_argument(
+        "--retention-tenant-budget",
+        type=_fraction,
+        metavar="F",
+        help="at most this fraction of the KV pool is retained for one tenant (default 0.25; "
+        "the whole pool's retention stays within 0.5; pins are not counted)",
     )
     fleet.add_argument(
         "--response-ttl",
@@ -323,8 +359,12 @@ def configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerSettings]:
         watermark=values["watermark"],
         enable_prefix_caching=values["prefix_caching"] == "on",
         hash_seed=values["hash_seed"],
+        retention_tenant_budget=values["retention_tenant_budget"],
         kernel_backend=values["kernel_backend"],
         native_kernels=values["native_kernels"] == "on",
+        kv_tier=None if values["kv_tier"] == "off" else values["kv_tier"],
+        kv_tier_size_gb=values["kv_tier_size"],
+        kv_tier_path=values["kv_tier_path"],
     )
     settings = ServerSettings(
         host=values["host"],
@@ -344,6 +384,7 @@ def configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerSettings]:
         response_ttl_s=values["response_ttl"],
         max_stored_responses=values["max_stored_responses"],
         retention_s=values["retention"],
+        retention_learn=values["retention_learn"] == "on",
         limits=limits_from_values(values),
     )
     return engine, settings

@@ -221,6 +221,7 @@ class EngineStats:
     grammar_compiles: int = 0  # distinct grammars compiled (cache misses)
     grammar_cache_hits: int = 0
     grammar_compile_seconds: float = 0.0
+    tier: dict[str, Any] | None = None  # the second KV tier's counters (None = no tier)
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,14 @@ class EngineConfig:
     # at most this fraction of the pool is under retention (cache/retention.py) at a time, so
     # sessions waiting on tools cannot hold the whole cache ahead of everyone else's LRU
     retention_budget: float = 0.5
+    # and at most this fraction per tenant, so one tenant's paused sessions cannot take the
+    # whole retention budget from the others (explicit pins are not counted)
+    retention_tenant_budget: float = 0.25
+    # the second KV tier (cache/tier.py): None = off, "host" = host memory (a memory-mapped
+    # file when kv_tier_path is set), "redis" = the fleet's Redis (the server builds that store)
+    kv_tier: str | None = None
+    kv_tier_size_gb: float = 4.0
+    kv_tier_path: str | None = None
     kernel_backend: str | None = None  # None = triton on CUDA, torch on CPU
     native_kernels: bool = True  # CPU fp32: the native C kernels (kernels/csrc) when they build here
 
@@ -48,8 +56,14 @@ class EngineConfig:
             raise ValueError("max_waiting must be >= 0")
         if not 0 <= self.watermark < 1:
             raise ValueError("watermark must be in [0, 1)")
+        if self.kv_tier not in (None, "host", "redis"):
+            raise ValueError(f"kv_tier must be host or redis, got {self.kv_tier!r}")
+        if self.kv_tier_size_gb <= 0:
+            raise ValueError(f"kv_tier_size_gb must be > 0, got {self.kv_tier_size_gb}")
         if not 0 <= self.retention_budget <= 1:
             raise ValueError("retention_budget must be in [0, 1]")
+        if not 0 <= self.retention_tenant_budget <= 1:
+            raise ValueError("retention_tenant_budget must be in [0, 1]")
 
 
 # Default step budget per device type, in context-free tokens (the scheduler counts a prefill

@@ -121,16 +121,21 @@ class AsyncEngine:
                         command()
                     except Exception:  # one bad add/abort must not kill the engine thread
                         logger.exception("an engine command failed")
+                idle = False
                 if self.core.has_work():
                     try:
                         # a failure attributable to one request fails it alone inside step()
-                        self.core.step()
+                        idle = self.core.step().is_empty
                     except Exception:  # the model or device itself: must not kill the server
                         logger.exception("engine step failed; failing in-flight requests")
                         try:
                             self.core.recover(EngineError("internal error in the engine step"))
                         except Exception:
                             logger.exception("recovering from a failed step failed")
+            if idle and self.core.tier is not None:
+                # only requests waiting on tier loads: sleep until one lands, not spin
+                self.core.tier.load_done.wait(0.005)
+                self.core.tier.load_done.clear()
             if self._lock_waiters:
                 # NOTE: threading.Lock is not fair: released and re-taken at once, a busy engine
                 # would starve stats/pin callers for many steps. Step aside briefly for them.
@@ -238,14 +243,18 @@ class AsyncEngine:
     async def retain(self, token_ids: Sequence[int], tenant: str, cache_salt: str | None,
                      ttl_s: float) -> int:
         """Keep the cached full blocks of ``token_ids`` ahead of LRU eviction for ``ttl_s``
-        (soft: see cache/retention.py), within the pool's retention budget; returns pages."""
+        (soft: see cache/retention.py), within the pool's retention budget and ``tenant``'s
+        share of it (``EngineConfig.retention_tenant_budget``); returns pages."""
         ids = tuple(token_ids)
-        budget = int(self.core.cache.num_pages * self.core.config.retention_budget)
+        num_pages = self.core.cache.num_pages
+        budget = int(num_pages * self.core.config.retention_budget)
+        tenant_budget = int(num_pages * self.core.config.retention_tenant_budget)
 
         def retain_locked() -> int:  # waits for the engine lock: off the event loop
             with self._shared():
                 return self.core.cache.retain(ids, self.core.extra_keys_for(tenant, cache_salt),
-                                              ttl_s, max_pages=budget)
+                                              ttl_s, max_pages=budget, tenant=tenant,
+                                              max_tenant_pages=tenant_budget)
 
         return await asyncio.to_thread(retain_locked)
 
@@ -278,6 +287,7 @@ class AsyncEngine:
                 device=self.device,
                 constrained_tokens=core.constrained_tokens,
                 **core.grammar_stats(),
+                tier=core.tier_stats(),
             )
 
     # ------------------------------------------------------------------ scale-out index
@@ -349,7 +359,8 @@ def _settle(future: asyncio.Future[Any], error: EngineError | None) -> None:
         future.set_exception(error)
 
 
-def build_engine(config: EngineConfig | None = None, *, event_sink=None, loaded=None) -> AsyncEngine:
+def build_engine(config: EngineConfig | None = None, *, event_sink=None, loaded=None,
+                 tier_store=None) -> AsyncEngine:
     """Load the model (progress bar), size the KV pool, and return a ready-to-start engine.
 
     ``loaded`` reuses an already loaded model (a LoadedModel: tests share one across engines).
@@ -357,7 +368,7 @@ def build_engine(config: EngineConfig | None = None, *, event_sink=None, loaded=
     from prefixgate.gateway.engine.factory import create_llm_engine
 
     config = config or EngineConfig()
-    core, info = create_llm_engine(config, event_sink=event_sink, loaded=loaded)
+    core, info = create_llm_engine(config, event_sink=event_sink, loaded=loaded, tier_store=tier_store)
     logger.info("engine ready: model=%s device=%s kernels=%s%s pages=%d x %d tokens, step budget %d tokens",
                 info["model_name"], info["device"], info["kernel_backend"],
                 " + native CPU kernels" if info.get("native_cpu_kernels") else "",

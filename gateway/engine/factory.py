@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from prefixgate.cache.events import EventSink
+from prefixgate.cache.tier import HostTier, TierStore, entry_slot_bytes
 from prefixgate.gateway.engine.config import EngineConfig
 from prefixgate.gateway.engine.llm_engine import LLMEngine
 from prefixgate.gateway.engine.loader import LoadedModel, load_model
@@ -17,6 +18,7 @@ def create_llm_engine(
     loaded: LoadedModel | None = None,
     event_sink: EventSink | None = None,
     progress: bool | None = None,
+    tier_store: TierStore | None = None,
 ) -> tuple[LLMEngine, dict[str, Any]]:
     """Load the model (unless ``loaded`` is given) and return the sync engine plus facts about it.
 
@@ -38,6 +40,12 @@ def create_llm_engine(
         kernel_backend=config.kernel_backend,
         native_kernels=config.native_kernels,
     )
+    if tier_store is None and config.kv_tier == "host":
+        page_bytes = runner.kv_pool[:, :, 0].numel() * runner.kv_pool.element_size()
+        tier_store = HostTier(int(config.kv_tier_size_gb * (1 << 30)), entry_slot_bytes(page_bytes),
+                              path=config.kv_tier_path)
+    elif tier_store is None and config.kv_tier == "redis":
+        raise ValueError("kv_tier redis needs the server's Redis store (--redis-url)")
     engine = LLMEngine(
         runner,
         loaded.tokenizer,
@@ -45,6 +53,7 @@ def create_llm_engine(
         model_id=loaded.name,
         chunk_factory=SeqChunk,
         event_sink=event_sink,
+        tier_store=tier_store,
     )
     info = {
         "model_name": config.served_model_name or default_served_name(loaded),

@@ -8,6 +8,7 @@ tokens into per-choice deltas (incremental text, stop strings, finish reasons, u
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -16,6 +17,7 @@ import torch
 
 from prefixgate.cache import KVCacheManager, make_extra_keys
 from prefixgate.cache.events import EventSink
+from prefixgate.cache.tier import TierStore
 from prefixgate.gateway.engine.api import (
     ContextLengthError,
     Delta,
@@ -36,6 +38,7 @@ from prefixgate.gateway.engine.grammar import (
     TokenMasker,
     new_matcher,
 )
+from prefixgate.gateway.engine.kv_tier import KVTier
 from prefixgate.gateway.engine.sampler import SampleRow, make_generator, sample
 from prefixgate.gateway.engine.scheduler import Scheduler, SchedulerOutput
 from prefixgate.gateway.engine.sequence import SeqStatus, Sequence
@@ -102,6 +105,7 @@ class LLMEngine:
         model_id: str = "",
         chunk_factory: Callable[..., Any] | None = None,
         event_sink: EventSink | None = None,
+        tier_store: TierStore | None = None,
     ):
         self.runner = runner
         self.tokenizer = tokenizer
@@ -118,6 +122,10 @@ class LLMEngine:
             event_sink=event_sink,
         )
         device_type = torch.device(getattr(runner, "device", "cpu")).type
+        # the second tier: evicted cached pages are spilled there and loaded back on a hit
+        self.tier = KVTier(tier_store, runner.kv_pool) if tier_store is not None else None  # type: ignore[attr-defined]
+        if self.tier is not None:
+            self.cache.capture_evictions()
         self.scheduler = Scheduler(
             self.cache,
             max_num_batched_tokens=step_token_budget(config, device_type),
@@ -130,6 +138,7 @@ class LLMEngine:
             context_scale=(
                 getattr(runner, "attention_context_scale", None) if device_type == "cpu" else None
             ),
+            tier=self.tier,
         )
         if chunk_factory is None:
             from prefixgate.gateway.engine.runner import SeqChunk
@@ -144,6 +153,8 @@ class LLMEngine:
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
         self._masker: TokenMasker | None = None
         self.constrained_tokens = 0
+        self.tier_tokens_loaded = 0  # prompt tokens loaded from the second tier, not recomputed
+        self.seconds_per_token = 0.0  # moving average of a prefill-sized step's time per token
 
     # ------------------------------------------------------------------ grammars
 
@@ -162,6 +173,20 @@ class LLMEngine:
             "grammar_compiles": stats.misses if stats else 0,
             "grammar_cache_hits": stats.hits if stats else 0,
             "grammar_compile_seconds": stats.compile_seconds if stats else 0.0,
+        }
+
+    def tier_stats(self) -> dict[str, Any] | None:
+        """The second tier's counters plus the recompute it saved (None without a tier).
+
+        ``recompute_seconds_saved`` estimates the loaded tokens' prefill time from the moving
+        average of prefill-sized steps' time per token."""
+        if self.tier is None:
+            return None
+        return {
+            **self.tier.stats().as_dict(),
+            "tokens_loaded": self.tier_tokens_loaded,
+            "recompute_seconds_saved": round(self.tier_tokens_loaded * self.seconds_per_token, 6),
+            "load_waits": self.scheduler.num_tier_waits,
         }
 
     def compile_grammar(self, spec: GrammarSpec, tenant: str = "default") -> CompiledGrammar:
@@ -245,6 +270,8 @@ class LLMEngine:
 
     def step(self) -> SchedulerOutput:
         out = self.scheduler.schedule()
+        if self.tier is not None:
+            self._move_tier_pages(out)
         for seq in out.unschedulable:
             self._fail(seq.request_id, EngineError(
                 "the request does not fit in the free KV pages (pinned pages hold the rest)",
@@ -258,8 +285,13 @@ class LLMEngine:
         constrained = [c.seq for c in out.chunks
                        if c.need_logits and c.seq.state.matcher is not None]
         masks = self._mask_filler().start([s.state.matcher for s in constrained]) if constrained else None
+        began = time.perf_counter()
         try:
             logits, culprits = self._execute(chunks, out.copy_pairs)
+            if out.num_tokens >= 32:  # prefill-sized steps: the recompute cost a tier hit saves
+                per_token = (time.perf_counter() - began) / out.num_tokens
+                self.seconds_per_token = per_token if not self.seconds_per_token else (
+                    0.9 * self.seconds_per_token + 0.1 * per_token)
         finally:
             bitmask = masks.result() if masks is not None else None
         for i in culprits:  # before commit: their chunks' K/V never becomes cached
@@ -329,6 +361,27 @@ class LLMEngine:
                         "decoding this request's output failed; it was stopped (other "
                         "requests in the step were not affected)", code="request_failed"))
         return out
+
+    def _move_tier_pages(self, out: SchedulerOutput) -> None:
+        """Before anything writes this step: copy evicted pages out to the tier, then write the
+        loads into their fresh pages (an evicted page may be a load's destination)."""
+        assert self.tier is not None
+        evicted = self.cache.take_evicted()
+        if evicted:
+            self.tier.spill(evicted)
+        for load in out.page_loads:
+            try:
+                self.tier.write(load.page_ids, load.payload, load.offset)
+            except Exception:  # their pages must never be read: un-cache them, fail holders
+                logger.exception("writing a kv tier load failed; recomputing those blocks")
+                holders = self.cache.forget_pages(load.page_ids)
+                for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+                    if seq.seq_id in holders:
+                        self._fail(seq.request_id, EngineError(
+                            "loading cached KV for this request failed; it was stopped",
+                            code="request_failed"))
+            else:
+                self.tier_tokens_loaded += len(load.page_ids) * self.page_size
 
     # ------------------------------------------------------------------ fault isolation
 

@@ -10,10 +10,13 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from prefixgate.cache import HashedBlock, KVCacheManager
+from prefixgate.cache.manager import PrefixMatch
 from prefixgate.gateway.engine.sequence import SeqStatus, Sequence
 
 
@@ -32,12 +35,35 @@ class ScheduledChunk:
         return self.seq.token_ids[self.start_pos : self.start_pos + self.num_tokens]
 
 
+class TierLoader(Protocol):
+    """The second tier as the scheduler sees it (gateway/engine/kv_tier.KVTier)."""
+
+    def may_contain(self, block: HashedBlock) -> bool | None: ...
+
+    def request(self, key: Hashable, start_block: int, blocks: Seq[HashedBlock]) -> None: ...
+
+    def poll(self, key: Hashable) -> Any: ...  # TierLoad | None while in flight
+
+    def cancel(self, key: Hashable) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PageLoad:
+    """Write blocks ``offset ..`` of a tier load's ``payload`` into ``page_ids`` before the
+    forward."""
+
+    page_ids: tuple[int, ...]
+    payload: Any
+    offset: int
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...]
     copy_pairs: tuple[tuple[int, int], ...]  # copy-on-write, to run before the forward
     preempted: tuple[Sequence, ...]
     unschedulable: tuple[Sequence, ...]  # can never fit the pool as it is now: fail them
+    page_loads: tuple[PageLoad, ...] = ()  # second-tier loads, written before the copies
 
     @property
     def num_tokens(self) -> int:
@@ -81,6 +107,7 @@ class Scheduler:
         max_num_seqs: int = 64,
         enable_dedup: bool = True,
         context_scale: int | None = None,
+        tier: TierLoader | None = None,
     ):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
@@ -91,6 +118,8 @@ class Scheduler:
         if context_scale is not None and context_scale < 1:
             raise ValueError("context_scale must be >= 1")
         self.context_scale = context_scale
+        self.tier = tier
+        self.num_tier_waits = 0  # admissions deferred while their tier load ran
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: preemption takes from the end
         self._admission = itertools.count()
@@ -124,6 +153,8 @@ class Scheduler:
             removed.append(seq)
         for seq in removed:
             seq.status = SeqStatus.FINISHED
+            if seq.tier_probe == "loading" and self.tier is not None:
+                self.tier.cancel(seq.seq_id)
         return removed
 
     def finish(self, seq: Sequence) -> None:
@@ -188,6 +219,7 @@ class Scheduler:
         # 2. Admit waiting sequences while pages (above the watermark) and budget allow.
         unschedulable: list[Sequence] = []
         deferred: list[Sequence] = []
+        loads: list[PageLoad] = []
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
             blocks = self._hashed_blocks(seq)
@@ -198,6 +230,12 @@ class Scheduler:
                 deferred.append(seq)
                 self.num_dedup_waits += 1
                 continue
+            if self.tier is not None and seq.tier_probe != "done":
+                match, loading = self._load_from_tier(seq, blocks, match, loads)
+                if loading:  # NOTE: the request waits for its load; the step does not
+                    deferred.append(seq)
+                    self.num_tier_waits += 1
+                    continue
             start, remaining = match.num_cached_tokens, len(seq.token_ids) - match.num_cached_tokens
             n = self._fit(start, remaining, budget, not has_prefill)
             own_step = self.max_num_batched_tokens - num_decodes  # what a step would leave it
@@ -239,7 +277,8 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         for seq in unschedulable:
             seq.status = SeqStatus.FINISHED
-        return SchedulerOutput(tuple(chunks), tuple(pairs), tuple(preempted), tuple(unschedulable))
+        return SchedulerOutput(tuple(chunks), tuple(pairs), tuple(preempted), tuple(unschedulable),
+                               tuple(loads))
 
     def commit(self, output: SchedulerOutput) -> None:
         """After the forward pass: the chunks' K/V is in the pages; full blocks become cached."""
@@ -251,6 +290,35 @@ class Scheduler:
             seq.num_computed += chunk.num_tokens
 
     # ------------------------------------------------------------------ internals
+
+    def _load_from_tier(self, seq: Sequence, blocks: list[HashedBlock], match: PrefixMatch,
+                        loads: list[PageLoad]) -> tuple[PrefixMatch, bool]:
+        """Continue ``seq``'s pool hit from the second tier. Returns (the match to admit with,
+        whether ``seq`` must keep waiting for its load)."""
+        assert self.tier is not None
+        first = len(match.page_ids)
+        if seq.tier_probe == "":
+            # a full hit stops one token short anyway: a last block alone is not worth a load
+            wanted = blocks[first : (len(seq.token_ids) - 1) // self.cache.page_size]
+            if not wanted or self.tier.may_contain(wanted[0]) is False:
+                seq.tier_probe = "done"
+                return match, False
+            self.tier.request(seq.seq_id, first, wanted)
+            seq.tier_probe = "loading"
+            return match, True
+        load = self.tier.poll(seq.seq_id)
+        if load is None:
+            return match, True
+        seq.tier_probe = "done"
+        # the pool moved on while the load ran: use the part that continues today's hit
+        skip = first - load.start_block
+        if not load.blocks or skip < 0 or skip >= len(load.blocks):
+            return match, False
+        page_ids = self.cache.install_blocks(load.blocks[skip:], len(load.blocks) - skip)
+        if not page_ids:
+            return match, False
+        loads.append(PageLoad(tuple(page_ids), load.payload, skip))
+        return self.cache.find_prefix(seq.token_ids, seq.extra_keys, blocks=blocks), False
 
     def _cost(self, start: int, n: int) -> float:
         """Budget units of computing ``n`` prompt tokens from position ``start``."""
@@ -310,6 +378,7 @@ class Scheduler:
         self._release(seq)
         seq.status = SeqStatus.WAITING
         seq.num_computed = 0
+        seq.tier_probe = ""  # its evicted pages may be in the tier by the time it returns
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 

@@ -15,13 +15,14 @@ later agent is summed into ``__other__``. The decision is sticky so every series
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from prefixgate.cache.stats import HitStats
+from prefixgate.cache.ttl_policy import RecomputeCost
 from prefixgate.gateway.engine.api import Delta, EngineLike, Usage
 
 PREFIX = "prefixgate:"
@@ -167,6 +168,12 @@ class EngineCollector(Collector):
         yield counter(
             "prefix_cache_hits", "Prefix cache hits, in prompt tokens.", cache.total.hit_tokens
         )
+        yield counter(
+            "prefix_cache_retention_hits",
+            "Prefix cache hits on pages kept by retention (free and retained when hit), in "
+            "prompt tokens.",
+            cache.total.retention_hit_tokens,
+        )
         yield gauge(
             "kv_cache_usage_perc", "Fraction of KV pages referenced (1 = full).", cache.usage
         )
@@ -228,6 +235,8 @@ class EngineCollector(Collector):
             "grammar_compile_seconds", "Time spent compiling grammars.",
             engine.grammar_compile_seconds,
         )
+        if engine.tier is not None:
+            yield from tier_metrics(engine.tier, counter, gauge)
         for what, labeler, per_key in (
             ("tenant", self.tenants, cache.per_tenant),
             ("agent", self.agents, cache.per_agent),
@@ -248,6 +257,31 @@ class EngineCollector(Collector):
                 hits.add_metric([self.model_name, label], h)
             yield queries
             yield hits
+            kept: dict[str, int] = {}  # the same labels (fold admitted them) as the hits above
+            for key, stats in per_key.items():
+                label = labeler.label(key)
+                kept[label] = kept.get(label, 0) + stats.retention_hit_tokens
+            retention_hits = CounterMetricFamily(
+                f"{PREFIX}{what}_prefix_cache_retention_hits",
+                f"Prefix cache hits on retained pages per {what}, in prompt tokens.",
+                labels=["model_name", what],
+            )
+            for label, value in sorted(kept.items()):
+                retention_hits.add_metric([self.model_name, label], value)
+            yield retention_hits
+        self.tenants.admit(sorted(cache.retained_per_tenant))
+        retained = GaugeMetricFamily(
+            PREFIX + "tenant_kv_pages_retained",
+            "KV pages under retention per tenant (what its retention budget pays for).",
+            labels=["model_name", "tenant"],
+        )
+        by_label: dict[str, int] = {}
+        for tenant, pages_retained in cache.retained_per_tenant.items():
+            label = self.tenants.label(tenant)
+            by_label[label] = by_label.get(label, 0) + pages_retained
+        for label, value in sorted(by_label.items()):
+            retained.add_metric([self.model_name, label], value)
+        yield retained
 
 
 class GatewayMetrics:
@@ -309,6 +343,9 @@ class GatewayMetrics:
             registry=self.registry,
         ).labels(model_name)
         self.registry.register(EngineCollector(engine, model_name, max_agent_labels))
+        # what a recomputed prompt token costs a returning agent, from the TTFTs seen here:
+        # the learned retention TTL's cap (cache/ttl_policy.py)
+        self.recompute_cost = RecomputeCost()
 
     def timer(self, arrival: float | None = None) -> RequestTimer:
         return RequestTimer(self, time.perf_counter() if arrival is None else arrival)
@@ -347,6 +384,9 @@ class RequestTimer:
             return
         self.done = True
         self.metrics.e2e.observe(time.perf_counter() - self.arrival)
+        if self.first_token_at is not None:
+            self.metrics.recompute_cost.observe(self.first_token_at - self.arrival,
+                                                usage.prompt_tokens - usage.cached_tokens)
         self.metrics.prompt_tokens.inc(usage.prompt_tokens)
         self.metrics.cached_prompt_tokens.inc(usage.cached_tokens)
         self.metrics.generation_tokens.inc(usage.completion_tokens)
@@ -357,3 +397,32 @@ class RequestTimer:
         if not self.done:
             self.done = True
             self.metrics.request_aborted.inc()
+
+
+# the second KV tier: (metric, key in EngineStats.tier, help); counters unless named a gauge
+_TIER_METRICS = (
+    ("kv_tier_pages_spilled", "pages_spilled", "Evicted cached pages written to the second tier."),
+    ("kv_tier_bytes_spilled", "bytes_spilled", "Bytes written to the second tier."),
+    ("kv_tier_spills_dropped", "spills_dropped", "Evicted pages the tier could not take."),
+    ("kv_tier_probes", "probes", "Loads asked of the second tier."),
+    ("kv_tier_hits", "hits", "Loads that brought at least one page back."),
+    ("kv_tier_pages_loaded", "pages_loaded", "Pages loaded from the second tier."),
+    ("kv_tier_bytes_loaded", "bytes_loaded", "Bytes loaded from the second tier."),
+    ("kv_tier_load_seconds", "load_seconds", "Time the tier worker spent fetching and verifying."),
+    ("kv_tier_corrupt", "corrupt", "Tier entries that failed their checksum (recomputed)."),
+    ("kv_tier_rejected", "rejected", "Intact tier entries for another key or layout (recomputed)."),
+    ("kv_tier_late", "late", "Tier loads past their deadline (recomputed)."),
+    ("kv_tier_errors", "errors", "Tier store failures, e.g. Redis down (recomputed)."),
+    ("kv_tier_recompute_seconds_saved", "recompute_seconds_saved",
+     "Estimated prefill time the tier's loads saved."),
+)
+
+
+def tier_metrics(tier: Mapping[str, float], counter: Callable[[str, str, float], Metric],
+                 gauge: Callable[[str, str, float], Metric]) -> Iterator[Metric]:
+    """The second tier's counters and its size (see gateway/engine/kv_tier.py), built with the
+    collector's ``counter`` / ``gauge`` (its prefix and labels)."""
+    for name, key, text in _TIER_METRICS:
+        yield counter(name, text, tier[key])
+    yield gauge("kv_tier_entries", "Entries in the second tier.", tier["entries"])
+    yield gauge("kv_tier_bytes_used", "Bytes held by the second tier.", tier["bytes_used"])

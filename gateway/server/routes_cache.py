@@ -13,10 +13,12 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 
 from prefixgate.cache.stats import HitStats
+from prefixgate.cache.ttl_policy import TTLPolicy
 from prefixgate.gateway.server.auth import Principal, authenticate, require_admin
 from prefixgate.gateway.server.metrics import OTHER_LABEL
 from prefixgate.gateway.server.openai.protocol import PinRequest, PinResponse, ResetResponse
 from prefixgate.gateway.server.openai.routes import tokens_of
+from prefixgate.gateway.server.retention import retention_policy
 from prefixgate.gateway.server.state import ServerState, server_state
 
 router = APIRouter()
@@ -32,6 +34,9 @@ def hit_json(stats: HitStats) -> dict[str, Any]:
         "hit_tokens": stats.hit_tokens,
         "hit_rate": round(stats.hit_rate, 6),
         "tokens_saved": stats.hit_tokens,  # a hit token is a prompt token not recomputed
+        # hits on pages retention kept for a returning turn (cache/stats.py)
+        "retention_hits": stats.retention_hits,
+        "retention_hit_tokens": stats.retention_hit_tokens,
     }
 
 
@@ -45,6 +50,8 @@ def busiest(per_key: Mapping[str, HitStats], limit: int) -> dict[str, dict[str, 
             requests=sum(s.requests for s in rest),
             query_tokens=sum(s.query_tokens for s in rest),
             hit_tokens=sum(s.hit_tokens for s in rest),
+            retention_hits=sum(s.retention_hits for s in rest),
+            retention_hit_tokens=sum(s.retention_hit_tokens for s in rest),
         )
         out[OTHER_LABEL] = {**hit_json(folded), "num_agents": len(rest)}
     return out
@@ -65,8 +72,39 @@ def scope_json(principal: Principal, auth_enabled: bool) -> dict[str, Any]:
     return {"scope": "tenant", "tenant": principal.tenant}
 
 
-async def stats_json(state: ServerState, principal: Principal) -> dict[str, Any]:
-    """The stats ``principal`` may see.
+def policy_json(policy: TTLPolicy, tenants: list[str], limit: int) -> dict[str, Any]:
+    """The learned retention TTLs (cache/ttl_policy.py) of ``tenants``' agents, at most
+    ``limit`` per tenant (most pauses seen first)."""
+    agents: dict[str, dict[str, Any]] = {}
+    for tenant in tenants:
+        known = sorted(policy.agents(tenant).items(), key=lambda kv: (-kv[1].num_pauses, kv[0]))
+        if known:
+            agents[tenant] = {
+                agent: {
+                    "pauses": a.num_pauses,
+                    "pause_quantile_s": None if a.pause_quantile_s is None
+                    else round(a.pause_quantile_s, 3),
+                    "ttl_s": round(a.ttl_s, 3),  # before each prefix's recompute-cost cap
+                    "source": a.source,
+                }
+                for agent, a in known[:limit]
+            }
+    return {
+        "learn": policy.learn,
+        "prior_s": policy.prior_s,
+        "quantile": policy.quantile,
+        "margin": policy.margin,
+        "min_observations": policy.min_observations,
+        "recompute_s_per_token": policy.recompute.s_per_token,
+        "recompute_samples": policy.recompute.num_samples,
+        "agents": agents,
+    }
+
+
+async def stats_json(
+    state: ServerState, principal: Principal, policy: TTLPolicy | None = None
+) -> dict[str, Any]:
+    """The stats ``principal`` may see (with ``policy``: the learned retention TTLs too).
 
     NOTE: a tenant key sees only its own tenant (:meth:`CacheStats.for_tenant`): another
     tenant's name, agent labels, counters or prompt text would disclose its traffic (the
@@ -100,12 +138,17 @@ async def stats_json(state: ServerState, principal: Principal) -> dict[str, Any]
         "pages_retained": cache.pages_retained,
         "retained_evicted": cache.retained_evicted,
         "retention_expiries": cache.retention_expiries,
+        # pages each tenant's retention budget pays for (a tenant key sees only its own)
+        "retained_per_tenant": dict(sorted(cache.retained_per_tenant.items())),
         "kv_cache_usage": round(cache.usage, 6),
         "fragmentation": round(cache.fragmentation, 6),
         "evictions": cache.evictions,
         "cow_copies": cache.cow_copies,
         "num_sequences": cache.num_sequences,
         "top_prefixes": prefixes,
+        **({} if policy is None else {"retention_policy": policy_json(
+            policy, policy.tenants() if principal.is_admin else [principal.tenant],
+            state.settings.max_stats_agents)}),
         "engine": {
             "num_running": engine.num_running,
             "num_waiting": engine.num_waiting,
@@ -116,6 +159,9 @@ async def stats_json(state: ServerState, principal: Principal) -> dict[str, Any]
             "kernel_backend": engine.kernel_backend,
             "device": engine.device,
         },
+        # the second KV tier is shared by every tenant (and, in Redis, by the fleet): its
+        # counters would show other tenants' traffic, so only the admin sees them
+        **({"tier": engine.tier} if engine.tier is not None and principal.is_admin else {}),
     }
 
 
@@ -123,7 +169,7 @@ async def stats_json(state: ServerState, principal: Principal) -> dict[str, Any]
 async def cache_stats(
     request: Request, principal: Principal = Depends(authenticate)
 ) -> dict[str, Any]:
-    return await stats_json(server_state(request), principal)
+    return await stats_json(server_state(request), principal, retention_policy(request))
 
 
 async def _pin_or_unpin(

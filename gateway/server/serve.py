@@ -136,6 +136,17 @@ def serve(engine_config: EngineConfig, settings: ServerSettings) -> None:
     """Load the model, then serve until interrupted (the app starts and stops the engine)."""
     from prefixgate.gateway.engine.engine import build_engine  # heavy: torch, the model
 
-    engine = build_engine(engine_config)
+    engine = build_engine(engine_config, tier_store=tier_store(engine_config, settings))
     app = create_app(engine, settings)
     GatewayServer(uvicorn_config(app, settings), engine, settings).run()
+
+
+def tier_store(engine_config: EngineConfig, settings: ServerSettings) -> Any:
+    """The fleet's Redis tier for ``--kv-tier redis`` (the host tier is built by the engine)."""
+    if engine_config.kv_tier != "redis":
+        return None
+    if not settings.redis_url:
+        raise SystemExit("--kv-tier redis needs --redis-url")
+    from prefixgate.gateway.scaleout.kv_tier_redis import RedisTier
+
+    return RedisTier(settings.redis_url, int(engine_config.kv_tier_size_gb * (1 << 30)))

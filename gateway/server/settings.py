@@ -163,6 +163,8 @@ class ServerSettings:
     max_stored_responses: int = 10_000
     # a response ending in tool calls keeps its pages ahead of LRU eviction this long (0 = off)
     retention_s: float = 30.0
+    # learn each agent's tool pauses for the default TTL (cache/ttl_policy.py); off = retention_s
+    retention_learn: bool = True
     # slow and greedy clients: header/body deadlines, connection and body-size caps
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)
 

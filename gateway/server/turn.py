@@ -25,7 +25,12 @@ from prefixgate.gateway.server.generation import (
     until_disconnect,
 )
 from prefixgate.gateway.server.metrics import RequestTimer
-from prefixgate.gateway.server.retention import retain_later, retention_ttl
+from prefixgate.gateway.server.retention import (
+    note_arrival,
+    retain_later,
+    retain_tool_pause,
+    retention_ttl,
+)
 from prefixgate.gateway.server.state import agent_of, engine_request_id, server_state
 from prefixgate.gateway.server.tools import (
     CallEnd,
@@ -194,15 +199,18 @@ async def open_turn(request: Request, principal: Principal, turn: ChatTurn,
                            turn.parameters_param, scope=principal.tenant)
     params = sampling_params(turn, len(prompt), state.capacity, state.page_size,  # type: ignore[arg-type]
                              turn.max_tokens, False, 0)
+    agent = agent_of(request, turn.user)
     generation = GenerationRequest(
-        tuple(prompt), params, tenant=principal.tenant, agent=agent_of(request, turn.user),
+        tuple(prompt), params, tenant=principal.tenant, agent=agent,
         cache_salt=turn.cache_salt, request_id=engine_request_id(request), grammar=grammar)
     ttl = retention_ttl(request, turn.retention_s)
+    note_arrival(request, principal.tenant, agent)  # back from a tool pause: learn its length
 
     def on_end(end: TurnEnd, output_ids: list[int]) -> None:
         # a session pausing on its tools comes back with this whole prefix: keep it
         if end.calls and all(c.complete for c in end.calls):
-            retain_later(request, principal.tenant, turn.cache_salt, [*prompt, *output_ids], ttl)
+            retain_tool_pause(request, principal.tenant, agent, turn.cache_salt,
+                              [*prompt, *output_ids], ttl)
         if turn.hold_s:
             retain_later(request, principal.tenant, turn.cache_salt, prompt, turn.hold_s)
 

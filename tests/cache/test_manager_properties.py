@@ -14,6 +14,7 @@ from prefixgate.cache import KVCacheManager, OutOfPagesError, make_extra_keys
 
 PAGE_SIZE = 3
 NUM_PAGES = 24
+RETENTION_BUDGET, TENANT_RETENTION_BUDGET = 12, 5  # pages
 # Prompts are built from a few shared "system prompts" so prefixes really collide.
 SYSTEMS = [[1] * 7, [2, 3] * 4, [1] * 6 + [5, 5]]
 tokens_st = st.lists(st.integers(0, 6), min_size=0, max_size=8)
@@ -25,6 +26,8 @@ class CacheMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.m = KVCacheManager(NUM_PAGES, PAGE_SIZE, watermark=0)
+        self.now = 0.0
+        self.m.pool.clock = lambda: self.now
         self.shadow = [[None] * PAGE_SIZE for _ in range(NUM_PAGES)]
         self.next_id = 0
         self.pinned_prompts = []
@@ -99,9 +102,30 @@ class CacheMachine(RuleBasedStateMachine):
     def reset(self):
         self.m.reset_cache()
 
+    @rule(system=st.sampled_from(SYSTEMS), suffix=tokens_st, tenant=st.sampled_from(["a", "b"]),
+          ttl=st.sampled_from([1.0, 5.0, 30.0]))
+    def retain(self, system, suffix, tenant, ttl):
+        self.m.retain(system + suffix, make_extra_keys("m", tenant), ttl, RETENTION_BUDGET,
+                      tenant=tenant, max_tenant_pages=TENANT_RETENTION_BUDGET)
+
+    @rule(seconds=st.sampled_from([0.5, 2.0, 10.0]))
+    def advance_clock(self, seconds):
+        self.now += seconds
+
     @invariant()
     def integrity(self):
         self.m.check_integrity()
+
+    @invariant()
+    def retention_stays_within_its_budgets(self):
+        stats = self.m.stats()
+        assert stats.pages_retained == self.m.num_retained_pages() <= RETENTION_BUDGET
+        assert sum(stats.retained_per_tenant.values()) == stats.pages_retained
+        for tenant in ("a", "b"):
+            assert self.m.num_retained_pages(tenant) <= TENANT_RETENTION_BUDGET
+        for counter in (stats.total, *stats.per_tenant.values()):
+            assert 0 <= counter.retention_hit_tokens <= counter.hit_tokens
+            assert counter.retention_hits <= counter.requests
 
     @invariant()
     def every_sequence_reads_back_its_own_tokens(self):

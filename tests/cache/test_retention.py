@@ -2,7 +2,8 @@
 
 Retained free pages are evicted only after every unretained free page, earliest deadline
 first; they never block an allocation; an expired retention returns the page to the LRU; a hit
-renews the deadline; a budget bounds how much is retained."""
+renews the deadline; a budget bounds how much is retained, in the pool and per tenant; a hit on
+retained free pages counts as a retention hit."""
 
 from __future__ import annotations
 
@@ -95,4 +96,82 @@ def test_the_budget_bounds_the_retained_pages_and_reset_drops_retention():
     assert m.retain(a, b"", ttl_s=60, max_pages=3) == 2  # renewing costs no budget
     assert m.reset_cache() == 4
     assert m.stats().pages_retained == 0 and m.num_free_pages == 8
+    m.check_integrity()
+
+
+def finished_pages(manager: KVCacheManager, name: str, tokens: list[int], **kw) -> list[int]:
+    """Compute and free a prompt; returns the pages it held."""
+    run_prompt(manager, name, tokens, **kw)
+    table = manager.block_table(name)
+    manager.free(name)
+    return table
+
+
+def test_a_tenant_budget_bounds_each_tenants_retained_pages_and_spares_pins():
+    m, _ = manager_with_clock(10)
+    alpha, beta = b"salt-alpha", b"salt-beta"
+    a1, a2, b1 = list(range(8)), list(range(100, 108)), list(range(200, 208))  # 2 pages each
+    a1_pages = finished_pages(m, "a1", a1, extra_keys=alpha, tenant="alpha")
+    a2_pages = finished_pages(m, "a2", a2, extra_keys=alpha, tenant="alpha")
+    b1_pages = finished_pages(m, "b1", b1, extra_keys=beta, tenant="beta")
+    budgets = dict(max_pages=6, max_tenant_pages=3)
+    assert m.retain(a1, alpha, 30, tenant="alpha", **budgets) == 2
+    assert m.retain(a2, alpha, 30, tenant="alpha", **budgets) == 1  # alpha's third and last page
+    assert m.retain(b1, beta, 30, tenant="beta", **budgets) == 2  # alpha's use costs beta nothing
+    retained_by = {t: [p.page_id for p in m.pool.pages if p.retain_tenant == t] for t in ("alpha", "beta")}
+    assert retained_by == {"alpha": sorted([*a1_pages, a2_pages[0]]), "beta": sorted(b1_pages)}
+    assert m.num_retained_pages("alpha") == 3 and m.num_retained_pages("beta") == 2
+    assert m.retain(a1, alpha, 60, tenant="alpha", **budgets) == 2  # renewing costs no budget
+    stats = m.stats()
+    assert stats.retained_per_tenant == {"alpha": 3, "beta": 2} and stats.pages_retained == 5
+    assert stats.for_tenant("beta").retained_per_tenant == {"beta": 2}
+    # the global budget still binds: 5 of 6 used, beta may take one more page of its 3
+    b2 = list(range(300, 308))
+    finished_pages(m, "b2", b2, extra_keys=beta, tenant="beta")
+    assert m.retain(b2, beta, 30, tenant="beta", max_pages=6, max_tenant_pages=3) == 1
+    # alpha at its budget: a2's first page (already retained) is renewed, its second stays out
+    assert m.retain(a2, alpha, 30, tenant="alpha", max_pages=10, max_tenant_pages=3) == 1
+    assert m.num_retained_pages("alpha") == 3
+    # explicit pins are not retention: a pin past the budget still holds every page
+    assert m.pin(a2, alpha) == 2 and m.stats().pages_pinned == 2
+    assert m.num_retained_pages("alpha") == 3
+    m.check_integrity()
+
+
+def test_a_retention_hit_is_a_hit_on_retained_free_pages_only():
+    m, clock = manager_with_clock(8)
+    a, b, c = list(range(8)), list(range(100, 108)), list(range(200, 204))
+    finished(m, "a", a)  # oldest in the LRU: the first cached page plain LRU would evict
+    finished(m, "b", b)
+    assert m.retain(a, b"", ttl_s=30) == 2
+    run_prompt(m, "big", list(range(300, 324)))  # 6 pages: 4 hashless + b's 2, never a's
+    m.free("big")
+    assert cached(m, a) == 2 and cached(m, b) == 0
+    alloc, _ = run_prompt(m, "back", a + [9, 9], tenant="t", agent="coder")
+    assert alloc.num_cached_tokens == 8
+    stats = m.stats()
+    assert (stats.total.retention_hits, stats.total.retention_hit_tokens) == (1, 8)
+    assert stats.per_tenant["t"].retention_hit_tokens == 8
+    assert stats.per_tenant_agent["t"]["coder"].retention_hit_tokens == 8
+    assert stats.per_agent["coder"].retention_hits == 1
+    # a hit on the same pages while they are referenced (not free): no retention hit
+    run_prompt(m, "sibling", a + [7], tenant="t", agent="coder")
+    assert m.stats().per_tenant["t"].retention_hit_tokens == 8
+    m.free("back")
+    m.free("sibling")
+    # a whole-prompt hit stops one token short (invariant 5): 4 + 3 tokens
+    run_prompt(m, "exact", a, tenant="t")
+    m.free("exact")
+    assert m.stats().per_tenant["t"].retention_hit_tokens == 8 + 7
+    # a hit on a free cached page that is not retained: an ordinary hit
+    finished(m, "c", c + [1])
+    run_prompt(m, "c-again", c + [2], tenant="t")
+    m.free("c-again")
+    stats = m.stats()
+    assert stats.per_tenant["t"].hit_tokens == 8 + 8 + 7 + 4
+    assert stats.per_tenant["t"].retention_hit_tokens == 15 and stats.total.retention_hits == 2
+    # an expired retention (not yet swept) no longer counts
+    clock.now += 1000
+    run_prompt(m, "late", a + [5], tenant="t")
+    assert m.stats().per_tenant["t"].retention_hit_tokens == 15
     m.check_integrity()

@@ -30,3 +30,8 @@ def test_a_retained_session_survives_other_traffic(make_engine, tokenizer):
     assert plain_hit <= kept_hit - 3 * 16  # the LRU gave some of them to the other agents
     assert kept_out == plain_out  # retention changes which pages survive, never the output
     assert kept_stats.pages_retained > 0 and plain_stats.pages_retained == 0
+    # the returning turn is a retention hit: its full blocks came from retained free pages
+    # (the other agents' hits on the shared chat-template head were retention hits too)
+    assert kept_stats.total.retention_hits >= 1 and plain_stats.total.retention_hits == 0
+    assert kept_stats.total.retention_hit_tokens >= (prompt - 1) // 16 * 16
+    assert kept_stats.retained_per_tenant == {"default": kept_stats.pages_retained}

@@ -1,10 +1,16 @@
-"""/v1/cache/stats, pin/unpin/reset and /tokenize, /detokenize on the open server."""
+"""/v1/cache/stats, pin/unpin/reset and /tokenize, /detokenize on the open server; retention
+stats per tenant on the auth server."""
 
 from __future__ import annotations
 
+import json
+import time
 import uuid
 
+import httpx
 import pytest
+
+from tests.gateway.conftest import ADMIN_KEY, KEY_ALPHA, KEY_BETA, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -153,3 +159,68 @@ def test_pin_survives_reset_and_unpin_releases(client, gateway):
     finally:
         unpinned = client.post("/v1/cache/unpin", json=pin_body).json()
     assert unpinned["num_pages"] == pinned["num_pages"]
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "London"]}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def test_retention_stats_are_scoped_to_the_tenant(gateway):
+    """An alpha agent ends a turn in a tool call, then comes back: alpha sees its retained pages,
+    its retention hit and its learned pause; beta sees none of it; the admin sees it all."""
+    nonce = uuid.uuid4().hex[:8]
+    scout = f"scout-{nonce}"
+    ask = [{"role": "user", "content": f"[{nonce}] What is the weather in Paris right now?"}]
+    alpha_headers = {"Authorization": f"Bearer {KEY_ALPHA}", "X-Agent-Id": scout}
+    body = {"model": gateway.model, "tools": [WEATHER_TOOL], "temperature": 0}
+
+    def stats(key: str) -> dict:
+        answer = httpx.get(gateway.auth_url + "/v1/cache/stats",
+                           headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    with httpx.Client(base_url=gateway.auth_url, timeout=120, headers=alpha_headers) as alpha:
+        first = alpha.post("/v1/chat/completions", json={
+            **body, "messages": ask, "tool_choice": "required", "parallel_tool_calls": False,
+            "max_tokens": 80}).json()
+        assert first["choices"][0]["finish_reason"] == "tool_calls", first
+        deadline = time.monotonic() + 10  # retention runs in the background after the response
+        while not stats(KEY_ALPHA)["retained_per_tenant"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        message = first["choices"][0]["message"]
+        call = message["tool_calls"][0]
+        back = [*ask, {"role": "assistant", "content": None, "tool_calls": message["tool_calls"]},
+                {"role": "tool", "tool_call_id": call["id"], "content": "18 C, light rain"}]
+        again = alpha.post("/v1/chat/completions", json={**body, "messages": back, "max_tokens": 1})
+        assert again.status_code == 200, again.text
+        wait_idle(alpha)
+
+    alpha_view, beta_view, admin_view = stats(KEY_ALPHA), stats(KEY_BETA), stats(ADMIN_KEY)
+    mine = alpha_view["per_agent"][scout]
+    assert mine["retention_hits"] == 1 and 0 < mine["retention_hit_tokens"] <= mine["hit_tokens"]
+    assert alpha_view["global"]["retention_hit_tokens"] >= mine["retention_hit_tokens"]
+    assert set(alpha_view["retained_per_tenant"]) == {"alpha"}
+    learned = alpha_view["retention_policy"]
+    assert set(learned["agents"]) == {"alpha"}
+    assert learned["agents"]["alpha"][scout]["pauses"] == 1  # the return ended its pause
+    assert learned["agents"]["alpha"][scout]["source"] == "prior"  # 1 pause < 8
+    assert learned["prior_s"] == 30.0 and learned["learn"] is True
+
+    assert "alpha" not in beta_view["retained_per_tenant"]
+    assert "alpha" not in beta_view["retention_policy"]["agents"]
+    assert nonce not in json.dumps(beta_view)
+
+    assert admin_view["retained_per_tenant"]["alpha"] >= 1
+    assert scout in admin_view["retention_policy"]["agents"]["alpha"]
+    assert admin_view["per_agent"][scout]["retention_hit_tokens"] == mine["retention_hit_tokens"]

@@ -212,7 +212,35 @@ def assert_hit_rows(dom: Element, kind: str, expected: dict[str, dict]) -> None:
         assert_shows(row, f"{kind}-query-tokens", hits["query_tokens"], f"{hits['query_tokens']:,}")
         assert_shows(row, f"{kind}-tokens-saved", hits["tokens_saved"], f"{hits['tokens_saved']:,}")
         assert_shows(row, f"{kind}-hit-rate", hits["hit_rate"], pct(hits["hit_rate"]))
+        kept = hits["retention_hit_tokens"]
+        assert_shows(row, f"{kind}-retention-hits", kept, f"{kept:,}")
     assert_shows(dom, f"{kind}-count", len(expected), str(len(expected)))
+
+
+def assert_retention(dom: Element, stats: dict) -> None:
+    """The retention facts, each tenant's retained pages and the learned TTL rows."""
+    for testid, value in (
+        ("pages-retained", stats["pages_retained"]),
+        ("retained-evicted", stats["retained_evicted"]),
+        ("retention-expiries", stats["retention_expiries"]),
+        ("retention-hits", stats["global"]["retention_hits"]),
+        ("retention-hit-tokens", stats["global"]["retention_hit_tokens"]),
+    ):
+        assert_shows(dom, testid, value, f"{value:,}")
+    for row in dom.all("tenant-row"):
+        pages = stats["retained_per_tenant"].get(row.attrs["data-key"], 0)
+        assert_shows(row, "tenant-pages-retained", pages, f"{pages:,}")
+    policy = stats["retention_policy"]
+    assert dom.one("retention-learn").text == ("on" if policy["learn"] else "off")
+    expected = {f"{tenant}/{agent}": a for tenant, agents in policy["agents"].items()
+                for agent, a in agents.items()}
+    rows = {row.attrs["data-key"]: row for row in dom.all("retention-row")}
+    assert set(rows) == set(expected)
+    for key, a in expected.items():
+        assert rows[key].value("retention-pauses") == str(a["pauses"])
+        assert float(rows[key].value("retention-ttl")) == a["ttl_s"]
+        assert rows[key].one("retention-source").text == a["source"]
+    assert ("hidden" in dom.one("retention-empty").classes) == bool(expected)
 
 
 def system_prompt() -> str:
@@ -378,6 +406,7 @@ def test_dashboard_shows_exactly_the_stats_api(chromium, gateway, client, tmp_pa
     assert stats["per_agent"][reviewer]["tokens_saved"] > 0
     assert_hit_rows(dom, "agent", stats["per_agent"])
     assert_hit_rows(dom, "tenant", stats["per_tenant"])
+    assert_retention(dom, stats)
     assert "&lt;b&gt;reviewer&lt;/b&gt;" in run.raw_dom  # escaped, not an element
 
     width, height, colours = png_size_and_colours(screenshot)

@@ -106,3 +106,49 @@ def test_agent_labels_are_bounded_and_sticky():
     # "a" became the busiest but stays folded: series never move between labels (monotonic)
     assert folded == {"b": (300, 30), "c": (200, 20), OTHER_LABEL: (9050, 905)}
     assert len(folded) <= 3
+
+
+def test_retention_series_per_tenant_and_agent_fold_like_the_hits():
+    """Retention hits per tenant/agent carry the same (bounded) labels as the hit series; the
+    pages each tenant retains are a gauge; the learned TTL's recompute cost comes from TTFTs."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from prefixgate.cache.stats import CacheStats, HitStats
+    from prefixgate.gateway.engine.api import EngineStats, Usage
+    from prefixgate.gateway.server.metrics import OTHER_LABEL, EngineCollector, GatewayMetrics
+
+    hits = {"a": HitStats(2, 300, 200, 1, 64), "b": HitStats(1, 200, 0), "c": HitStats(1, 100, 50, 1, 32)}
+    cache = CacheStats(
+        num_pages=10, page_size=16, pages_used=0, pages_cached_free=4, pages_free=6,
+        pages_pinned=0, fragmentation=0.0, evictions=0, cow_copies=0, num_sequences=0,
+        total=HitStats(4, 600, 250, 2, 96), per_tenant={"alpha": HitStats(4, 600, 250, 2, 96)},
+        per_agent=hits, pages_retained=3, retained_per_tenant={"alpha": 3},
+    )
+
+    class Engine:
+        def cache_stats(self):
+            return cache
+
+        def engine_stats(self):
+            return EngineStats(0, 0, 8, 0, 0, 0, "torch", "cpu")
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(Engine(), "m", max_agent_labels=2))
+    families = {f.name: f.samples for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    name = "prefixgate:prefix_cache_retention_hits"
+    assert value(families, name, name + "_total") == 96
+    agents = "prefixgate:agent_prefix_cache_retention_hits"
+    assert value(families, agents, agents + "_total", agent="a") == 64
+    assert value(families, agents, agents + "_total", agent="b") == 0
+    assert value(families, agents, agents + "_total", agent=OTHER_LABEL) == 32  # c: the third
+    tenants = "prefixgate:tenant_prefix_cache_retention_hits"
+    assert value(families, tenants, tenants + "_total", tenant="alpha") == 96
+    retained = "prefixgate:tenant_kv_pages_retained"
+    assert value(families, retained, retained, tenant="alpha") == 3
+
+    metrics = GatewayMetrics(Engine(), "m", 2)
+    assert metrics.recompute_cost.num_samples == 0
+    timer = metrics.timer(arrival=0.0)
+    timer.first_token_at = 0.5
+    timer.on_finish(Usage(prompt_tokens=600, completion_tokens=1, cached_tokens=100), ["stop"])
+    assert metrics.recompute_cost.num_samples == 1  # 0.5 s for 500 computed tokens

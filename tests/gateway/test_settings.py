@@ -164,3 +164,21 @@ def test_native_kernels_switch_spellings_and_flag_wins():
     assert engine.enable_prefix_caching is False
     with pytest.raises(SystemExit):
         resolve(["serve"], {"PREFIXGATE_NATIVE_KERNELS": "maybe"})
+
+
+def test_kv_tier_flags_reach_the_engine_config(tmp_path):
+    engine, _ = resolve(["serve"], {})
+    assert engine.kv_tier is None and engine.kv_tier_size_gb == 4.0
+    path = str(tmp_path / "tier.bin")
+    engine, _ = resolve(["serve", "--kv-tier", "host", "--kv-tier-size", "0.5", "--kv-tier-path", path], {})
+    assert (engine.kv_tier, engine.kv_tier_size_gb, engine.kv_tier_path) == ("host", 0.5, path)
+    engine, _ = resolve(["serve"], {"PREFIXGATE_KV_TIER": "redis"})
+    assert engine.kv_tier == "redis"
+
+
+def test_retention_flags_reach_the_configs():
+    engine, settings = resolve(["serve"], {})
+    assert settings.retention_learn is True and engine.retention_tenant_budget == 0.25
+    engine, settings = resolve(["serve", "--retention-tenant-budget", "0.1"],
+                               {"PREFIXGATE_RETENTION_LEARN": "off"})
+    assert settings.retention_learn is False and engine.retention_tenant_budget == 0.1

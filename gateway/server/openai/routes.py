@@ -57,7 +57,7 @@ from prefixgate.gateway.server.openai.protocol import (
     UsageInfo,
     template_tools,
 )
-from prefixgate.gateway.server.retention import retain_later, retention_ttl
+from prefixgate.gateway.server.retention import note_arrival, retain_tool_pause, retention_ttl
 from prefixgate.gateway.server.sse import SSE_DONE, SSEResponse, sse_event
 from prefixgate.gateway.server.state import ServerState, agent_of, engine_request_id, server_state
 from prefixgate.gateway.server.tools import (
@@ -366,6 +366,7 @@ async def chat_completions(
     timer = state.metrics.timer()
     state.check_model(body.model)
     agent = agent_of(request, body.user)
+    note_arrival(request, principal.tenant, agent)  # back from a tool pause: learn its length
     prompt = await state.tokenization.chat_with_tools(
         body.template_messages(), body.template_tools(), True)
     grammar = body.output_grammar(scope=principal.tenant)
@@ -399,8 +400,8 @@ async def chat_completions(
         for c in choices.values():
             calls = c.parser.calls if c.parser is not None else parse_output("".join(c.text))[1]
             if chat_finish_reason(c.finish_reason, calls) == "tool_calls":
-                retain_later(request, principal.tenant, body.cache_salt, [*prompt, *c.token_ids],
-                             ttl)
+                retain_tool_pause(request, principal.tenant, agent, body.cache_salt,
+                                  [*prompt, *c.token_ids], ttl)
 
     if body.stream:
         events = _ChatEvents(response_id, state.model_name, body.include_usage, parse_tools)

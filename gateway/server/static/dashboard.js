@@ -232,6 +232,11 @@
     show("pages-free", s.pages_free, fmtInt(s.pages_free));
     show("evictions", s.evictions, fmtInt(s.evictions));
     show("cow-copies", s.cow_copies, fmtInt(s.cow_copies));
+    show("pages-retained", s.pages_retained, fmtInt(s.pages_retained));
+    show("retention-hits", g.retention_hits, fmtInt(g.retention_hits));
+    show("retention-hit-tokens", g.retention_hit_tokens, fmtInt(g.retention_hit_tokens));
+    show("retained-evicted", s.retained_evicted, fmtInt(s.retained_evicted));
+    show("retention-expiries", s.retention_expiries, fmtInt(s.retention_expiries));
 
     lastStats = s;
     record(g);
@@ -239,8 +244,9 @@
     drawSavedSpark();
     drawPool(s);
     renderHitTable("agent", s.per_agent, "agents");
-    renderHitTable("tenant", s.per_tenant, "tenants");
+    renderHitTable("tenant", s.per_tenant, "tenants", s.retained_per_tenant || {});
     renderPrefixes(s.top_prefixes || []);
+    renderRetention(s.retention_policy);
   }
 
   const clamp01 = (v) => (isNumber(v) ? Math.min(1, Math.max(0, v)) : 0);
@@ -455,7 +461,7 @@
     parent.appendChild(td);
   }
 
-  function renderHitTable(kind, entries, plural) {
+  function renderHitTable(kind, entries, plural, retained) {
     const rows = Object.entries(entries || {}).sort(([a, x], [b, y]) => {
       if ((a === OTHER_LABEL) !== (b === OTHER_LABEL)) return a === OTHER_LABEL ? 1 : -1;
       return y.query_tokens - x.query_tokens || (a < b ? -1 : a > b ? 1 : 0);
@@ -470,12 +476,50 @@
       cellWith(tr, "num", `${kind}-requests`, h.requests, fmtInt(h.requests));
       cellWith(tr, "num", `${kind}-query-tokens`, h.query_tokens, fmtInt(h.query_tokens));
       cellWith(tr, "num", `${kind}-tokens-saved`, h.tokens_saved, fmtInt(h.tokens_saved));
+      cellWith(tr, "num", `${kind}-retention-hits`, h.retention_hit_tokens,
+        fmtInt(h.retention_hit_tokens));
       barCell(tr, "", `${kind}-hit-rate`, h.hit_rate, h.hit_rate, fmtPct(h.hit_rate));
+      if (retained) {
+        const pages = retained[name] || 0;
+        cellWith(tr, "num", `${kind}-pages-retained`, pages, fmtInt(pages));
+      }
       return tr;
     });
     byTestId(`${kind}-rows`).replaceChildren(...trs);
     byTestId(`${kind}-empty`).classList.toggle("hidden", trs.length > 0);
     show(`${kind}-count`, trs.length, String(trs.length));
+  }
+
+  const fmtSeconds = (v) => (isNumber(v) ? `${v.toFixed(v >= 10 ? 0 : 1)} s` : "—");
+
+  /** The learned retention TTLs, one row per (tenant, agent): tenants see only their own. */
+  function renderRetention(policy) {
+    if (!policy) return; // an older gateway, or a router's fleet view
+    show("retention-margin", policy.margin, String(policy.margin));
+    show("retention-quantile-level", policy.quantile, String(Math.round(policy.quantile * 100)));
+    show("retention-min-observations", policy.min_observations, fmtInt(policy.min_observations));
+    show("retention-prior", policy.prior_s, fmtText(policy.prior_s));
+    show("retention-learn", policy.learn, policy.learn ? "on" : "off");
+    const perToken = policy.recompute_s_per_token;
+    show("recompute-per-token", perToken,
+      isNumber(perToken) ? `${(perToken * 1e6).toFixed(0)} µs${policy.recompute_samples ? "" : " (default)"}` : "—");
+    const trs = [];
+    for (const [tenant, agents] of Object.entries(policy.agents || {}).sort(([x], [y]) => (x < y ? -1 : x > y ? 1 : 0))) {
+      for (const [agent, a] of Object.entries(agents).sort(([x, p], [y, q]) => q.pauses - p.pauses || (x < y ? -1 : 1))) {
+        const tr = document.createElement("tr");
+        tr.dataset.testid = "retention-row";
+        tr.dataset.key = `${tenant}/${agent}`;
+        cellWith(tr, "name", "retention-tenant", tenant, tenant);
+        cellWith(tr, "name", "retention-agent", agent, agent);
+        cellWith(tr, "num", "retention-pauses", a.pauses, fmtInt(a.pauses));
+        cellWith(tr, "num", "retention-pause-quantile", a.pause_quantile_s, fmtSeconds(a.pause_quantile_s));
+        cellWith(tr, "num", "retention-ttl", a.ttl_s, fmtSeconds(a.ttl_s));
+        cellWith(tr, "", "retention-source", a.source, a.source);
+        trs.push(tr);
+      }
+    }
+    byTestId("retention-rows").replaceChildren(...trs);
+    byTestId("retention-empty").classList.toggle("hidden", trs.length > 0);
   }
 
   function renderPrefixes(prefixes) {
