@@ -13,6 +13,7 @@ pressure the LRU would have kept some of those pages anyway.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 
@@ -62,6 +63,20 @@ class HitStats:
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    def counts(self) -> list[int]:
+        """Every counter, in field order (the fleet's Redis snapshots store this list)."""
+        return [self.requests, self.query_tokens, self.hit_tokens, self.retention_hits,
+                self.retention_hit_tokens]
+
+    @classmethod
+    def from_counts(cls, counts: Sequence[int]) -> HitStats:
+        """The inverse of :meth:`counts`; older snapshots hold only the first three."""
+        return cls(*(int(x) for x in counts))
+
+    def __add__(self, other: HitStats) -> HitStats:
+        """Counters summed (replicas of a fleet, labels folded together)."""
+        return HitStats(*(a + b for a, b in zip(self.counts(), other.counts(), strict=True)))
 
 
 @dataclass(frozen=True, slots=True)

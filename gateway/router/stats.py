@@ -26,14 +26,12 @@ MAX_STATS_AGENTS = 200
 
 
 def _add(into: dict[str, HitStats], name: str, stats: HitStats) -> None:
-    old = into.get(name, HitStats(0, 0, 0))
-    into[name] = HitStats(old.requests + stats.requests, old.query_tokens + stats.query_tokens,
-                          old.hit_tokens + stats.hit_tokens)
+    into[name] = into.get(name, HitStats(0, 0, 0)) + stats
 
 
 def _hits(raw: Mapping[str, Any]) -> HitStats:
-    return HitStats(int(raw.get("requests", 0)), int(raw.get("query_tokens", 0)),
-                    int(raw.get("hit_tokens", 0)))
+    return HitStats(*(int(raw.get(f, 0)) for f in (
+        "requests", "query_tokens", "hit_tokens", "retention_hits", "retention_hit_tokens")))
 
 
 async def _from_replicas(state: RouterState, headers: Mapping[str, str]
@@ -79,9 +77,7 @@ async def fleet_stats_json(state: RouterState, headers: Mapping[str, str],
     else:
         source = "replicas"  # they answered the forwarded key: already this caller's view
         per_replica, per_tenant, per_agent = await _from_replicas(state, headers)
-    total = HitStats(sum(s.requests for s in per_replica.values()),
-                     sum(s.query_tokens for s in per_replica.values()),
-                     sum(s.hit_tokens for s in per_replica.values()))
+    total = sum(per_replica.values(), HitStats(0, 0, 0))
     if not principal.is_admin:
         total = per_tenant.get(principal.tenant, HitStats(0, 0, 0))
     redis_up = state.redis_up

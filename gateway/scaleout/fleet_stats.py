@@ -26,7 +26,7 @@ SNAPSHOT_TTL_S = 7 * 24 * 3600
 
 
 def _counts(stats: HitStats) -> list[int]:
-    return [stats.requests, stats.query_tokens, stats.hit_tokens]
+    return stats.counts()
 
 
 def snapshot_json(replica_id: str, cache: CacheStats) -> bytes:
@@ -65,16 +65,11 @@ class FleetStats:
 
 
 def _sum(values: Any) -> HitStats:
-    values = list(values)
-    return HitStats(sum(s.requests for s in values), sum(s.query_tokens for s in values),
-                    sum(s.hit_tokens for s in values))
+    return sum(values, HitStats(0, 0, 0))
 
 
 def _add(into: dict[str, HitStats], name: str, counts: Any) -> None:
-    requests, queries, hits = (int(x) for x in counts)
-    old = into.get(name, HitStats(0, 0, 0))
-    into[name] = HitStats(old.requests + requests, old.query_tokens + queries,
-                          old.hit_tokens + hits)
+    into[name] = into.get(name, HitStats(0, 0, 0)) + HitStats.from_counts(counts)
 
 
 async def read_fleet_stats(redis: Any, keys: RedisKeys) -> FleetStats:
