@@ -351,6 +351,13 @@ class KVCacheManager:
                 Blocks past either budget are left to the LRU; renewing a retained page costs
                 no budget.
 
+        NOTE: walked from the conversation's tail back to its head, and pages other live
+        sequences hold are skipped: the head is usually a system prompt every agent shares,
+        referenced or hit all the time (the LRU keeps it anyway), while the tail is this
+        session's own history, the first thing the LRU evicts (sequences release tail first).
+        Walked head first, the shared prefix alone used up a tenant's budget and no session's
+        own pages were ever retained (benchmarks.agent_sessions found it).
+
         Returns:
             How many pages are retained now for this prefix.
         """
@@ -358,7 +365,9 @@ class KVCacheManager:
         in_budget = self.num_retained_pages() if max_pages is not None else 0
         tenant_in_budget = self.num_retained_pages(tenant) if max_tenant_pages is not None else 0
         retained = 0
-        for page in pages:
+        for page in reversed(pages):
+            if page.ref_count > 0 and page.retain_until <= 0:
+                continue  # in use by another sequence: not at risk, not worth a budget slot
             if page.retain_until <= 0:
                 if max_pages is not None and in_budget >= max_pages:
                     break

@@ -116,10 +116,12 @@ def test_a_tenant_budget_bounds_each_tenants_retained_pages_and_spares_pins():
     b1_pages = finished_pages(m, "b1", b1, extra_keys=beta, tenant="beta")
     budgets = dict(max_pages=6, max_tenant_pages=3)
     assert m.retain(a1, alpha, 30, tenant="alpha", **budgets) == 2
-    assert m.retain(a2, alpha, 30, tenant="alpha", **budgets) == 1  # alpha's third and last page
+    # alpha's third and last page: a2's tail (retention walks tail first: the session's own
+    # history before a head it may share)
+    assert m.retain(a2, alpha, 30, tenant="alpha", **budgets) == 1
     assert m.retain(b1, beta, 30, tenant="beta", **budgets) == 2  # alpha's use costs beta nothing
     retained_by = {t: [p.page_id for p in m.pool.pages if p.retain_tenant == t] for t in ("alpha", "beta")}
-    assert retained_by == {"alpha": sorted([*a1_pages, a2_pages[0]]), "beta": sorted(b1_pages)}
+    assert retained_by == {"alpha": sorted([*a1_pages, a2_pages[1]]), "beta": sorted(b1_pages)}
     assert m.num_retained_pages("alpha") == 3 and m.num_retained_pages("beta") == 2
     assert m.retain(a1, alpha, 60, tenant="alpha", **budgets) == 2  # renewing costs no budget
     stats = m.stats()
@@ -129,7 +131,7 @@ def test_a_tenant_budget_bounds_each_tenants_retained_pages_and_spares_pins():
     b2 = list(range(300, 308))
     finished_pages(m, "b2", b2, extra_keys=beta, tenant="beta")
     assert m.retain(b2, beta, 30, tenant="beta", max_pages=6, max_tenant_pages=3) == 1
-    # alpha at its budget: a2's first page (already retained) is renewed, its second stays out
+    # alpha at its budget: a2's tail (already retained) is renewed, its head stays out
     assert m.retain(a2, alpha, 30, tenant="alpha", max_pages=10, max_tenant_pages=3) == 1
     assert m.num_retained_pages("alpha") == 3
     # explicit pins are not retention: a pin past the budget still holds every page
@@ -174,4 +176,19 @@ def test_a_retention_hit_is_a_hit_on_retained_free_pages_only():
     clock.now += 1000
     run_prompt(m, "late", a + [5], tenant="t")
     assert m.stats().per_tenant["t"].retention_hit_tokens == 15
+    m.check_integrity()
+
+
+def test_retention_spends_the_budget_on_the_sessions_own_tail_not_a_shared_head():
+    m, _ = manager_with_clock(12)
+    head = list(range(8))  # a system prompt two agents share (2 pages)
+    mine, other = head + list(range(100, 108)), head + list(range(200, 208))
+    run_prompt(m, "other", other)  # another agent is mid-turn on the shared head
+    mine_pages = finished_pages(m, "mine", mine)
+    assert m.retain(mine, b"", 30, max_pages=2) == 2
+    # the shared head is held by the live agent (not at risk: skipped), so the whole budget
+    # went to this session's own tail
+    retained = [p.page_id for p in m.pool.pages if p.retain_until > 0]
+    assert retained == sorted(mine_pages[2:])
+    assert all(m.pool.pages[i].retain_until == 0 for i in mine_pages[:2])
     m.check_integrity()
