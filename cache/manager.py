@@ -134,10 +134,11 @@ class KVCacheManager:
         cow = 1 if match.num_cached_tokens < hit_pages * self.page_size else 0
         return total_blocks - hit_pages + cow + match.num_free_hit_pages
 
-    def pages_needed(self, seq_id: Hashable, num_new_tokens: int) -> int:
-        """New pages (incl. copy-on-write copies) that ``prepare_write(seq_id, n)`` would take."""
+    def pages_needed(self, seq_id: Hashable, num_new_tokens: int, num_lookahead: int = 0) -> int:
+        """New pages (incl. copy-on-write copies) that ``prepare_write(seq_id, n, lookahead)``
+        would take."""
         seq = self._get(seq_id, "pages_needed")
-        cow_blocks, num_new_pages = self._plan_write(seq, num_new_tokens)
+        cow_blocks, num_new_pages = self._plan_write(seq, num_new_tokens + num_lookahead)
         return len(cow_blocks) + num_new_pages
 
     def block_table(self, seq_id: Hashable) -> list[int]:
@@ -235,8 +236,11 @@ class KVCacheManager:
                 )
             )
 
-    def prepare_write(self, seq_id: Hashable, num_new_tokens: int) -> list[tuple[int, int]]:
-        """Make the pages for positions ``[num_computed, num_computed + n)`` exist and private.
+    def prepare_write(self, seq_id: Hashable, num_new_tokens: int,
+                      num_lookahead: int = 0) -> list[tuple[int, int]]:
+        """Make the pages for positions ``[num_computed, num_computed + n + lookahead)`` exist
+        and private. ``num_lookahead`` positions past the known tokens are for speculative
+        draft tokens: written by the verify forward, committed only once accepted.
 
         Allocates a page only when a block starts (on-demand growth). A page that is shared
         (refcount > 1) or registered in the cache is copied first.
@@ -258,7 +262,9 @@ class KVCacheManager:
                 f"prepare_write({seq_id!r}): {num_new_tokens} new tokens from position "
                 f"{seq.num_computed} exceed the {len(seq.token_ids)} known tokens"
             )
-        cow_blocks, num_new_pages = self._plan_write(seq, num_new_tokens)
+        if num_lookahead < 0:
+            raise InvalidArgumentError(f"prepare_write({seq_id!r}): num_lookahead must be >= 0")
+        cow_blocks, num_new_pages = self._plan_write(seq, num_new_tokens + num_lookahead)
         needed = len(cow_blocks) + num_new_pages
         if needed > self.pool.num_free_pages:
             raise OutOfPagesError(needed, self.pool.num_free_pages)

@@ -53,6 +53,7 @@ DEFAULTS: dict[str, Any] = {
     "response_ttl": 3600.0,
     "max_stored_responses": 10_000,
     "retention": 30.0,
+    "speculative_tokens": 4,
     "kv_tier": "off",
     "kv_tier_size": 4.0,
     "kv_tier_path": None,
@@ -169,6 +170,15 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         type=_on_off,
         metavar="on|off",
         help="share cached prefix pages between requests (default on; off = baseline)",
+    )
+    model.add_argument(
+        "--speculative-tokens",
+        type=int,
+        choices=range(0, 17),
+        metavar="N",
+        help="speculative decoding of greedy requests: up to N draft tokens a step, looked up "
+        "in the request's own context and verified in one forward (exact: the output is the "
+        "same token for token); default 4, 0 = off",
     )
     model.add_argument(
         "--kv-tier",
@@ -362,6 +372,7 @@ def configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerSettings]:
         retention_tenant_budget=values["retention_tenant_budget"],
         kernel_backend=values["kernel_backend"],
         native_kernels=values["native_kernels"] == "on",
+        num_speculative_tokens=values["speculative_tokens"],
         kv_tier=None if values["kv_tier"] == "off" else values["kv_tier"],
         kv_tier_size_gb=values["kv_tier_size"],
         kv_tier_path=values["kv_tier_path"],

@@ -106,6 +106,7 @@ class GenerationRequest:
     cache_salt: str | None = None
     request_id: str = field(default_factory=new_request_id)
     grammar: GrammarSpec | None = None
+    speculative: bool = True  # False: never draft tokens for it (engine speculation is opt-in)
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +223,9 @@ class EngineStats:
     grammar_cache_hits: int = 0
     grammar_compile_seconds: float = 0.0
     tier: dict[str, Any] | None = None  # the second KV tier's counters (None = no tier)
+    spec_drafts: int = 0  # speculative verify chunks run
+    spec_draft_tokens: int = 0  # draft tokens proposed
+    spec_accepted_tokens: int = 0  # draft tokens the model agreed with (emitted)
 
 
 @dataclass(frozen=True, slots=True)

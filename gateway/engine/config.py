@@ -32,6 +32,9 @@ class EngineConfig:
     kv_tier: str | None = None
     kv_tier_size_gb: float = 4.0
     kv_tier_path: str | None = None
+    # speculative decoding of greedy requests: at most this many draft tokens a step, looked
+    # up in the sequence's own context (gateway/engine/drafter.py); 0 = off
+    num_speculative_tokens: int = 4
     kernel_backend: str | None = None  # None = triton on CUDA, torch on CPU
     native_kernels: bool = True  # CPU fp32: the native C kernels (kernels/csrc) when they build here
 
@@ -56,6 +59,8 @@ class EngineConfig:
             raise ValueError("max_waiting must be >= 0")
         if not 0 <= self.watermark < 1:
             raise ValueError("watermark must be in [0, 1)")
+        if not 0 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [0, 16], got {self.num_speculative_tokens}")
         if self.kv_tier not in (None, "host", "redis"):
             raise ValueError(f"kv_tier must be host or redis, got {self.kv_tier!r}")
         if self.kv_tier_size_gb <= 0:

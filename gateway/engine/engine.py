@@ -288,6 +288,7 @@ class AsyncEngine:
                 constrained_tokens=core.constrained_tokens,
                 **core.grammar_stats(),
                 tier=core.tier_stats(),
+                **core.spec_stats(),
             )
 
     # ------------------------------------------------------------------ scale-out index

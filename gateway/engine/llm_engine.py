@@ -31,6 +31,7 @@ from prefixgate.gateway.engine.api import (
     Usage,
 )
 from prefixgate.gateway.engine.config import EngineConfig, step_token_budget
+from prefixgate.gateway.engine.drafter import DraftState, NgramDrafter
 from prefixgate.gateway.engine.grammar import (
     CompiledGrammar,
     GrammarCompiler,
@@ -40,7 +41,7 @@ from prefixgate.gateway.engine.grammar import (
 )
 from prefixgate.gateway.engine.kv_tier import KVTier
 from prefixgate.gateway.engine.sampler import SampleRow, make_generator, sample
-from prefixgate.gateway.engine.scheduler import Scheduler, SchedulerOutput
+from prefixgate.gateway.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from prefixgate.gateway.engine.sequence import SeqStatus, Sequence
 from prefixgate.gateway.engine.stop_strings import StopStringMatcher
 
@@ -139,6 +140,8 @@ class LLMEngine:
                 getattr(runner, "attention_context_scale", None) if device_type == "cpu" else None
             ),
             tier=self.tier,
+            drafter=(NgramDrafter(config.num_speculative_tokens, self.max_model_len)
+                     if config.num_speculative_tokens else None),
         )
         if chunk_factory is None:
             from prefixgate.gateway.engine.runner import SeqChunk
@@ -154,6 +157,7 @@ class LLMEngine:
         self._masker: TokenMasker | None = None
         self.constrained_tokens = 0
         self.tier_tokens_loaded = 0  # prompt tokens loaded from the second tier, not recomputed
+        self.spec_tokens_accepted = 0  # draft tokens emitted (speculative decoding)
         self.seconds_per_token = 0.0  # moving average of a prefill-sized step's time per token
 
     # ------------------------------------------------------------------ grammars
@@ -187,6 +191,15 @@ class LLMEngine:
             "tokens_loaded": self.tier_tokens_loaded,
             "recompute_seconds_saved": round(self.tier_tokens_loaded * self.seconds_per_token, 6),
             "load_waits": self.scheduler.num_tier_waits,
+        }
+
+    def spec_stats(self) -> dict[str, int]:
+        """Speculative decoding counters for EngineStats (zeros when it is off)."""
+        drafter = self.scheduler.drafter
+        return {
+            "spec_drafts": drafter.num_drafts if drafter else 0,
+            "spec_draft_tokens": drafter.num_proposed if drafter else 0,
+            "spec_accepted_tokens": self.spec_tokens_accepted,
         }
 
     def compile_grammar(self, spec: GrammarSpec, tenant: str = "default") -> CompiledGrammar:
@@ -279,7 +292,9 @@ class LLMEngine:
         if out.is_empty:
             return out
         self.num_steps += 1
-        chunks = [self._make_chunk(c.token_ids, c.start_pos, c.block_table, c.need_logits)
+        chunks = [self._make_chunk(c.token_ids, c.start_pos, c.block_table, c.need_logits,
+                                   num_logits=1 + len(c.draft_ids))
+                  if c.draft_ids else self._make_chunk(c.token_ids, c.start_pos, c.block_table, c.need_logits)
                   for c in out.chunks]
         # Constrained rows' grammar states are final now: fill their masks during the forward.
         constrained = [c.seq for c in out.chunks
@@ -299,6 +314,7 @@ class LLMEngine:
                 "the model step failed on this request; it was stopped (other requests in the "
                 "step were not affected)", code="request_failed"))
         mask_row = {s.seq_id: i for i, s in enumerate(constrained)}
+        accepted = self._verify_drafts(out, logits, culprits) if self.scheduler.drafter else {}
         self.scheduler.commit(out)
         for c in out.chunks:
             if c.seq.num_prompt_tokens > c.start_pos:
@@ -313,8 +329,9 @@ class LLMEngine:
         for c in out.chunks:
             if not c.need_logits:
                 continue
-            seq, index = c.seq, logit_row
-            logit_row += 1
+            # a verify chunk has a row per draft token too: sample after the accepted ones
+            seq, index = c.seq, logit_row + len(accepted.get(c.seq.seq_id, ()))
+            logit_row += 1 + len(c.draft_ids)
             if seq.status is not SeqStatus.RUNNING:
                 continue
             family = [seq]
@@ -353,7 +370,11 @@ class LLMEngine:
                         logprob = self._logprob(token_id, token_logprob,
                                                 top_ids[: seq.sampling.top_logprobs],
                                                 top_lps[: seq.sampling.top_logprobs])
-                    self._on_token(seq, token_id, logprob)
+                    drafts = accepted.get(seq.seq_id)
+                    if drafts:
+                        self._on_drafts(seq, drafts)
+                    if seq.status is SeqStatus.RUNNING:  # a draft may have finished it
+                        self._on_token(seq, token_id, logprob)
                 except Exception:  # detokenizer, stop strings, grammar: this row's alone
                     logger.exception("request %s failed after sampling; failing it alone",
                                      seq.request_id)
@@ -361,6 +382,53 @@ class LLMEngine:
                         "decoding this request's output failed; it was stopped (other "
                         "requests in the step were not affected)", code="request_failed"))
         return out
+
+    def _verify_drafts(self, out: SchedulerOutput, logits: torch.Tensor, culprits: list[int]
+                       ) -> dict[int, tuple[int, ...]]:
+        """Greedy verification of this step's draft tokens: per sequence, the drafts the model
+        agrees with (the longest prefix where each draft is the argmax after the one before).
+
+        NOTE: exact under greedy decoding: an accepted draft is the token the model would have
+        produced, and the token sampled after the accepted run comes from the same logits
+        position a plain decode would compute (up to the summation order of a chunk)."""
+        assert self.scheduler.drafter is not None
+        spans: list[tuple[ScheduledChunk, int]] = []
+        row = 0
+        failed = {out.chunks[i].seq.seq_id for i in culprits}
+        for c in out.chunks:
+            if not c.need_logits:
+                continue
+            if c.draft_ids and c.seq.seq_id not in failed:
+                spans.append((c, row))
+            row += 1 + len(c.draft_ids)
+        if not spans:
+            return {}
+        index = torch.tensor([r + i for c, r in spans for i in range(len(c.draft_ids))],
+                             device=logits.device)
+        greedy = logits.index_select(0, index).argmax(dim=-1).tolist()
+        accepted: dict[int, tuple[int, ...]] = {}
+        at = 0
+        for c, _ in spans:
+            drafts = c.draft_ids
+            n = 0
+            while n < len(drafts) and greedy[at + n] == drafts[n]:
+                n += 1
+            at += len(drafts)
+            accepted[c.seq.seq_id] = drafts[:n]
+            self.scheduler.drafter.record(c.seq.draft, len(drafts), n)
+        return accepted
+
+    def _on_drafts(self, seq: Sequence, drafts: tuple[int, ...]) -> None:
+        """Emit ``seq``'s accepted draft tokens (as if decoded one by one) and make their K/V
+        the sequence's; stops early when one of them finishes it (EOS, stop, length)."""
+        emitted = 0
+        for token_id in drafts:
+            self._on_token(seq, token_id, None)
+            emitted += 1
+            if seq.status is not SeqStatus.RUNNING:
+                return
+        self.spec_tokens_accepted += emitted
+        self.scheduler.accept_drafts(seq, emitted)
 
     def _move_tier_pages(self, out: SchedulerOutput) -> None:
         """Before anything writes this step: copy evicted pages out to the tier, then write the
@@ -429,9 +497,12 @@ class LLMEngine:
                 run(indexes[half:])
                 return
             runs["ok"] += 1
-            sampling = [i for i in indexes if chunks[i].need_logits]
-            for row, i in enumerate(sampling):
-                rows[i] = logits[row]
+            at = 0
+            for i in indexes:
+                if chunks[i].need_logits:
+                    count = getattr(chunks[i], "num_logits", 1)  # > 1: a draft verify chunk
+                    rows[i] = logits[at : at + count]
+                    at += count
 
         if len(chunks) == 1:
             raise first_error
@@ -440,11 +511,13 @@ class LLMEngine:
         run(list(range(half, len(chunks))))
         if not runs["ok"]:
             raise first_error
-        width = next(iter(rows.values())) if rows else None
+        like = next(iter(rows.values())) if rows else None
         sampling = [i for i, c in enumerate(chunks) if c.need_logits]
-        if width is None:
+        if like is None:
             return torch.empty((0, self.runner.vocab_size)), culprits
-        logits = torch.stack([rows[i] if i in rows else torch.zeros_like(width) for i in sampling])
+        logits = torch.cat([
+            rows[i] if i in rows else like.new_zeros((getattr(chunks[i], "num_logits", 1), like.shape[1]))
+            for i in sampling])
         return logits, culprits
 
     @staticmethod
@@ -509,6 +582,14 @@ class LLMEngine:
             generator=make_generator(req.sampling.seed, choice),
             matcher=new_matcher(state.grammar) if state.grammar is not None else None,
         )
+        sp = req.sampling
+        if (self.scheduler.drafter is not None and req.speculative and sp.temperature == 0
+                and sp.n == 1 and not sp.logprobs and state.grammar is None
+                and sp.presence_penalty == 0 and sp.frequency_penalty == 0
+                and sp.repetition_penalty == 1):
+            # NOTE: greedy rows only: under sampling, penalties, logprobs or a grammar a draft
+            # would need rejection sampling / per-draft state; those rows decode one by one
+            seq.draft = DraftState(k=self.scheduler.drafter.max_draft)
         state.seqs.append(seq)
         return seq
 

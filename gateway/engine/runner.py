@@ -40,6 +40,8 @@ class SeqChunk:
     start_pos: int
     block_table: Sequence[int]
     need_logits: bool = True
+    # logits of the chunk's last ``num_logits`` positions (> 1: a speculative verify chunk)
+    num_logits: int = 1
 
 
 def _configure_cpu_threads() -> None:
@@ -247,7 +249,10 @@ class ModelRunner:
             seq_lens.append(end)
             query_start_loc.append(query_start_loc[-1] + count)
             if chunk.need_logits:
-                logits_indices.append(query_start_loc[-1] - 1)
+                if not 1 <= chunk.num_logits <= count:
+                    raise ValueError(f"chunk {index}: num_logits must be in [1, {count}], "
+                                     f"got {chunk.num_logits}")
+                logits_indices.extend(range(query_start_loc[-1] - chunk.num_logits, query_start_loc[-1]))
             tables.append(table)
         plan = None
         if self.kernel_backend == "torch":
@@ -292,8 +297,8 @@ class ModelRunner:
             copy_pairs: copy-on-write ``(src_page, dst_page)`` copies, done BEFORE the forward.
 
         Returns:
-            ``[number of chunks with need_logits, vocab]`` fp32 logits on the runner's device,
-            in chunk order.
+            ``[sum of num_logits over chunks with need_logits, vocab]`` fp32 logits on the
+            runner's device, in chunk order.
 
         Raises:
             ValueError: a malformed chunk (empty, block table too short, page id out of range,

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from prefixgate.cache import HashedBlock, KVCacheManager
 from prefixgate.cache.manager import PrefixMatch
+from prefixgate.gateway.engine.drafter import NgramDrafter
 from prefixgate.gateway.engine.sequence import SeqStatus, Sequence
 
 
@@ -29,10 +30,14 @@ class ScheduledChunk:
     num_tokens: int
     need_logits: bool  # the chunk ends at the sequence's last known token: sample after it
     block_table: list[int]  # a copy made for this step (the manager's table keeps growing)
+    # speculative decoding: draft tokens after the decode token, verified by this forward
+    # (``num_tokens`` counts them; the sequence does not hold them until accepted)
+    draft_ids: tuple[int, ...] = ()
 
     @property
     def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start_pos : self.start_pos + self.num_tokens]
+        known = self.seq.token_ids[self.start_pos : self.start_pos + self.num_tokens - len(self.draft_ids)]
+        return known + list(self.draft_ids) if self.draft_ids else known
 
 
 class TierLoader(Protocol):
@@ -108,6 +113,7 @@ class Scheduler:
         enable_dedup: bool = True,
         context_scale: int | None = None,
         tier: TierLoader | None = None,
+        drafter: NgramDrafter | None = None,
     ):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
@@ -119,6 +125,7 @@ class Scheduler:
             raise ValueError("context_scale must be >= 1")
         self.context_scale = context_scale
         self.tier = tier
+        self.drafter = drafter
         self.num_tier_waits = 0  # admissions deferred while their tier load ran
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: preemption takes from the end
@@ -194,8 +201,11 @@ class Scheduler:
             for seq in list(self.running):
                 if seq.status is not SeqStatus.RUNNING or (seq.num_uncomputed == 1) != decodes:
                     continue
+                drafts: list[int] = []
                 if decodes:
                     n = 1
+                    if self.drafter is not None and seq.draft is not None:
+                        drafts = self._draft(seq, budget - (len(self.running) - num_decodes))
                 else:
                     n = self._fit(seq.num_computed, seq.num_uncomputed, budget, not has_prefill)
                 if n <= 0:
@@ -209,10 +219,12 @@ class Scheduler:
                         break
                 if seq.status is not SeqStatus.RUNNING:
                     continue
-                pairs += self.cache.prepare_write(seq.seq_id, n)
-                chunks.append(self._chunk(seq, n))
+                if drafts and self.cache.pages_needed(seq.seq_id, n, len(drafts)) > self.cache.num_free_pages:
+                    drafts = []  # a draft never takes a page someone needs
+                pairs += self.cache.prepare_write(seq.seq_id, n, len(drafts))
+                chunks.append(self._chunk(seq, n, drafts))
                 scheduled.add(seq.seq_id)
-                budget -= 1 if decodes else self._cost(seq.num_computed, n)
+                budget -= 1 + len(drafts) if decodes else self._cost(seq.num_computed, n)
                 num_decodes += decodes
                 has_prefill = has_prefill or not decodes
 
@@ -286,8 +298,21 @@ class Scheduler:
             seq = chunk.seq
             if seq.status is not SeqStatus.RUNNING:
                 continue  # aborted while the forward ran
-            self.cache.commit_computed(seq.seq_id, chunk.num_tokens)
-            seq.num_computed += chunk.num_tokens
+            # drafts become computed only once accepted (accept_drafts)
+            known = chunk.num_tokens - len(chunk.draft_ids)
+            self.cache.commit_computed(seq.seq_id, known)
+            seq.num_computed += known
+
+    def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """``num_accepted`` draft tokens were appended to ``seq`` (with one token after them):
+        their K/V, written by the verify forward, is the sequence's now.
+
+        NOTE: the rejected drafts' K/V stays in pages past ``num_computed``, where the next
+        tokens overwrite it; no block holding one is ever registered (only computed full
+        blocks are), so rejected drafts leave no trace in the cache."""
+        if num_accepted and seq.status is SeqStatus.RUNNING:
+            self.cache.commit_computed(seq.seq_id, num_accepted)
+            seq.num_computed += num_accepted
 
     # ------------------------------------------------------------------ internals
 
@@ -346,15 +371,25 @@ class Scheduler:
                 n -= 1
         return min(remaining, max(n, 1 if force_one else 0))
 
-    def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
+    def _chunk(self, seq: Sequence, n: int, drafts: list[int] | None = None) -> ScheduledChunk:
         start = seq.num_computed
         return ScheduledChunk(
             seq=seq,
             start_pos=start,
-            num_tokens=n,
+            num_tokens=n + len(drafts or ()),
             need_logits=start + n == len(seq.token_ids),
             block_table=self.cache.block_table(seq.seq_id),
+            draft_ids=tuple(drafts or ()),
         )
+
+    def _draft(self, seq: Sequence, spare_budget: float) -> list[int]:
+        """Draft tokens for ``seq``'s decode: at most what the step's budget spares after every
+        running decode, and what the request may still output after this step's token."""
+        assert self.drafter is not None
+        room = min(int(spare_budget), seq.sampling.max_tokens - seq.num_output_tokens - 1)
+        if room < 1:
+            return []
+        return self.drafter.propose(seq.token_ids, seq.draft, room)
 
     def _hashed_blocks(self, seq: Sequence) -> list[HashedBlock]:
         """The sequence's full-block hash chain, computed once and extended as tokens grow.

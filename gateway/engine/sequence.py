@@ -44,6 +44,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     # Chained hashes of the full blocks of token_ids, filled by the scheduler on first lookup.
     hashed_blocks: list[HashedBlock] = field(default_factory=list)
+    # Speculative decoding (gateway/engine/drafter.py): its DraftState, None = never drafts.
+    draft: Any = None
     # Second tier: "" = not looked up yet, "loading" = a load is in flight, "done".
     tier_probe: str = ""
     # Engine-side per-sequence state (sampler generator, detokenizer, stop matcher).

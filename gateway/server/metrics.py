@@ -235,6 +235,11 @@ class EngineCollector(Collector):
             "grammar_compile_seconds", "Time spent compiling grammars.",
             engine.grammar_compile_seconds,
         )
+        yield counter("spec_draft_tokens", "Speculative draft tokens proposed.",
+                      engine.spec_draft_tokens)
+        yield counter("spec_accepted_tokens",
+                      "Speculative draft tokens the model agreed with (emitted without a step).",
+                      engine.spec_accepted_tokens)
         if engine.tier is not None:
             yield from tier_metrics(engine.tier, counter, gauge)
         for what, labeler, per_key in (

@@ -158,6 +158,11 @@ async def stats_json(
             "num_preemptions": engine.num_preemptions,
             "kernel_backend": engine.kernel_backend,
             "device": engine.device,
+            "spec_drafts": engine.spec_drafts,
+            "spec_draft_tokens": engine.spec_draft_tokens,
+            "spec_accepted_tokens": engine.spec_accepted_tokens,
+            "spec_acceptance_rate": round(engine.spec_accepted_tokens / engine.spec_draft_tokens, 6)
+            if engine.spec_draft_tokens else 0.0,
         },
         # the second KV tier is shared by every tenant (and, in Redis, by the fleet): its
         # counters would show other tenants' traffic, so only the admin sees them

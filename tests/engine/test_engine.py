@@ -106,10 +106,12 @@ def test_tiny_page_budget_preempts_without_changing_outputs(make_engine, tokeniz
     prompts = [chat(tokenizer, t) for t in TASKS[:6]]
     requests = lambda tag: [GenerationRequest(p, greedy(24), request_id=f"{tag}{i}")  # noqa: E731
                             for i, p in enumerate(prompts)]
-    roomy = make_engine(num_pages=512)
+    # NOTE: no speculation here: drafts make sequences finish in fewer steps, so whether this
+    # pool ever preempts would depend on them (tests/engine/test_speculative.py covers both)
+    roomy = make_engine(num_pages=512, num_speculative_tokens=0)
     expected = run(roomy, requests("r"))
     pages_per_seq = -(-(max(map(len, prompts)) + 24) // 16)
-    tight = make_engine(num_pages=pages_per_seq * 3, watermark=0.0)
+    tight = make_engine(num_pages=pages_per_seq * 3, watermark=0.0, num_speculative_tokens=0)
     got = run(tight, requests("t"))
     assert tight.scheduler.num_preemptions > 0
     assert [tokens(got[f"t{i}"]) for i in range(6)] == [tokens(expected[f"r{i}"]) for i in range(6)]

@@ -182,3 +182,12 @@ def test_retention_flags_reach_the_configs():
     engine, settings = resolve(["serve", "--retention-tenant-budget", "0.1"],
                                {"PREFIXGATE_RETENTION_LEARN": "off"})
     assert settings.retention_learn is False and engine.retention_tenant_budget == 0.1
+
+
+def test_speculative_tokens_flag_reaches_the_engine_config():
+    engine, _ = resolve(["serve"], {})
+    assert engine.num_speculative_tokens == 4
+    engine, _ = resolve(["serve", "--speculative-tokens", "0"], {})
+    assert engine.num_speculative_tokens == 0
+    engine, _ = resolve(["serve"], {"PREFIXGATE_SPECULATIVE_TOKENS": "8"})
+    assert engine.num_speculative_tokens == 8
