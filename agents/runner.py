@@ -124,14 +124,20 @@ def _apply_chunk(chunk: object, record: RequestRecord, reply: list[str]) -> bool
                 produced = True
         if choice.get("finish_reason"):
             record.finish_reason = choice["finish_reason"]
+    read_usage(chunk, record)
+    return produced
+
+
+def read_usage(chunk: dict, record: object) -> None:
+    """Copy a chunk's OpenAI ``usage`` (prompt, completion and cached tokens) onto ``record``
+    (any object with ``prompt_tokens``, ``completion_tokens`` and ``cached_tokens``)."""
     usage = chunk.get("usage")
     if isinstance(usage, dict):
-        record.prompt_tokens = usage.get("prompt_tokens")
-        record.completion_tokens = usage.get("completion_tokens")
+        record.prompt_tokens = usage.get("prompt_tokens")  # type: ignore[attr-defined]
+        record.completion_tokens = usage.get("completion_tokens")  # type: ignore[attr-defined]
         details = usage.get("prompt_tokens_details")
         if isinstance(details, dict) and details.get("cached_tokens") is not None:
-            record.cached_tokens = int(details["cached_tokens"])
-    return produced
+            record.cached_tokens = int(details["cached_tokens"])  # type: ignore[attr-defined]
 
 
 async def _stream(client: httpx.AsyncClient, body: dict, headers: dict,

@@ -85,6 +85,7 @@ import httpx
 from benchmarks.common import base_parser, write_json
 from prefixgate.agents import texts
 from prefixgate.agents.report import percentile
+from prefixgate.agents.runner import read_usage
 from prefixgate.agents.workload import Agent, SwarmConfig, Workload, build_workload
 
 # agents.texts counts words + punctuation; SmolLM2's tokenizer makes ~0.94 real tokens of each
@@ -241,13 +242,7 @@ def _fold_chunk(chunk: dict, record: Record, text: list[str], calls: dict[int, d
             produced = produced or bool(function.get("name") or function.get("arguments"))
         if choice.get("finish_reason"):
             record.finish_reason = choice["finish_reason"]
-    usage = chunk.get("usage")
-    if isinstance(usage, dict):
-        record.prompt_tokens = usage.get("prompt_tokens")
-        record.completion_tokens = usage.get("completion_tokens")
-        details = usage.get("prompt_tokens_details")
-        if isinstance(details, dict) and details.get("cached_tokens") is not None:
-            record.cached_tokens = int(details["cached_tokens"])
+    read_usage(chunk, record)
     return produced
 
 
