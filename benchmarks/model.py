@@ -18,19 +18,29 @@ Workload (defaults; every size is a flag):
   * timing: samples of ours and transformers alternate (the machine is shared; drift hits
     both), medians of ``--repeats`` samples after one warm-up each.
 
+  * ``--fp32-baseline``: also a second runner of ours over the same weights dequantized to fp32
+    (the path before the quantized kernel, kernels/csrc/linear.c), its samples alternating with
+    the quantized runner's; ``--no-transformers`` leaves transformers out (a quick A/B).
+  * memory: the process RSS once our runner is built, less the loaded weights it was built
+    from (``rss_mb_ours``, before transformers loads), and what the fp32 runner adds to it.
+
 Reported: tokens/s per workload for both, ``prefill_ratio_<N>`` and ``decode_ratio_b<B>`` =
-ours / transformers (> 1: prefixgate is faster), plus the kernel backend, whether the native
-CPU decode kernel ran, and the thread count.
+ours / transformers (> 1: prefixgate is faster), ``quant_speedup_*`` = quantized / fp32 runner,
+plus the kernel backend, whether the native CPU decode kernel ran, and the thread count.
 
     python -m benchmarks.model --json out/model.json
+    python -m benchmarks.model --fp32-baseline --no-transformers --batches 1 16 --prefill 2048
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import gc
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -38,21 +48,37 @@ from benchmarks.common import base_parser, print_table, write_json
 from prefixgate import kernels
 from prefixgate.gateway.engine.loader import load_model
 from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
+from prefixgate.kernels.quant import QuantizedTensor
 
 FIRST_ORDINARY_TOKEN = 100  # skip the special tokens at the start of the vocabulary
 
 
 def _alternating_medians(
-    ours: Callable[[], float], theirs: Callable[[], float], repeats: int
-) -> tuple[float, float]:
+    fns: dict[str, Callable[[], float]], repeats: int
+) -> dict[str, float]:
     """Run warm-up once each, then alternate samples; each callable returns seconds."""
-    ours()
-    theirs()
-    our_samples, their_samples = [], []
+    for fn in fns.values():
+        fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        our_samples.append(ours())
-        their_samples.append(theirs())
-    return statistics.median(our_samples), statistics.median(their_samples)
+        for name, fn in fns.items():
+            samples[name].append(fn())
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def _rss_mb() -> float:
+    """Resident set size of this process (MB), after a garbage collection."""
+    gc.collect()
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _nbytes(weight: torch.Tensor | QuantizedTensor) -> int:
+    if isinstance(weight, QuantizedTensor):
+        return weight.nbytes
+    return weight.numel() * weight.element_size()
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -148,31 +174,57 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="decode steps per sample")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--fp32-baseline",
+        action="store_true",
+        help="also time a runner over the weights dequantized to fp32 (the pre-quantized path)",
+    )
+    parser.add_argument("--no-transformers", action="store_true", help="skip transformers")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from transformers import AutoModelForCausalLM
 
     loaded = load_model(args.model, progress=True)
     config = loaded.config
     path = loaded.path
-    if path.is_dir():
-        theirs = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    else:
-        theirs = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32
-        )
-    theirs.eval()
     capacity = args.context + args.steps * (args.repeats + 1) + 1
     page_size = 16
     pages_needed = max(
         max(args.batches) * -(-capacity // page_size),
         -(-max(args.prefill) // page_size),
     )
-    runner = ModelRunner.from_loaded(
-        loaded, num_pages=pages_needed, page_size=page_size, device="cpu", dtype=torch.float32
-    )
-    del loaded  # the runner holds its own (packed) copy of the weights
+
+    def build(model) -> ModelRunner:
+        return ModelRunner.from_loaded(
+            model, num_pages=pages_needed, page_size=page_size, device="cpu", dtype=torch.float32
+        )
+
+    rss_start = _rss_mb()
+    runner = build(loaded)
+    weights = loaded.weights
+    loaded = dataclasses.replace(loaded, weights={})  # the runner holds its own packed copy
+    rss_ours = _rss_mb() - sum(_nbytes(w) for w in weights.values()) / 2**20
+    baseline = None
+    if args.fp32_baseline:
+        weights = {
+            name: w.dequantize() if isinstance(w, QuantizedTensor) else w
+            for name, w in weights.items()
+        }
+        rss_before = _rss_mb()
+        baseline = build(dataclasses.replace(loaded, weights=weights))
+        rss_fp32 = _rss_mb() - rss_before
+    del weights
+    theirs = None
+    if not args.no_transformers:
+        from transformers import AutoModelForCausalLM
+
+        if path.is_dir():
+            theirs = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        else:
+            theirs = AutoModelForCausalLM.from_pretrained(
+                str(path.parent), gguf_file=path.name, dtype=torch.float32
+            )
+        theirs.eval()
     threads = torch.get_num_threads()
     generator = torch.Generator().manual_seed(args.seed)
 
@@ -197,67 +249,96 @@ def main() -> None:
             "decode_steps_per_sample": args.steps,
             "repeats": args.repeats,
         },
+        "rss_mb_ours": rss_ours,
+        "rss_mb_start": rss_start,
     }
-    rows: list[tuple[str, object]] = []
+    rows: list[tuple[str, object]] = [
+        ("RSS MB: before the runner | with it (less the loaded weights)",
+         f"{rss_start:8.1f} | {rss_ours:8.1f}"),
+    ]  # fmt: skip
+    if baseline is not None:
+        results["rss_mb_added_by_fp32_runner"] = rss_fp32
+        rows.append(("RSS MB added by the fp32 baseline runner", f"{rss_fp32:8.1f}"))
 
     with torch.inference_mode():
         for count in args.prefill:
             ids = random_ids(count)
             table = list(range(-(-count // page_size)))
-            ours_s, theirs_s = _alternating_medians(
-                lambda ids=ids, table=table: _timed(
-                    lambda: runner.execute([SeqChunk(ids, 0, table, True)])
-                ),
-                lambda ids=ids: _timed(
+            prefill_fns: dict[str, Callable[[], float]] = {}
+            for name, model in (("ours", runner), ("ours_fp32", baseline)):
+                if model is not None:
+                    prefill_fns[name] = lambda m=model, ids=ids, table=table: _timed(
+                        lambda: m.execute([SeqChunk(ids, 0, table, True)])
+                    )
+            if theirs is not None:
+                prefill_fns["transformers"] = lambda ids=ids: _timed(
                     lambda: theirs(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
-                ),
-                args.repeats,
-            )
-            results[f"prefill_{count}_tok_s_ours"] = count / ours_s
-            results[f"prefill_{count}_tok_s_transformers"] = count / theirs_s
-            results[f"prefill_ratio_{count}"] = theirs_s / ours_s
-            rows.append(
-                (
-                    f"prefill {count:>5} tok/s  ours | transformers | ratio",
-                    f"{count / ours_s:8.1f} | {count / theirs_s:8.1f} | {theirs_s / ours_s:5.2f}x",
                 )
-            )
+            seconds = _alternating_medians(prefill_fns, args.repeats)
+            for name, value in seconds.items():
+                results[f"prefill_{count}_tok_s_{name}"] = count / value
+            shown = f"{count / seconds['ours']:8.1f}"
+            if theirs is not None:
+                results[f"prefill_ratio_{count}"] = seconds["transformers"] / seconds["ours"]
+                shown += (
+                    f" | transformers {count / seconds['transformers']:8.1f} | "
+                    f"{seconds['transformers'] / seconds['ours']:5.2f}x"
+                )
+            if baseline is not None:
+                results[f"quant_speedup_prefill_{count}"] = seconds["ours_fp32"] / seconds["ours"]
+                shown += (
+                    f" | fp32 {count / seconds['ours_fp32']:8.1f} | "
+                    f"{seconds['ours_fp32'] / seconds['ours']:5.2f}x"
+                )
+            rows.append((f"prefill {count:>5} tok/s  ours | ...", shown))
 
         # decode: one prefilled context, copied per sequence on both sides
         prompt = random_ids(args.context)
         first_table = list(range(-(-capacity // page_size)))
         first = int(runner.execute([SeqChunk(prompt, 0, first_table, True)])[0].argmax())
-        prefill_out = theirs(torch.tensor([prompt]), use_cache=True)
-        base_cache = prefill_out.cache
+        if baseline is not None:
+            baseline.execute([SeqChunk(prompt, 0, first_table, True)])
+        base_cache = None
+        if theirs is not None:
+            base_cache = theirs(torch.tensor([prompt]), use_cache=True).cache
         for batch in args.batches:
-            ours_run = _OurDecode(runner, batch, args.context, capacity, first)
-            forward_run = _TheirDecode(theirs, base_cache, batch, first)
-            generate_run = _TheirGenerate(theirs, base_cache, prompt, batch, first)
-            samples: dict[str, list[float]] = {"ours": [], "generate": [], "forward": []}
-            runs = {"ours": ours_run, "generate": generate_run, "forward": forward_run}
+            runs: dict[str, _OurDecode | _TheirDecode | _TheirGenerate] = {
+                "ours": _OurDecode(runner, batch, args.context, capacity, first)
+            }
+            if baseline is not None:
+                runs["ours_fp32"] = _OurDecode(baseline, batch, args.context, capacity, first)
+            if theirs is not None:
+                runs["transformers"] = _TheirGenerate(theirs, base_cache, prompt, batch, first)
+                runs["transformers_forward"] = _TheirDecode(theirs, base_cache, batch, first)
+            samples: dict[str, list[float]] = {name: [] for name in runs}
             for repeat in range(args.repeats + 1):  # the first round warms up, not counted
-                for name, run in runs.items():  # interleaved: drift hits all three alike
-                    seconds = run.run(args.steps)
+                for name, run in runs.items():  # interleaved: drift hits all alike
+                    elapsed = run.run(args.steps)
                     if repeat:
-                        samples[name].append(seconds)
-            ours_s, gen_s, fwd_s = (statistics.median(samples[n]) for n in runs)
+                        samples[name].append(elapsed)
+            seconds = {name: statistics.median(values) for name, values in samples.items()}
             generated = batch * args.steps
-            results[f"decode_b{batch}_tok_s_ours"] = generated / ours_s
-            results[f"decode_b{batch}_tok_s_transformers"] = generated / gen_s
-            results[f"decode_b{batch}_tok_s_transformers_forward"] = generated / fwd_s
-            results[f"decode_ratio_b{batch}"] = gen_s / ours_s
-            results[f"decode_ratio_b{batch}_vs_forward"] = fwd_s / ours_s
-            rows.append(
-                (
-                    f"decode b={batch:<3} tok/s  ours | generate | forward | ratios",
-                    f"{generated / ours_s:8.1f} | {generated / gen_s:8.1f} | "
-                    f"{generated / fwd_s:8.1f} | {gen_s / ours_s:5.2f}x {fwd_s / ours_s:5.2f}x",
+            for name, value in seconds.items():
+                results[f"decode_b{batch}_tok_s_{name}"] = generated / value
+            shown = f"{generated / seconds['ours']:8.1f}"
+            if theirs is not None:
+                gen_s, fwd_s = seconds["transformers"], seconds["transformers_forward"]
+                results[f"decode_ratio_b{batch}"] = gen_s / seconds["ours"]
+                results[f"decode_ratio_b{batch}_vs_forward"] = fwd_s / seconds["ours"]
+                shown += (
+                    f" | generate {generated / gen_s:8.1f} | forward {generated / fwd_s:8.1f}"
+                    f" | {gen_s / seconds['ours']:5.2f}x {fwd_s / seconds['ours']:5.2f}x"
                 )
-            )
-            del forward_run, generate_run
+            if baseline is not None:
+                speedup = seconds["ours_fp32"] / seconds["ours"]
+                results[f"quant_speedup_decode_b{batch}"] = speedup
+                shown += f" | fp32 {generated / seconds['ours_fp32']:8.1f} | {speedup:5.2f}x"
+            rows.append((f"decode b={batch:<3} tok/s  ours | ...", shown))
+            del runs
 
     print_table(
-        f"{config.name}: prefixgate runner vs transformers (fp32, CPU, {threads} threads, "
+        f"{config.name}: prefixgate runner (quantized weights native where it can) vs "
+        f"transformers / the fp32 runner (CPU, {threads} threads, "
         f"kernels={runner.kernel_backend})",
         rows,
     )

@@ -38,6 +38,7 @@ DEFAULTS: dict[str, Any] = {
     "dtype": None,
     "kernel_backend": None,
     "native_kernels": "on",
+    "quantized_weights": "on",
     "api_key": [],
     "api_keys_file": None,
     "admin_key": None,
@@ -147,6 +148,14 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         metavar="on|off",
         help="CPU fp32: native C kernels (decode attention, linear layers, fused layer ops), "
         "built on first use with cc (default on)",
+    )
+    model.add_argument(
+        "--quantized-weights",
+        type=_on_off,
+        metavar="on|off",
+        help="with the native kernels, run a GGUF's Q4_0/Q4_1/Q8_0 weights in their blocks "
+        "(decode at batch 1 ~2x faster, less than half the memory; ~10%% slower at batch 16) "
+        "instead of dequantizing them to fp32 (default on)",
     )
     sched = p.add_argument_group("scheduling")
     sched.add_argument(
@@ -372,6 +381,7 @@ def configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerSettings]:
         retention_tenant_budget=values["retention_tenant_budget"],
         kernel_backend=values["kernel_backend"],
         native_kernels=values["native_kernels"] == "on",
+        quantized_weights=values["quantized_weights"] == "on",
         num_speculative_tokens=values["speculative_tokens"],
         kv_tier=None if values["kv_tier"] == "off" else values["kv_tier"],
         kv_tier_size_gb=values["kv_tier_size"],

@@ -135,6 +135,15 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pg_linear_f32.restype = None
     lib.pg_linear_preferred.argtypes = []
     lib.pg_linear_preferred.restype = i32
+    # linear_quant.c
+    lib.pg_linear_quant_f32.argtypes = [i32, p, i64, p, p, p, i64, p, i64, i32, i32, i32, i32, i32]
+    lib.pg_linear_quant_f32.restype = i32
+    lib.pg_linear_quant_preferred.argtypes = []
+    lib.pg_linear_quant_preferred.restype = i32
+    lib.pg_quant_group_bytes.argtypes = [i32]
+    lib.pg_quant_group_bytes.restype = i32
+    lib.pg_quant_rows_f32.argtypes = [i32, p, i64, i32, p, i64, p, i64, i32]
+    lib.pg_quant_rows_f32.restype = i64
     # token_bitmask.c
     lib.pg_apply_token_bitmask_f32.argtypes = [p, i64, p, i64, i64, i64]
     lib.pg_apply_token_bitmask_f32.restype = None

@@ -1,6 +1,8 @@
 """Fused per-token layer ops on CPU, fp32 (kernels/csrc/cpu_ops.c): RMSNorm, SiLU-and-multiply,
 in-place rotary embedding, and the K/V scatter into the pages; and the linear layer
-(kernels/csrc/linear.c) over weights packed once by :func:`pack_linear_weight`.
+(kernels/csrc/linear.c) over weights packed once by :func:`pack_linear_weight`, and its
+weight-only quantized twin (kernels/csrc/linear_quant.c) over ggml blocks packed once by
+:func:`pack_quant_weight`, with the row gather of such a table (:func:`quant_rows_native`).
 
 Each function returns None / False, touching nothing, when the native library is not
 available here or the tensors are not what it handles (non-CPU, non-fp32, a layout it does
@@ -14,6 +16,7 @@ import torch
 
 from prefixgate.kernels.host_memory import HugePageArena
 from prefixgate.kernels.native_lib import library
+from prefixgate.kernels.quant import BLOCK, QUANT_TYPE_IDS, QuantizedTensor
 
 
 def _fp32_cpu(*tensors: torch.Tensor) -> bool:
@@ -198,9 +201,152 @@ def linear_native(
     return out
 
 
+# More rows than this dequantize each column block once into an fp32 scratch tile and run the
+# fp32 kernel over it (prefill); up to this many (one row tile) expand the weights in registers
+# (decode). Both give the same bits; the figures behind the choice are in linear_quant.c.
+QUANT_SCRATCH_MIN_ROWS = 16
+
+
+def quant_native_available() -> bool:
+    """Whether quantized weights can run natively here (the library built, with AVX-512)."""
+    lib = library()
+    return lib is not None and bool(lib.pg_linear_quant_preferred())
+
+
+def pack_quant_weight(
+    weight: QuantizedTensor, arena: HugePageArena | None = None
+) -> torch.Tensor | None:
+    """``weight [N, K]`` repacked for :func:`linear_quant_native` as uint8 ``[ceil(N / 16),
+    K / 32 * group bytes]``: per 16-column block, per 32 k, the 16 fp16 scales (and mins),
+    then the quants k-major with the 16 columns of a k adjacent (two k per byte for 4-bit);
+    zero past N. Allocated from ``arena`` when given; None when the native kernel is not
+    available here (see :func:`quant_native_available`)."""
+    if not quant_native_available():
+        return None
+    lib = library()
+    n, k = weight.shape
+    blocks, groups = -(-n // LINEAR_COLS), k // BLOCK
+    group_bytes = lib.pg_quant_group_bytes(QUANT_TYPE_IDS[weight.qtype])
+    data = weight.data
+    if blocks * LINEAR_COLS != n:
+        data = torch.cat([data, data.new_zeros(blocks * LINEAR_COLS - n, data.shape[1])])
+    # [blocks, groups, 16 columns, block bytes]
+    grouped = data.view(blocks, LINEAR_COLS, groups, -1).permute(0, 2, 1, 3)
+    scales = [grouped[..., 0:2]]  # d
+    if weight.qtype == "Q8_0":
+        quants = grouped[..., 2:].transpose(2, 3)  # [.., 32 k, 16 columns]
+    else:
+        if weight.qtype == "Q4_1":
+            scales.append(grouped[..., 2:4])  # m
+        nibbles = grouped[..., -16:]
+        values = torch.cat([nibbles & 0xF, nibbles >> 4], dim=-1)  # [.., 16 columns, 32 k]
+        pairs = values[..., 0::2] | (values[..., 1::2] << 4)  # byte j: k = 2j, 2j + 1
+        quants = pairs.transpose(2, 3)  # [.., 16 j, 16 columns]
+    parts = [part.reshape(blocks, groups, -1) for part in (*scales, quants)]
+    if arena is not None:
+        packed = arena.empty((blocks, groups * group_bytes), torch.uint8)
+    else:
+        packed = torch.empty((blocks, groups * group_bytes), dtype=torch.uint8)
+    torch.cat(parts, dim=-1, out=packed.view(blocks, groups, group_bytes))
+    return packed
+
+
+def linear_quant_native(
+    x: torch.Tensor,  # [M, K]
+    packed: torch.Tensor,  # from pack_quant_weight
+    qtype: str,
+    out_features: int,
+    bias: torch.Tensor | None = None,  # [N]
+    residual: torch.Tensor | None = None,  # [M, N]: returns residual + x @ W.T (+ bias)
+    *,
+    scratch_min_rows: int = QUANT_SCRATCH_MIN_ROWS,
+) -> torch.Tensor | None:
+    """``x @ W.T (+ bias) (+ residual)`` as a new ``[M, N]`` fp32 tensor, ``W`` the exact
+    dequantized values of the packed blocks; None (nothing computed) for inputs it does not
+    take: rows of ``x`` must be dense, everything fp32 on CPU. ``scratch_min_rows``: a
+    parameter only so tests can drive both paths of the kernel."""
+    lib = library()
+    k = x.shape[1] if x.dim() == 2 else -1
+    if (
+        lib is None
+        or qtype not in QUANT_TYPE_IDS
+        or x.dim() != 2
+        or k % BLOCK
+        or (x.stride(1) != 1 and k > 1)
+        or packed.dtype != torch.uint8
+        or not packed.is_contiguous()
+        or packed.shape[0] * LINEAR_COLS < out_features
+        or packed.shape[1] != k // BLOCK * lib.pg_quant_group_bytes(QUANT_TYPE_IDS[qtype])
+        or not _fp32_cpu(x)
+        or (bias is not None and (bias.shape != (out_features,) or not bias.is_contiguous()
+                                  or not _fp32_cpu(bias)))
+        or (residual is not None and (residual.shape != (x.shape[0], out_features)
+                                      or (residual.stride(1) != 1 and out_features > 1)
+                                      or not _fp32_cpu(residual)))
+    ):
+        return None
+    rows = x.shape[0]
+    out = torch.empty((rows, out_features), dtype=torch.float32)
+    if rows:
+        rc = lib.pg_linear_quant_f32(
+            QUANT_TYPE_IDS[qtype], x.data_ptr(), x.stride(0), packed.data_ptr(),
+            bias.data_ptr() if bias is not None else None,
+            residual.data_ptr() if residual is not None else None,
+            residual.stride(0) if residual is not None else 0,
+            out.data_ptr(), out.stride(0), rows, out_features, k, scratch_min_rows,
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            return None
+    return out
+
+
+def quant_rows_native(
+    ids: torch.Tensor,  # [T] int64
+    packed: torch.Tensor,  # from pack_quant_weight
+    qtype: str,
+    shape: tuple[int, int],  # the weight's [N, K]
+) -> torch.Tensor | None:
+    """Rows ``W[ids]`` (``[T, K]`` fp32, exactly dequantized) of a packed weight: the
+    embedding lookup straight from the LM head's blocks when the two are tied; None when not
+    handled here.
+
+    Raises:
+        IndexError: an id outside ``[0, N)`` (nothing gathered).
+    """
+    lib = library()
+    n, k = shape
+    if (
+        lib is None
+        or qtype not in QUANT_TYPE_IDS
+        or ids.dim() != 1
+        or ids.dtype != torch.int64
+        or ids.device.type != "cpu"
+        or packed.dtype != torch.uint8
+        or not packed.is_contiguous()
+        or packed.shape != (-(-n // LINEAR_COLS),
+                            k // BLOCK * lib.pg_quant_group_bytes(QUANT_TYPE_IDS[qtype]))
+    ):
+        return None
+    ids = ids.contiguous()
+    out = torch.empty((ids.shape[0], k), dtype=torch.float32)
+    bad = lib.pg_quant_rows_f32(
+        QUANT_TYPE_IDS[qtype], packed.data_ptr(), n, k, ids.data_ptr(), ids.shape[0],
+        out.data_ptr(), out.stride(0), torch.get_num_threads(),
+    )
+    if bad:
+        raise IndexError(f"row id {int(ids[bad - 1])} outside [0, {n})")
+    return out
+
+
 __all__ = [
+    "QUANT_SCRATCH_MIN_ROWS",
     "linear_native",
+    "linear_quant_native",
     "pack_linear_weight",
+    "pack_quant_weight",
+    "quant_native_available",
+    "quant_rows_native",
     "rms_norm_native",
     "rope_native",
     "silu_mul_native",

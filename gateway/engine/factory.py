@@ -39,6 +39,7 @@ def create_llm_engine(
         max_model_len=config.max_model_len,
         kernel_backend=config.kernel_backend,
         native_kernels=config.native_kernels,
+        quantized_weights=config.quantized_weights,
     )
     if tier_store is None and config.kv_tier == "host":
         page_bytes = runner.kv_pool[:, :, 0].numel() * runner.kv_pool.element_size()

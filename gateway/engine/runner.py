@@ -70,6 +70,8 @@ class ModelRunner:
         native_kernels: torch backend on CPU in fp32: decode attention (kernels/native.py) and
             the fused layer ops (kernels/native_ops.py) run natively when the library builds
             here; False = torch ops only.
+        quantized_weights: with the native kernels, a GGUF's Q4_0/Q4_1/Q8_0 matrices are
+            executed in their blocks (kernels/csrc/linear_quant.c); False = dequantized to fp32.
     """
 
     def __init__(
@@ -88,6 +90,7 @@ class ModelRunner:
         kernel_backend: str | None = None,
         shared_prefix_attention: bool = True,
         native_kernels: bool = True,
+        quantized_weights: bool = True,
     ) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -116,6 +119,7 @@ class ModelRunner:
             max_positions=self.max_model_len,
             kernel_backend=kernel_backend,
             native_ops=self.native_cpu_kernels,
+            quantized_weights=quantized_weights,
         )
         self.shared_prefix_attention = shared_prefix_attention
         shape_tail = (page_size, config.num_kv_heads, config.head_dim)

@@ -94,7 +94,8 @@ def test_sampler_poison_fails_alone(make_engine, tokenizer, baseline, monkeypatc
 
 
 def test_forward_poison_is_bisected_out(make_engine, tokenizer, baseline, monkeypatch):
-    engine = make_engine(num_pages=512)
+    # one token a step (no drafts): the fault is placed by the poison's decode position
+    engine = make_engine(num_pages=512, num_speculative_tokens=0)
     poison_prompt = tuple(tokenizer.encode(" ".join(["Poison paragraph."] * 120)))  # far longer
     assert len(poison_prompt) > 200 + 64
     real = engine.runner.execute

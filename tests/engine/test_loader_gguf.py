@@ -1,4 +1,5 @@
-"""GGUF loading: the default model's config/weights, quant types, permutation, clear errors."""
+"""GGUF loading: the default model's config/weights, quant types, permutation, clear errors,
+and the Q4_0/Q4_1/Q8_0 matrices kept in their blocks (exactly the dequantised values)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from prefixgate.gateway.engine.loader import (
     load_model,
 )
 from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
+from prefixgate.kernels.native_ops import quant_native_available
+from prefixgate.kernels.quant import QuantizedTensor
 from tests.engine.tiny_models import (
     Q,
     hf_logits_from_gguf,
@@ -30,6 +33,10 @@ from tests.engine.tiny_models import (
 pytestmark = pytest.mark.slow
 
 PROMPT = list(range(300, 340))  # ids inside the tiny models' vocabulary
+
+
+def _fp32(weight: torch.Tensor | QuantizedTensor) -> torch.Tensor:
+    return weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
 
 
 def test_default_model_config(loaded_model):
@@ -53,7 +60,17 @@ def test_weights_equal_transformers_dequantisation(loaded_model, hf_model):
             f"model.layers.{layer}.self_attn.{p}_proj.weight" for p in ("q", "k", "v", "o")
         ] + [f"model.layers.{layer}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
     for name in names:
-        assert torch.equal(loaded_model.weights[name], reference[name]), name
+        assert torch.equal(_fp32(loaded_model.weights[name]), reference[name]), name
+
+
+def test_default_model_matrices_stay_in_their_blocks(loaded_model):
+    weights = loaded_model.weights
+    embed = weights["model.embed_tokens.weight"]
+    assert isinstance(embed, QuantizedTensor) and embed.qtype == "Q8_0"
+    assert embed.shape == (49152, 576) and embed.nbytes == 49152 * 18 * 34
+    q_proj = weights["model.layers.3.self_attn.q_proj.weight"]
+    assert isinstance(q_proj, QuantizedTensor) and q_proj.qtype == "Q4_1"
+    assert weights["model.norm.weight"].dtype == torch.float32
 
 
 def test_default_model_found_without_importing_its_package():
@@ -130,7 +147,7 @@ def test_quantised_weights_are_close_to_the_originals(
     write_gguf(path, tiny_llama, default_gguf_path, qtype=qtype)
     loaded = load_gguf(path)
     for name, tensor in tiny_llama.state_dict().items():
-        ours = loaded.weights[name]
+        ours = _fp32(loaded.weights[name])
         assert ours.dtype == torch.float32 and ours.shape == tensor.shape, name
         scale = tensor.abs().max().item()
         # rows of Q/K land back in HF order: a mis-permutation would be off by O(scale)
@@ -145,6 +162,25 @@ def test_quantised_gguf_logits_match_transformers(tmp_path, tiny_llama, default_
     ref = hf_logits_from_gguf(path, PROMPT)[-1]
     assert torch.isfinite(ours).all()
     assert (ours - ref).abs().max().item() < 1e-3 * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+def test_blocks_equal_the_dequantised_load(tmp_path, tiny_llama, default_gguf_path, qtype):
+    # the same values either way (Q/K rows un-permuted as blocks), and the native kernel on the
+    # blocks computes the logits of the fp32 path
+    path = tmp_path / f"tiny-{qtype.name}.gguf"
+    write_gguf(path, tiny_llama, default_gguf_path, qtype=qtype)
+    kept, dequantised = load_gguf(path), load_gguf(path, keep_quantized=False)
+    assert any(isinstance(w, QuantizedTensor) for w in kept.weights.values())
+    for name, weight in dequantised.weights.items():
+        assert weight.dtype == torch.float32, name
+        assert torch.equal(_fp32(kept.weights[name]), weight), name
+    if not quant_native_available():
+        return
+    ours = _tiny_logits(path)
+    runner = ModelRunner.from_loaded(dequantised, num_pages=8, page_size=16, device="cpu")
+    ref = runner.execute([SeqChunk(PROMPT, 0, [5, 2, 7], True)])[0]
+    assert (ours - ref).abs().max().item() < 1e-4 * max(1.0, ref.abs().max().item())
 
 
 def test_qwen2_gguf_keeps_bias_and_row_order(tmp_path, default_gguf_path):

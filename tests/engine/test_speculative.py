@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from prefixgate.gateway.engine.api import GenerationRequest, SamplingParams
-from tests.engine.test_engine import SYSTEM, TASKS, chat, greedy, run, tokens
+from tests.engine.test_engine import TASKS, chat, greedy, run, tokens
 
 REPEAT = ("Copy this list exactly, twice: alpha, beta, gamma, delta, epsilon, zeta, eta, theta. "
           "Then copy it again.")

@@ -191,3 +191,11 @@ def test_speculative_tokens_flag_reaches_the_engine_config():
     assert engine.num_speculative_tokens == 0
     engine, _ = resolve(["serve"], {"PREFIXGATE_SPECULATIVE_TOKENS": "8"})
     assert engine.num_speculative_tokens == 8
+
+
+
+def test_quantized_weights_flag_reaches_the_engine_config():
+    engine, _ = resolve(["serve"], {})
+    assert engine.quantized_weights is True
+    engine, _ = resolve(["serve"], {"PREFIXGATE_QUANTIZED_WEIGHTS": "off"})
+    assert engine.quantized_weights is False

@@ -1,7 +1,9 @@
-"""Load a GGUF file (llama.cpp's format): config, dequantised weights, tokenizer.
+"""Load a GGUF file (llama.cpp's format): config, weights, tokenizer.
 
-Weights are dequantised to fp32 with ``gguf.quants`` and renamed to Hugging Face parameter
-names. llama.cpp's converter permutes the rows of Q and K of llama-arch models (it interleaves
+Matrices in Q4_0, Q4_1 or Q8_0 stay in their ggml blocks (``QuantizedTensor``, kernels/quant.py:
+the native CPU kernel computes on them, and they are 5-6x smaller than fp32; the model
+dequantizes them exactly where it computes otherwise); every other tensor is dequantised to
+fp32 with ``gguf.quants``. All are renamed to Hugging Face parameter names. llama.cpp's converter permutes the rows of Q and K of llama-arch models (it interleaves
 the two rotary halves of every head); we undo that so the model code uses HF's rotate-half RoPE.
 """
 
@@ -28,6 +30,7 @@ from prefixgate.gateway.engine.model_config import (
     check_weights,
 )
 from prefixgate.gateway.engine.tokenizer import GGUFVocab, Tokenizer
+from prefixgate.kernels.quant import QuantizedTensor
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +40,10 @@ SUPPORTED_TENSOR_TYPES: tuple[GGMLQuantizationType, ...] = (
     _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0,
     _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K,
 )  # fmt: skip
+
+# kept in their blocks (see the module docstring); the K-quants are not (yet): their 256-weight
+# super-blocks with 6-bit sub-scales need their own kernel
+KEPT_QUANTIZED: dict[GGMLQuantizationType, str] = {_Q.Q4_0: "Q4_0", _Q.Q4_1: "Q4_1", _Q.Q8_0: "Q8_0"}
 
 # llama.cpp stores Q/K of these architectures with rows permuted for its rotary kernel
 _PERMUTED_QK_ARCHS = frozenset({"llama", "mistral", "smollm2"})
@@ -218,15 +225,20 @@ def require_gguf_file(path: Path) -> None:
         )
 
 
-def load_gguf(path: str | Path, *, progress: bool | None = None) -> LoadedModel:
+def load_gguf(
+    path: str | Path, *, progress: bool | None = None, keep_quantized: bool = True
+) -> LoadedModel:
     """Read a GGUF model file.
 
     Args:
         path: the ``.gguf`` file.
         progress: show a tqdm bar on stderr (None = only when stderr is a terminal).
+        keep_quantized: keep Q4_0/Q4_1/Q8_0 matrices as ``QuantizedTensor``; False: every
+            weight dequantised to fp32 (the same values).
 
     Returns:
-        The config, fp32 weights by HF name, and the tokenizer built from the file's metadata.
+        The config, weights by HF name (fp32 tensors, and ``QuantizedTensor`` matrices unless
+        ``keep_quantized`` is off), and the tokenizer built from the file's metadata.
 
     Raises:
         FileNotFoundError: no such file.
@@ -271,14 +283,24 @@ def load_gguf(path: str | Path, *, progress: bool | None = None) -> LoadedModel:
         name = _hf_name(tensor.name)
         if name is None:  # rope_freqs: already folded into the config
             continue
-        array = dequantize(tensor.data, tensor.tensor_type)
-        array = array.reshape(tuple(reversed(shapes[tensor.name])))
+        shape = tuple(reversed(shapes[tensor.name]))
+        qtype = KEPT_QUANTIZED.get(tensor.tensor_type) if keep_quantized else None
+        if qtype is not None and len(shape) == 2:
+            array = np.asarray(tensor.data).reshape(shape[0], -1)  # a row's blocks, as bytes
+        else:
+            qtype = None
+            array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
         if permute and tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
             array = _unpermute_rows(array, config.num_heads)
         elif permute and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
             array = _unpermute_rows(array, config.num_kv_heads)
-        # NOTE: F32 tensors are read-only views of the memory-mapped file; copy them out
-        weights[name] = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+        # NOTE: F32 tensors and raw blocks are read-only views of the memory-mapped file;
+        # copy them out
+        if qtype is not None:
+            data = torch.from_numpy(np.array(array, dtype=np.uint8, copy=True))
+            weights[name] = QuantizedTensor(qtype, data, (shape[0], shape[1]))
+        else:
+            weights[name] = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
     bar.close()
     check_weights(config, weights, source=path.name)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, path=path)

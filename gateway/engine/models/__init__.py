@@ -27,6 +27,7 @@ def build_model(
     max_positions: int | None = None,
     kernel_backend: str | None = None,
     native_ops: bool = False,
+    quantized_weights: bool = True,
 ) -> LlamaModel:
     """Instantiate the model class of ``config.architecture`` with ``weights`` on ``device``."""
     cls = MODEL_CLASSES.get(config.architecture)
@@ -42,6 +43,7 @@ def build_model(
         max_positions=max_positions,
         kernel_backend=kernel_backend,
         native_ops=native_ops,
+        quantized_weights=quantized_weights,
     )
 
 

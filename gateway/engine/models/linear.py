@@ -8,6 +8,11 @@ AMD EPYC these benchmarks run on, that is ~1.8x faster than MKL's sgemm for deco
 batches (M = 1..32) and ~1.2x for prefill, and it fuses the residual add. Elsewhere (GPU, a
 torch without oneDNN, non-fp32) it is plain ``F.linear`` / ``addmm``. Both compute in the
 weight's dtype with fp32 accumulation; results differ only in summation order.
+
+A weight still in ggml blocks (:class:`~prefixgate.kernels.quant.QuantizedTensor`, from a GGUF
+file) runs natively in its blocks (kernels/csrc/linear_quant.c: a decode step streams ~96 MB
+instead of 540 MB of fp32 for SmolLM2) when ``native`` is set and the kernel is built here;
+otherwise it is dequantized once, exactly, and takes the paths above.
 """
 
 from __future__ import annotations
@@ -18,7 +23,14 @@ import torch
 import torch.nn.functional as F
 
 from prefixgate.kernels.host_memory import HugePageArena
-from prefixgate.kernels.native_ops import linear_native, pack_linear_weight
+from prefixgate.kernels.native_ops import (
+    linear_native,
+    linear_quant_native,
+    pack_linear_weight,
+    pack_quant_weight,
+    quant_rows_native,
+)
+from prefixgate.kernels.quant import QuantizedTensor
 
 # oneDNN picks its blocked layout for this many rows; measured flat from 16 to 128 rows, and
 # still the fastest choice for 1-row decode and 2048-row prefill
@@ -42,7 +54,8 @@ class Linear:
     """``y = x @ weight.T (+ bias)`` for ``x [T, in]``; ``weight [out, in]``.
 
     Args:
-        weight: ``[out_features, in_features]`` on the compute device, in the compute dtype.
+        weight: ``[out_features, in_features]`` on the compute device, in the compute dtype;
+            or ggml blocks (CPU fp32 compute only), kept as they are with ``native``.
         bias: ``[out_features]`` or None.
         pack: reorder for oneDNN (CPU fp32 only; ignored where unavailable).
         native: pack for the native CPU kernel (kernels/native_ops.py) when it is available;
@@ -51,11 +64,11 @@ class Linear:
             kernels/host_memory.py); None: an ordinary allocation.
     """
 
-    __slots__ = ("bias", "in_features", "native", "out_features", "packed", "weight")
+    __slots__ = ("bias", "in_features", "native", "out_features", "packed", "quant", "weight")
 
     def __init__(
         self,
-        weight: torch.Tensor,
+        weight: torch.Tensor | QuantizedTensor,
         bias: torch.Tensor | None = None,
         *,
         pack: bool = True,
@@ -63,7 +76,16 @@ class Linear:
         arena: HugePageArena | None = None,
     ):
         self.out_features, self.in_features = weight.shape
-        self.native = pack_linear_weight(weight, arena) if native else None
+        self.quant: str | None = None  # the ggml type of a natively packed quantized weight
+        self.native = None
+        if isinstance(weight, QuantizedTensor):
+            self.native = pack_quant_weight(weight, arena) if native else None
+            if self.native is not None:
+                self.quant = weight.qtype
+            else:
+                weight = weight.dequantize()
+        elif native:
+            self.native = pack_linear_weight(weight, arena)
         # the native kernel reads the bias as one dense row
         self.bias = bias.contiguous() if bias is not None and self.native is not None else bias
         use_onednn = (
@@ -99,19 +121,36 @@ class Linear:
         out = torch.addmm(residual, x, self.weight.t())
         return out if self.bias is None else out + self.bias
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """``weight[ids]`` (``[T, in]``) of a natively packed quantized weight: the embedding
+        lookup from the tied LM head's blocks, so no fp32 table is kept beside them."""
+        if self.quant is None:
+            raise TypeError("rows(): only for a natively packed quantized weight")
+        out = quant_rows_native(ids, self.native, self.quant, (self.out_features, self.in_features))
+        if out is None:
+            raise ValueError(f"rows(): ids {ids.dtype} on {ids.device} must be 1-D int64 on CPU")
+        return out
+
     def _native(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         assert self.native is not None
-        out = linear_native(x, self.native, self.out_features, self.bias, residual)
+        out = self._native_once(x, residual)
         if out is None:  # a column stride other than 1: one dense copy, then the same kernel
             x = x.contiguous()
             residual = None if residual is None else residual.contiguous()
-            out = linear_native(x, self.native, self.out_features, self.bias, residual)
+            out = self._native_once(x, residual)
         if out is None:
             raise ValueError(
                 f"linear: input {tuple(x.shape)} {x.dtype} on {x.device} does not fit the "
                 f"[{self.out_features}, {self.in_features}] fp32 CPU weight"
             )
         return out
+
+    def _native_once(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
+        if self.quant is not None:
+            return linear_quant_native(
+                x, self.native, self.quant, self.out_features, self.bias, residual
+            )
+        return linear_native(x, self.native, self.out_features, self.bias, residual)
 
 
 __all__ = ["Linear", "onednn_linear_available"]

@@ -21,7 +21,13 @@ from prefixgate.gateway.engine.models.forward_batch import ForwardBatch
 from prefixgate.gateway.engine.models.linear import Linear
 from prefixgate.gateway.engine.models.rope import RotaryEmbedding
 from prefixgate.kernels.host_memory import HugePageArena
-from prefixgate.kernels.native_ops import rms_norm_native, rope_native, silu_mul_native
+from prefixgate.kernels.native_ops import (
+    quant_native_available,
+    rms_norm_native,
+    rope_native,
+    silu_mul_native,
+)
+from prefixgate.kernels.quant import QuantizedTensor, cat_rows
 
 
 class _Layer(NamedTuple):
@@ -53,7 +59,7 @@ class LlamaModel:
 
     Args:
         config: the model's shape.
-        weights: HF-named tensors (see ``LoadedModel``); read, not kept.
+        weights: HF-named tensors, fp32 or ggml blocks (see ``LoadedModel``); read, not kept.
         device / dtype: where and in what precision to compute.
         max_positions: longest sequence to support (RoPE table size).
         kernel_backend: passed to ``kernels`` ops (None = their default choice).
@@ -72,6 +78,7 @@ class LlamaModel:
         max_positions: int | None = None,
         kernel_backend: str | None = None,
         native_ops: bool = False,
+        quantized_weights: bool = True,
     ) -> None:
         check_weights(config, weights, source=config.name)
         self.config = config
@@ -82,19 +89,48 @@ class LlamaModel:
         self.native_ops = native_ops
         self.scale = config.head_dim**-0.5
 
-        def put(tensor: torch.Tensor) -> torch.Tensor:
+        # ggml-block matrices (GGUF) stay in their blocks where the native kernel computes
+        # (CPU fp32); anywhere else they are dequantized here, exactly
+        quantized = (
+            quantized_weights
+            and native_ops
+            and self.device.type == "cpu"
+            and dtype == torch.float32
+            and quant_native_available()
+        )
+
+        def put(tensor: torch.Tensor | QuantizedTensor) -> torch.Tensor:
+            if isinstance(tensor, QuantizedTensor):
+                tensor = tensor.dequantize()
             return tensor.to(device=self.device, dtype=dtype).contiguous()
+
+        def matrix(parts: list[torch.Tensor | QuantizedTensor]) -> torch.Tensor | QuantizedTensor:
+            """The parts stacked by rows (fused q|k|v, gate|up), in blocks when they can be."""
+            first = parts[0]
+            if quantized and all(
+                isinstance(t, QuantizedTensor) and t.qtype == first.qtype for t in parts
+            ):
+                return parts[0] if len(parts) == 1 else cat_rows(parts)  # type: ignore[arg-type]
+            return put(parts[0]) if len(parts) == 1 else torch.cat([put(t) for t in parts])
 
         # packed native weights sit in huge pages, in the order a step reads them
         arena = HugePageArena() if native_ops and self.device.type == "cpu" else None
 
-        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+        def linear(
+            weight: torch.Tensor | QuantizedTensor, bias: torch.Tensor | None = None
+        ) -> Linear:
             return Linear(weight, bias, native=native_ops, arena=arena)
 
-        self.embed = put(weights["model.embed_tokens.weight"])  # [V, H]
+        embed = matrix([weights["model.embed_tokens.weight"]])
         self.lm_head = linear(
-            self.embed if config.tie_word_embeddings else put(weights["lm_head.weight"])
+            embed if config.tie_word_embeddings else matrix([weights["lm_head.weight"]])
         )
+        # [V, H], or None: rows gathered from the blocks of embed_rows (the tied LM head's when
+        # tied), so no fp32 table (113 MB for SmolLM2) is kept
+        self.embed: torch.Tensor | None = embed if isinstance(embed, torch.Tensor) else None
+        self.embed_rows: Linear | None = None
+        if self.embed is None:
+            self.embed_rows = self.lm_head if config.tie_word_embeddings else linear(embed)
         self.final_norm = put(weights["model.norm.weight"])
         self.layers: list[_Layer] = []
         for layer in range(config.num_layers):
@@ -104,18 +140,16 @@ class LlamaModel:
             if config.attention_bias:
                 bias = put(torch.cat([weights[attn + f"{n}_proj.bias"] for n in "qkv"]))
             o_bias = put(weights[attn + "o_proj.bias"]) if config.attention_out_bias else None
-            qkv = torch.cat([weights[attn + f"{n}_proj.weight"] for n in "qkv"])
-            gate_up = torch.cat(
-                [weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]]
-            )
+            qkv = matrix([weights[attn + f"{n}_proj.weight"] for n in "qkv"])
+            gate_up = matrix([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]])
             self.layers.append(
                 _Layer(
                     input_norm=put(weights[p + "input_layernorm.weight"]),
-                    qkv=linear(put(qkv), bias),
-                    o=linear(put(weights[attn + "o_proj.weight"]), o_bias),
+                    qkv=linear(qkv, bias),
+                    o=linear(matrix([weights[attn + "o_proj.weight"]]), o_bias),
                     post_norm=put(weights[p + "post_attention_layernorm.weight"]),
-                    gate_up=linear(put(gate_up)),
-                    down=linear(put(weights[mlp + "down_proj.weight"])),
+                    gate_up=linear(gate_up),
+                    down=linear(matrix([weights[mlp + "down_proj.weight"]])),
                 )
             )
         self.max_positions = max_positions or config.max_position_embeddings
@@ -143,7 +177,11 @@ class LlamaModel:
         cos, sin = self.rope.lookup(batch.positions)  # [T, 1, D/2] each, shared by all layers
 
         native = self.native_ops
-        hidden = F.embedding(batch.input_ids, self.embed)  # [T, H]
+        if self.embed is not None:
+            hidden = F.embedding(batch.input_ids, self.embed)  # [T, H]
+        else:
+            assert self.embed_rows is not None
+            hidden = self.embed_rows.rows(batch.input_ids)  # [T, H]
         for index, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             # every layer's caches are views of one pool with one layout: the kernels validate
             # it on the first layer of the step, not 30 times
