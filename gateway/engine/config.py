@@ -35,6 +35,11 @@ class EngineConfig:
     # speculative decoding of greedy requests: at most this many draft tokens a step, looked
     # up in the sequence's own context (gateway/engine/drafter.py); 0 = off
     num_speculative_tokens: int = 4
+    # ... and only while a step's decode rows (decodes + drafts) stay within this. Measured
+    # (benchmarks.speculative, quiet machine, quantized weights): without the cap b1 1.19x but
+    # b16 0.77x (80-row verify steps are FMA-bound); a 4-bit linear costs 12.5 ms at 1 row,
+    # 16 at 4, 30 at 8, ~58 at 16 rows
+    speculative_max_rows: int = 8
     kernel_backend: str | None = None  # None = triton on CUDA, torch on CPU
     native_kernels: bool = True  # CPU fp32: the native C kernels (kernels/csrc) when they build here
     # with the native kernels: run a GGUF's Q4_0/Q4_1/Q8_0 matrices in their blocks (decode b1

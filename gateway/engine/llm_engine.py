@@ -142,6 +142,7 @@ class LLMEngine:
             tier=self.tier,
             drafter=(NgramDrafter(config.num_speculative_tokens, self.max_model_len)
                      if config.num_speculative_tokens else None),
+            max_spec_rows=config.speculative_max_rows,
         )
         if chunk_factory is None:
             from prefixgate.gateway.engine.runner import SeqChunk

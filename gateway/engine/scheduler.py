@@ -114,6 +114,7 @@ class Scheduler:
         context_scale: int | None = None,
         tier: TierLoader | None = None,
         drafter: NgramDrafter | None = None,
+        max_spec_rows: int = 8,
     ):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
@@ -126,6 +127,10 @@ class Scheduler:
         self.context_scale = context_scale
         self.tier = tier
         self.drafter = drafter
+        # drafts only while a step's decode rows (decodes + drafts) stay within this: below it
+        # a CPU decode step is bound by streaming the weights and extra rows are nearly free;
+        # above it the FMAs bind and a draft costs more than its expected accepted tokens
+        self.max_spec_rows = max_spec_rows
         self.num_tier_waits = 0  # admissions deferred while their tier load ran
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: preemption takes from the end
@@ -197,6 +202,9 @@ class Scheduler:
         scheduled: set[int] = set()
         has_prefill = False  # a prefill chunk is in this step already
         num_decodes = 0
+        spec_rows = 0
+        if self.drafter is not None:
+            spec_rows = self.max_spec_rows - sum(1 for s in self.running if s.num_uncomputed == 1)
         for decodes in (True, False):
             for seq in list(self.running):
                 if seq.status is not SeqStatus.RUNNING or (seq.num_uncomputed == 1) != decodes:
@@ -204,8 +212,8 @@ class Scheduler:
                 drafts: list[int] = []
                 if decodes:
                     n = 1
-                    if self.drafter is not None and seq.draft is not None:
-                        drafts = self._draft(seq, budget - (len(self.running) - num_decodes))
+                    if self.drafter is not None and seq.draft is not None and spec_rows > 0:
+                        drafts = self._draft(seq, min(spec_rows, budget - (len(self.running) - num_decodes)))
                 else:
                     n = self._fit(seq.num_computed, seq.num_uncomputed, budget, not has_prefill)
                 if n <= 0:
@@ -221,6 +229,7 @@ class Scheduler:
                     continue
                 if drafts and self.cache.pages_needed(seq.seq_id, n, len(drafts)) > self.cache.num_free_pages:
                     drafts = []  # a draft never takes a page someone needs
+                spec_rows -= len(drafts)
                 pairs += self.cache.prepare_write(seq.seq_id, n, len(drafts))
                 chunks.append(self._chunk(seq, n, drafts))
                 scheduled.add(seq.seq_id)

@@ -70,3 +70,9 @@ def test_speculation_under_page_pressure_keeps_outputs(make_engine, tokenizer):
     assert tight.scheduler.drafter.num_accepted > 0 and tight.scheduler.num_preemptions > 0
     tight.cache.check_integrity()
     assert tight.cache.stats().pages_used == 0
+
+
+def test_no_draft_past_the_step_row_cap(make_engine, tokenizer):
+    capped = make_engine(num_pages=64, num_speculative_tokens=4, speculative_max_rows=1)
+    run(capped, [GenerationRequest(chat(tokenizer, REPEAT), greedy(16), request_id="c")])
+    assert capped.scheduler.drafter.num_drafts == 0  # one decode row already fills the cap

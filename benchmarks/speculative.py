@@ -1,0 +1,141 @@
+"""Speculative decoding on the default model: greedy decode with n-gram drafts vs without.
+
+Workload (deterministic): agent-style prompts whose output repeats its context, a tool call
+to repeat with the same arguments, a list to copy, a JSON object to echo back with one field
+changed, and plain tasks whose output repeats nothing (the "misses cost nothing" case). Every request is greedy with ``ignore_eos`` and the same number of
+output tokens; each prompt is prefilled once beforehand (cached), so only decoding is timed.
+Batch 1 runs the prompts one at a time; batch 16 runs 16 at once (the prompts cycled).
+
+Measured in one run: two engines on the same loaded model, ``--speculative-tokens`` 0 and N,
+alternating (off, on) pairs ``--repeats`` times; reported: median decode tokens/s of each, the
+median of the per-pair ratios (on / off; noisy machines: ratios of adjacent runs), acceptance
+(accepted / proposed draft tokens), and whether the outputs were token-identical.
+
+    python -m benchmarks.speculative --json out/speculative.json
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from benchmarks.common import base_parser, print_table, write_json
+from prefixgate.gateway.engine.api import Delta, GenerationRequest, SamplingParams
+from prefixgate.gateway.engine.config import EngineConfig
+from prefixgate.gateway.engine.factory import create_llm_engine
+from prefixgate.gateway.engine.loader import load_model
+
+REPEATING = [
+    'Previous call: {"name": "search_code", "arguments": {"query": "retry policy", "path": '
+    '"src/http", "max_results": 5}}. The tool timed out. Call search_code again with exactly '
+    "the same arguments, as JSON.",
+    "Copy this list exactly, twice: alpha, beta, gamma, delta, epsilon, zeta, eta, theta, iota, "
+    "kappa. Then copy it again.",
+    'Echo this JSON back with "status" set to "done": {"task_id": 4821, "owner": "build-agent", '
+    '"status": "running", "steps": ["checkout", "compile", "test", "package"]}',
+]
+
+
+PLAIN = [
+    "Write two sentences on why teams review code before merging.",
+    "Describe a good on-call handover in a short paragraph.",
+]
+
+
+def prompts(tokenizer, system: str) -> list[tuple[int, ...]]:
+    """The repeating prompts, then two tasks whose answers repeat nothing."""
+    tasks = [*REPEATING, *PLAIN]
+    return [tuple(tokenizer.apply_chat_template(
+        [{"role": "system", "content": system}, {"role": "user", "content": task}]))
+        for task in tasks]
+
+
+def run(engine, requests: list[GenerationRequest]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {r.request_id: [] for r in requests}
+
+    def sink_for(rid: str):
+        def sink(delta: Delta) -> None:
+            if isinstance(delta, Delta):
+                out[rid].extend(delta.token_ids)
+        return sink
+
+    for r in requests:
+        engine.add_request(r, sink_for(r.request_id))
+    while engine.has_work():
+        engine.step()
+    return out
+
+
+def measure(engine, batch_prompts: list[tuple[int, ...]], max_tokens: int, tag: str
+            ) -> tuple[float, dict[str, list[int]]]:
+    """Decode tokens/s of one batch (prompts prefilled first, untimed)."""
+    warm = [GenerationRequest(p, SamplingParams(max_tokens=1, temperature=0), request_id=f"{tag}w{i}")
+            for i, p in enumerate(batch_prompts)]
+    run(engine, warm)
+    timed = [GenerationRequest(p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                               request_id=f"{i}") for i, p in enumerate(batch_prompts)]
+    began = time.perf_counter()
+    out = run(engine, timed)
+    elapsed = time.perf_counter() - began
+    return sum(len(v) for v in out.values()) / elapsed, out
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--speculative-tokens", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batches", default="1,16")
+    args = parser.parse_args()
+    loaded = load_model(None)
+    system = "You are a careful software agent. Answer exactly as asked."
+    engines = {k: create_llm_engine(EngineConfig(num_pages=1024, device="cpu", num_speculative_tokens=k),
+                                    loaded=loaded)[0] for k in (0, args.speculative_tokens)}
+    base = prompts(loaded.tokenizer, system)
+    results: dict[str, object] = {"speculative_tokens": args.speculative_tokens,
+                                  "max_tokens": args.max_tokens, "repeats": args.repeats}
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        batch_prompts = [base[i % len(base)] for i in range(max(batch, 1))]
+        if batch == 1:
+            batch_prompts = base  # one at a time, every prompt
+        speeds: dict[int, list[float]] = {k: [] for k in engines}
+        identical = True
+        for rep in range(args.repeats):
+            outputs = {}
+            for k, engine in engines.items():
+                if batch == 1:
+                    total_tokens, total_time = 0, 0.0
+                    merged = {}
+                    for i, p in enumerate(batch_prompts):
+                        tps, out = measure(engine, [p], args.max_tokens, f"r{rep}b1p{i}")
+                        n = sum(len(v) for v in out.values())
+                        total_tokens += n
+                        total_time += n / tps
+                        merged[str(i)] = out["0"]
+                    speeds[k].append(total_tokens / total_time)
+                    outputs[k] = merged
+                else:
+                    tps, out = measure(engine, batch_prompts, args.max_tokens, f"r{rep}b{batch}")
+                    speeds[k].append(tps)
+                    outputs[k] = out
+            identical = identical and len({str(sorted(o.items())) for o in outputs.values()}) == 1
+        off, on = speeds[0], speeds[args.speculative_tokens]
+        ratio = statistics.median(b / a for a, b in zip(off, on, strict=True))
+        results[f"b{batch}"] = {"tokens_per_s_off": statistics.median(off),
+                                "tokens_per_s_on": statistics.median(on),
+                                "speedup": ratio, "identical": identical,
+                                "pairs": [b / a for a, b in zip(off, on, strict=True)]}
+        rows += [(f"b{batch} decode tok/s off", statistics.median(off)),
+                 (f"b{batch} decode tok/s on", statistics.median(on)),
+                 (f"b{batch} speedup (median pair)", ratio), (f"b{batch} identical", identical)]
+    drafter = engines[args.speculative_tokens].scheduler.drafter
+    results["acceptance"] = drafter.num_accepted / drafter.num_proposed if drafter.num_proposed else 0.0
+    results["drafts"] = drafter.num_drafts
+    rows.append(("acceptance (accepted / proposed)", results["acceptance"]))
+    print_table("speculative decoding (n-gram drafts) vs plain greedy decode", rows)
+    write_json(args.json, results)
+
+
+if __name__ == "__main__":
+    main()
