@@ -161,6 +161,18 @@ def pack_linear_weight(
     return packed
 
 
+def _epilogue_fits(bias: torch.Tensor | None, residual: torch.Tensor | None, rows: int,
+                   out_features: int) -> bool:
+    """Whether a linear kernel can read ``bias`` ([N], dense) and ``residual`` ([M, N], unit
+    column stride), both fp32 on the CPU (the fp32 and the quantized kernels alike)."""
+    if bias is not None and (bias.shape != (out_features,) or not bias.is_contiguous()
+                             or not _fp32_cpu(bias)):
+        return False
+    return residual is None or (residual.shape == (rows, out_features)
+                                and (residual.stride(1) == 1 or out_features == 1)
+                                and _fp32_cpu(residual))
+
+
 def linear_native(
     x: torch.Tensor,  # [M, K]
     packed: torch.Tensor,  # from pack_linear_weight
@@ -181,11 +193,7 @@ def linear_native(
         or not packed.is_contiguous()
         or packed.shape[0] * LINEAR_COLS < out_features
         or not _fp32_cpu(x, packed)
-        or (bias is not None and (bias.shape != (out_features,) or not bias.is_contiguous()
-                                  or not _fp32_cpu(bias)))
-        or (residual is not None and (residual.shape != (x.shape[0], out_features)
-                                      or (residual.stride(1) != 1 and out_features > 1)
-                                      or not _fp32_cpu(residual)))
+        or not _epilogue_fits(bias, residual, x.shape[0], out_features)
     ):
         return None
     rows = x.shape[0]
@@ -278,11 +286,7 @@ def linear_quant_native(
         or packed.shape[0] * LINEAR_COLS < out_features
         or packed.shape[1] != k // BLOCK * lib.pg_quant_group_bytes(QUANT_TYPE_IDS[qtype])
         or not _fp32_cpu(x)
-        or (bias is not None and (bias.shape != (out_features,) or not bias.is_contiguous()
-                                  or not _fp32_cpu(bias)))
-        or (residual is not None and (residual.shape != (x.shape[0], out_features)
-                                      or (residual.stride(1) != 1 and out_features > 1)
-                                      or not _fp32_cpu(residual)))
+        or not _epilogue_fits(bias, residual, x.shape[0], out_features)
     ):
         return None
     rows = x.shape[0]
