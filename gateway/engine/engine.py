@@ -121,21 +121,16 @@ class AsyncEngine:
                         command()
                     except Exception:  # one bad add/abort must not kill the engine thread
                         logger.exception("an engine command failed")
-                idle = False
                 if self.core.has_work():
                     try:
                         # a failure attributable to one request fails it alone inside step()
-                        idle = self.core.step().is_empty
+                        self.core.step()
                     except Exception:  # the model or device itself: must not kill the server
                         logger.exception("engine step failed; failing in-flight requests")
                         try:
                             self.core.recover(EngineError("internal error in the engine step"))
                         except Exception:
                             logger.exception("recovering from a failed step failed")
-            if idle and self.core.tier is not None:
-                # only requests waiting on tier loads: sleep until one lands, not spin
-                self.core.tier.load_done.wait(0.005)
-                self.core.tier.load_done.clear()
             if self._lock_waiters:
                 # NOTE: threading.Lock is not fair: released and re-taken at once, a busy engine
                 # would starve stats/pin callers for many steps. Step aside briefly for them.

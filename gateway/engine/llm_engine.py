@@ -291,6 +291,11 @@ class LLMEngine:
                 "the request does not fit in the free KV pages (pinned pages hold the rest)",
                 code="kv_cache_full"))
         if out.is_empty:
+            if self.tier is not None and self.scheduler.waiting:
+                # only requests waiting on tier loads: sleep until one lands (a few ms at most:
+                # new requests wait no longer), not spin and starve the load worker of the GIL
+                self.tier.load_done.wait(0.005)
+                self.tier.load_done.clear()
             return out
         self.num_steps += 1
         chunks = [self._make_chunk(c.token_ids, c.start_pos, c.block_table, c.need_logits,

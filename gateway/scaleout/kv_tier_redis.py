@@ -11,9 +11,12 @@ Bounds: each replica keeps an LRU of what it wrote and deletes its oldest entrie
 memory forever). Size Redis itself with ``maxmemory`` + ``allkeys-lru`` for a hard bound.
 
 Called from the engine's tier workers (blocking client, short timeouts) and, for the cheap
-"may the tier hold this block" question, from the engine thread: that one answers from local
-knowledge (what this replica wrote, what recent probes found missing) and otherwise asks
-``EXISTS`` with a short timeout; after a failure Redis counts as down for a few seconds.
+"may the tier hold this block" question, from the engine thread: that one never touches the
+network. It answers from local knowledge (what this replica wrote, what recent loads found
+missing, whether Redis failed in the last few seconds) and otherwise says "unknown", and the
+load worker finds out with its one ``MGET`` while the request waits a step. (A synchronous
+``EXISTS`` with a 50 ms timeout was the first version: on a busy 2-core box the first probe's
+connect alone timed out, marking Redis down and losing the hit.)
 """
 
 from __future__ import annotations
@@ -42,20 +45,17 @@ class RedisTier:
         url: ``redis://host:port/db``.
         capacity_bytes: what this replica keeps in Redis at most (its own writes).
         ttl_s: every entry expires after this long.
-        timeout_s: socket timeout of the worker calls; the engine thread's check uses
-            ``probe_timeout_s``.
+        timeout_s: socket timeout of the worker calls (the engine thread never calls Redis).
     """
 
     name = "redis"
 
     def __init__(self, url: str, capacity_bytes: int, *, namespace: str = DEFAULT_NAMESPACE,
-                 ttl_s: float = 3600.0, timeout_s: float = 1.0, probe_timeout_s: float = 0.05):
+                 ttl_s: float = 3600.0, timeout_s: float = 1.0):
         if not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"--redis-url must start with redis://, rediss:// or unix://, got {url!r}")
         self._client = redis.Redis.from_url(url, socket_timeout=timeout_s,
                                             socket_connect_timeout=timeout_s)
-        self._probe = redis.Redis.from_url(url, socket_timeout=probe_timeout_s,
-                                           socket_connect_timeout=probe_timeout_s)
         self._prefix = namespace.encode() + b":kv:"
         self.capacity_bytes = capacity_bytes
         self.ttl_ms = int(ttl_s * 1000)
@@ -103,19 +103,23 @@ class RedisTier:
         if time.monotonic() < self._down_until:
             raise ConnectionError("the Redis tier is marked down")
         try:
-            blobs = self._client.mget([self._key(k) for k in keys])
+            # which keys exist first (one small round trip), then only the leading run's
+            # entries: a page is ~0.7 MB, and a chain's blocks after its first miss are useless
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(self._key(key))
+            present = pipe.execute()
+            run = next((i for i, found in enumerate(present) if not found), len(keys))
+            blobs = self._client.mget([self._key(k) for k in keys[:run]]) if run else []
         except (RedisError, OSError):
             self._failed("load")
             raise
-        now = time.monotonic()
-        with self._lock:
-            for key, blob in zip(keys, blobs, strict=True):
-                if blob is None:
-                    self._remember_miss(key, now)
-                    break
-        return list(blobs)
+        if run < len(keys):
+            with self._lock:
+                self._remember_miss(keys[run], time.monotonic())
+        return [*blobs, *([None] * (len(keys) - run))]
 
-    def may_contain(self, key: bytes) -> bool:
+    def may_contain(self, key: bytes) -> bool | None:
         now = time.monotonic()
         if now < self._down_until:
             return False
@@ -125,15 +129,7 @@ class RedisTier:
             seen = self._misses.get(key)
             if seen is not None and now - seen < MISS_MEMORY_S:
                 return False
-        try:
-            found = bool(self._probe.exists(self._key(key)))
-        except (RedisError, OSError):
-            self._failed("probe")
-            return False
-        if not found:
-            with self._lock:
-                self._remember_miss(key, now)
-        return found
+        return None  # another replica may have written it: the load worker will ask
 
     def _remember_miss(self, key: bytes, now: float) -> None:
         self._misses[key] = now
