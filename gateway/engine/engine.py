@@ -309,6 +309,13 @@ class AsyncEngine:
         return (core.scheduler.num_running, core.scheduler.num_waiting + self._num_queued,
                 core.cache.num_free_pages, core.num_steps)
 
+    def tier_facts(self) -> tuple[str, float | None]:
+        """(the second tier's store name, "" without one; its measured load discount, see
+        LLMEngine.tier_load_discount), read without the engine lock like load_estimate."""
+        core = self.core
+        name = core.tier.store.name if core.tier is not None else ""
+        return name, core.tier_load_discount()
+
     def cached_block_hashes(self) -> list[bytes]:
         """Every block hash hittable on this replica right now (a full index resync)."""
         with self._shared():

@@ -234,6 +234,11 @@ class KVTier:
         index = torch.tensor(list(page_ids), dtype=torch.int64, device=self.kv_pool.device)
         self.kv_pool.index_copy_(2, index, payload[:, :, offset : offset + len(page_ids)])
 
+    def load_seconds_per_token(self, page_size: int) -> float | None:
+        """Worker seconds per loaded token so far (None before the first hit); lock-free read."""
+        s = self._stats
+        return s.load_seconds / (s.pages_loaded * page_size) if s.pages_loaded else None
+
     def stats(self) -> TierStats:
         entries, used, capacity = self.store.usage()
         with self._lock:

@@ -194,6 +194,21 @@ class LLMEngine:
             "load_waits": self.scheduler.num_tier_waits,
         }
 
+    def tier_load_discount(self) -> float | None:
+        """How much of a recompute a tier hit saves, per token: 1 - (load seconds per token /
+        prefill seconds per token), clipped to [0, 1]. None until both have been measured.
+
+        The router scores the fleet tier's blocks by this (a block that costs as much to load
+        as to recompute is worth nothing there). Read without the engine lock: two floats and
+        two counters, each exact at some recent instant.
+        """
+        if self.tier is None or not self.seconds_per_token:
+            return None
+        load_per_token = self.tier.load_seconds_per_token(self.page_size)
+        if load_per_token is None:
+            return None
+        return min(1.0, max(0.0, 1.0 - load_per_token / self.seconds_per_token))
+
     def spec_stats(self) -> dict[str, int]:
         """Speculative decoding counters for EngineStats (zeros when it is off)."""
         drafter = self.scheduler.drafter

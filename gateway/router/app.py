@@ -96,12 +96,12 @@ async def forward(request: Request, path: str) -> Response:
         if placed is None:
             raise NoReplicaError("No replica is available right now; retry shortly.",
                                  code="no_replica")
-        replica, decision, matched = placed
+        replica, decision, matched, tier_tokens = placed
         reason = decision.reason if attempt == 0 else "retry"
         if attempt == 0:
             state.metrics.decision_seconds.observe(time.perf_counter() - began)
         loads = {r.url: r.load for r in state.fleet.routable(state.redis_up)}
-        state.record(request_id, replica, reason, matched, key, loads)
+        state.record(request_id, replica, reason, matched, key, loads, tier_tokens)
         replica.inflight += 1
         upstream_request = build_request(state.client, request.method, replica.url + path,
                                          headers, body, request.query_params)

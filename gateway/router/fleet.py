@@ -53,6 +53,14 @@ class ReplicaState:
     def load(self) -> int:
         return self.inflight + self.other_load
 
+    def tier_discount(self, prior: float) -> float:
+        """What a block of the fleet's Redis tier is worth here, in cached blocks: 0 unless its
+        heartbeat says it loads from that tier; then its measured figure, else ``prior``."""
+        beat = self.heartbeat
+        if beat is None or beat.kv_tier != "redis" or not prior:
+            return 0.0
+        return prior if beat.tier_discount is None else float(beat.tier_discount)
+
     def routable(self, redis_up: bool) -> bool:
         if not self.reachable:
             return False

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from prefixgate.gateway.scaleout.fleet_stats import FleetStats, read_fleet_stats
 from prefixgate.gateway.scaleout.heartbeat import Heartbeat
@@ -20,14 +20,22 @@ from prefixgate.gateway.scaleout.redis_client import REDIS_ERRORS, connect, desc
 
 logger = logging.getLogger("prefixgate.router")
 
-# Walk a prompt's chain server-side, one round trip: for each replica id in ARGV count the
-# leading blocks whose set holds it, and stop at the first block no candidate holds.
+# Walk a prompt's chain server-side, one round trip. KEYS: the chain's block-index keys, then
+# (when ARGV[1] > 0) as many tier-entry keys. ARGV[1]: how many of the replica ids that follow
+# load from the fleet tier (they come first). For each replica count the leading blocks whose
+# set holds it, stopping at the first block no candidate holds; then, for each tier replica,
+# the run of blocks after its own match that the tier holds (each key checked at most once).
 _WALK_CHAIN = """
-local n = #ARGV
+local n_tier = tonumber(ARGV[1])
+local ids = {}
+for i = 2, #ARGV do ids[i - 1] = ARGV[i] end
+local n = #ids
+local chain = #KEYS
+if n_tier > 0 then chain = chain / 2 end
 local matched = {}
 for i = 1, n do matched[i] = 0 end
-for k = 1, #KEYS do
-  local held = redis.call('SMISMEMBER', KEYS[k], unpack(ARGV))
+for k = 1, chain do
+  local held = redis.call('SMISMEMBER', KEYS[k], unpack(ids))
   local any = false
   for i = 1, n do
     if matched[i] == k - 1 and held[i] == 1 then
@@ -37,8 +45,30 @@ for k = 1, #KEYS do
   end
   if not any then break end
 end
+local tier = {}
+local exists = {}
+for i = 1, n do
+  tier[i] = 0
+  if i <= n_tier then
+    local k = matched[i] + 1
+    while k <= chain do
+      if exists[k] == nil then exists[k] = redis.call('EXISTS', KEYS[chain + k]) end
+      if exists[k] ~= 1 then break end
+      k = k + 1
+    end
+    tier[i] = k - 1 - matched[i]
+  end
+end
+for i = 1, n do matched[n + i] = tier[i] end
 return matched
 """
+
+
+class ChainMatch(NamedTuple):
+    """What the fleet holds of one prompt's chain, in blocks, by replica id."""
+
+    pool: dict[str, int]  # leading blocks in the replica's own pool (hittable now)
+    tier: dict[str, int]  # blocks after those the fleet tier holds (loadable; tier replicas)
 
 
 class IndexReader:
@@ -74,16 +104,30 @@ class IndexReader:
     async def matched_blocks(self, chain: Sequence[bytes],
                              replica_ids: Sequence[str]) -> dict[str, int] | None:
         """Leading blocks of ``chain`` each replica holds; None when Redis failed."""
-        if not chain or not replica_ids:
-            return dict.fromkeys(replica_ids, 0)
+        found = await self.lookup(chain, replica_ids)
+        return None if found is None else found.pool
+
+    async def lookup(self, chain: Sequence[bytes], replica_ids: Sequence[str],
+                     tier_ids: Sequence[str] = ()) -> ChainMatch | None:
+        """Per replica, the leading blocks of ``chain`` its pool holds and, for ``tier_ids``
+        (replicas loading from the fleet's Redis tier), the blocks after those that the tier
+        holds. One round trip; None when Redis failed."""
+        tiered = [r for r in replica_ids if r in set(tier_ids)]
+        ordered = [*tiered, *(r for r in replica_ids if r not in set(tiered))]
+        if not chain or not ordered:
+            return ChainMatch(dict.fromkeys(replica_ids, 0), dict.fromkeys(replica_ids, 0))
+        keys = [self.keys.block(h) for h in chain]
+        if tiered:
+            keys += [self.keys.tier_entry(h) for h in chain]
         try:
-            counts = await self._walk(keys=[self.keys.block(h) for h in chain],
-                                      args=list(replica_ids))
+            counts = await self._walk(keys=keys, args=[len(tiered), *ordered])
         except REDIS_ERRORS as exc:
             self._failed("a prefix lookup", exc)
             return None
         self._ok()
-        return {rid: int(n) for rid, n in zip(replica_ids, counts, strict=True)}
+        n = len(ordered)
+        return ChainMatch({rid: int(c) for rid, c in zip(ordered, counts[:n], strict=True)},
+                          {rid: int(c) for rid, c in zip(ordered, counts[n:], strict=True)})
 
     async def heartbeats(self) -> tuple[dict[str, Heartbeat], list[str]] | None:
         """(live heartbeats by replica id, every registered id); None when Redis failed."""

@@ -115,6 +115,11 @@ class RouterMetrics:
             PREFIX + "router_matched_tokens",
             "Prompt tokens the index said the chosen replica holds (predicted hits).",
             ["replica"], registry=self.registry)
+        self.tier_tokens = Counter(
+            PREFIX + "router_tier_tokens",
+            "Prompt tokens after the matched ones that the chosen replica can load from the "
+            "fleet's Redis KV tier (predicted tier hits).",
+            ["replica"], registry=self.registry)
         self.retries = Counter(
             PREFIX + "router_retries",
             "Requests re-sent elsewhere after the first replica failed before any byte.",

@@ -14,6 +14,11 @@ Cache-aware placement, in order:
    the same session lands on the same replica.
 
 With no match anywhere the least-loaded replica wins (session, then hash, break ties).
+
+A match is the replica's own cached tokens plus, for replicas that load from the fleet's
+Redis KV tier, the tier's tokens after those, discounted by what loading costs there
+(``Candidate.score``). A prefix every replica can load adds about the same to each, so it
+lifts them above replicas that cannot load it and otherwise leaves load to decide.
 """
 
 from __future__ import annotations
@@ -32,6 +37,14 @@ class Candidate(NamedTuple):
     matched_tokens: int  # leading prompt tokens it holds in cache
     load: int  # requests it is working on (running + waiting), our best estimate
     is_session_home: bool = False  # the session's previous request went there
+    tier_tokens: int = 0  # prompt tokens after those it could load from the fleet's KV tier
+    tier_discount: float = 0.0  # the fraction of a recompute such a loaded token saves there
+
+    @property
+    def score(self) -> float:
+        """Prompt tokens it need not compute: its own pool's, plus the tier's at a discount
+        (loading costs something; a replica measures how much and reports it)."""
+        return self.matched_tokens + self.tier_discount * self.tier_tokens
 
 
 class Decision(NamedTuple):
@@ -99,13 +112,13 @@ class CacheAwarePolicy:
             return Decision(candidates[0].key, "only_replica")
         min_load = min(c.load for c in candidates)
         eligible = [c for c in candidates if not self.overloaded(c, min_load)]
-        best_any = max(c.matched_tokens for c in candidates)
-        best = max(c.matched_tokens for c in eligible)
+        best_any = max(c.score for c in candidates)
+        best = max(c.score for c in eligible)
         if best == 0:
             reason = "load_guard" if best_any > 0 else "least_loaded"
             return least_loaded(eligible, salt, reason)
         tolerance = self.match_tolerance * prompt_tokens
-        near = [c for c in eligible if c.matched_tokens >= best - tolerance]
+        near = [c for c in eligible if c.score >= best - tolerance]
         guarded = best_any > best  # a better match exists on an overloaded replica
         if len(near) == 1:
             return Decision(near[0].key, "load_guard" if guarded else "prefix")
@@ -116,8 +129,8 @@ class CacheAwarePolicy:
         home = [c for c in tied if c.is_session_home]
         if home:
             return Decision(home[0].key, "session")
-        top = max(c.matched_tokens for c in tied)
-        longest = [c for c in tied if c.matched_tokens == top]
+        top = max(c.score for c in tied)
+        longest = [c for c in tied if c.score == top]
         if len(longest) == 1:
             return Decision(longest[0].key, "prefix")
         return Decision(max(longest, key=lambda c: _tiebreak(c.key, salt)).key, "hash")

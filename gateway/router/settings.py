@@ -52,6 +52,9 @@ class RouterSettings:
     balance_rel_threshold: float = 1.5
     # Prefix matches within this fraction of the prompt count as equal: load decides.
     match_tolerance: float = 0.02
+    # A block in the fleet's Redis KV tier counts as this fraction of a cached block on replicas
+    # loading from it, until a replica's heartbeat reports its measured discount; 0 = ignore
+    tier_discount: float = 0.5
     heartbeat_ttl_s: float = 3.0  # poll pace for heartbeats (TTL / 3) and the janitor's grace
     health_interval_s: float = 1.0  # own /health probes of every replica
     recent_route_ttl_s: float = 10.0  # trust our own routing of a prefix until Redis shows it
@@ -82,6 +85,8 @@ class RouterSettings:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
             raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1")
+        if not 0 <= self.tier_discount <= 1:
+            raise ValueError(f"tier_discount must be in [0, 1], got {self.tier_discount}")
         if not 0 <= self.match_tolerance < 1:
             raise ValueError(f"match_tolerance must be in [0, 1), got {self.match_tolerance}")
         for name in ("heartbeat_ttl_s", "health_interval_s", "connect_timeout_s",

@@ -48,6 +48,7 @@ class DecisionRecord:
     loads: Mapping[str, int]  # url -> load of every candidate at decision time
     session: str | None
     at: float  # monotonic
+    tier_tokens: int = 0  # prompt tokens after ``matched_tokens`` it can load from the fleet tier
 
 
 class RouterState:
@@ -189,31 +190,38 @@ class RouterState:
         conversation = record.get("conversation")
         return conversation if isinstance(conversation, list) else None
 
-    async def place(self, key: PromptKey | None, salt: str,
-                    exclude: frozenset[str] = frozenset()) -> tuple[ReplicaState, Decision, int] | None:
-        """Choose a replica: (replica, decision, matched tokens), or None when none is routable."""
+    async def place(self, key: PromptKey | None, salt: str, exclude: frozenset[str] = frozenset()
+                    ) -> tuple[ReplicaState, Decision, int, int] | None:
+        """Choose a replica: (replica, decision, matched tokens, tokens it can load from the
+        fleet tier after those), or None when none is routable."""
         replicas = [r for r in self.fleet.routable(self.redis_up) if r.url not in exclude]
         if not replicas:
             return None
         home = self.sessions.home(key.session) if key is not None else None
         matched = dict.fromkeys((r.url for r in replicas), 0)
+        tier = dict.fromkeys((r.url for r in replicas), 0)
+        discount = {r.url: r.tier_discount(self.settings.tier_discount) for r in replicas}
 
         def candidates() -> list[Candidate]:
-            return [Candidate(r.url, matched[r.url], r.load, r.url == home) for r in replicas]
+            return [Candidate(r.url, matched[r.url], r.load, r.url == home, tier[r.url],
+                              discount[r.url]) for r in replicas]
 
         if key is None:
             decision = (self.policy.choose(candidates(), 0, salt) if not self.cache_aware
                         else least_loaded(candidates(), salt, "no_prompt"))
-            return self.fleet.get(decision.key), decision, 0
+            return self.fleet.get(decision.key), decision, 0, 0
         found: dict[str, int] = {}
+        in_tier: dict[str, int] = {}
         if self.index is not None:
             usable = [r for r in replicas if r.replica_id is not None and r.mismatch is None]
-            by_id = (await self.index.matched_blocks(key.chain, [r.replica_id for r in usable])
+            tiered = [r.replica_id for r in usable if discount[r.url] > 0]
+            by_id = (await self.index.lookup(key.chain, [r.replica_id for r in usable], tiered)
                      if self.index.up else None)
             if by_id is None:
                 decision = least_loaded(candidates(), key.session or salt, "redis_down")
-                return self.fleet.get(decision.key), decision, 0
-            found = {r.url: by_id[r.replica_id] for r in usable}
+                return self.fleet.get(decision.key), decision, 0, 0
+            found = {r.url: by_id.pool[r.replica_id] for r in usable}
+            in_tier = {r.url: by_id.tier[r.replica_id] for r in usable}
         # NOTE: no await from here to the caller's record(): a burst of requests sharing a
         # prefix must see each other's placements (recent routes) and in-flight counts.
         blocks = self.recent.matched_blocks(key.chain, matched)
@@ -222,11 +230,15 @@ class RouterState:
         page = self.settings.page_size
         for url, count in blocks.items():
             matched[url] = min(count * page, key.num_tokens)
+            # the tier's run starts after the pool's match the index saw; a longer match from
+            # our recent routes covers part of it already
+            tier_end = found.get(url, 0) + in_tier.get(url, 0)
+            tier[url] = max(0, min(tier_end * page, key.num_tokens) - matched[url])
         decision = self.policy.choose(candidates(), key.num_tokens, key.session or salt)
-        return self.fleet.get(decision.key), decision, matched[decision.key]
+        return self.fleet.get(decision.key), decision, matched[decision.key], tier[decision.key]
 
     def record(self, request_id: str, replica: ReplicaState, reason: str, matched: int,
-               key: PromptKey | None, loads: Mapping[str, int]) -> None:
+               key: PromptKey | None, loads: Mapping[str, int], tier_tokens: int = 0) -> None:
         """Remember a placement (recent routes, session home), count it, log it."""
         replica.routed += 1
         if key is not None:
@@ -234,12 +246,13 @@ class RouterState:
             self.sessions.record(key.session, replica.url)
             self.metrics.prompt_tokens.labels(replica.name).inc(key.num_tokens)
             self.metrics.matched_tokens.labels(replica.name).inc(matched)
+            self.metrics.tier_tokens.labels(replica.name).inc(tier_tokens)
         self.metrics.decisions.labels(replica.name, reason).inc()
         self.reason_counts[reason] += 1
         record = DecisionRecord(request_id, replica.name, replica.url, reason, matched,
                                 key.num_tokens if key else 0, dict(loads),
-                                key.session if key else None, time.monotonic())
+                                key.session if key else None, time.monotonic(), tier_tokens)
         self.decisions.append(record)
-        logger.info("route %s -> %s (%s; matched %d/%d tokens; loads %s)", request_id,
-                    replica.name, reason, matched, record.prompt_tokens,
+        logger.info("route %s -> %s (%s; matched %d+%d in tier/%d tokens; loads %s)", request_id,
+                    replica.name, reason, matched, tier_tokens, record.prompt_tokens,
                     ",".join(f"{self.fleet.get(u).name}={n}" for u, n in loads.items()))

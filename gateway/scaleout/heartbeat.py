@@ -7,7 +7,7 @@ facts (model id, page size, seed) let the router check it computes the same bloc
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +26,11 @@ class Heartbeat:
     auth_enabled: bool
     started_at: float  # unix time the publisher started
     sent_at: float  # unix time of this beat
+    # the second KV tier: "redis" = the fleet's shared tier, whose blocks this replica can
+    # load (the router scores them); "host"/"disk" = private, invisible to the router
+    kv_tier: str = ""
+    # the fraction of a recompute a tier block saves on this replica (measured; None = not yet)
+    tier_discount: float | None = None
 
     @property
     def pages_used(self) -> int:
@@ -50,10 +55,12 @@ class Heartbeat:
         if not isinstance(data, dict):
             raise ValueError("heartbeat is not a JSON object")
         names = {f.name for f in fields(cls)}
-        missing = names - data.keys()
+        # fields with a default were added later: a beat from an older replica lacks them
+        required = {f.name for f in fields(cls) if f.default is MISSING}
+        missing = required - data.keys()
         if missing:
             raise ValueError(f"heartbeat lacks {', '.join(sorted(missing))}")
         try:
-            return cls(**{name: data[name] for name in names})
+            return cls(**{name: data[name] for name in names if name in data})
         except TypeError as exc:
             raise ValueError(f"malformed heartbeat: {exc}") from None

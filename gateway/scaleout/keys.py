@@ -7,6 +7,7 @@
     {ns}:stats:<id>:<epoch>         JSON cumulative hit counters of one replica process
     {ns}:stats                      SET of those snapshot keys (the router sums them)
     {ns}:janitor                    short lock: one router at a time reaps dead replicas
+    {ns}:kv:<16-byte block hash>    one block's K/V in the fleet's second tier (--kv-tier redis)
 
 Block keys hold raw digest bytes (not hex): the index is the biggest thing in Redis.
 """
@@ -30,6 +31,10 @@ class RedisKeys:
 
     def block(self, block_hash: bytes) -> bytes:
         return self.namespace.encode() + b":blk:" + block_hash
+
+    def tier_entry(self, block_hash: bytes) -> bytes:
+        """A tier entry (gateway/scaleout/kv_tier_redis.py); the router checks these exist."""
+        return self.namespace.encode() + b":kv:" + block_hash
 
     def replica_blocks(self, replica_id: str) -> str:
         return f"{self.namespace}:replica:{replica_id}:blocks"

@@ -29,7 +29,7 @@ from collections import OrderedDict
 import redis
 from redis.exceptions import RedisError
 
-from prefixgate.gateway.scaleout.keys import DEFAULT_NAMESPACE
+from prefixgate.gateway.scaleout.keys import DEFAULT_NAMESPACE, RedisKeys
 
 logger = logging.getLogger("prefixgate.scaleout")
 
@@ -56,7 +56,7 @@ class RedisTier:
             raise ValueError(f"--redis-url must start with redis://, rediss:// or unix://, got {url!r}")
         self._client = redis.Redis.from_url(url, socket_timeout=timeout_s,
                                             socket_connect_timeout=timeout_s)
-        self._prefix = namespace.encode() + b":kv:"
+        self._keys = RedisKeys(namespace)
         self.capacity_bytes = capacity_bytes
         self.ttl_ms = int(ttl_s * 1000)
         self._lock = threading.Lock()
@@ -66,7 +66,7 @@ class RedisTier:
         self._down_until = 0.0
 
     def _key(self, block_hash: bytes) -> bytes:
-        return self._prefix + block_hash
+        return self._keys.tier_entry(block_hash)
 
     def _failed(self, what: str) -> None:
         self._down_until = time.monotonic() + DOWN_FOR_S

@@ -243,6 +243,13 @@ class ReplicaPublisher:
             raise
         self.status.events_published += len(events)
 
+    def _tier_fields(self) -> dict[str, Any]:
+        facts = getattr(self.engine, "tier_facts", None)
+        if facts is None:
+            return {}
+        name, discount = facts()
+        return {"kv_tier": name, "tier_discount": None if discount is None else round(discount, 4)}
+
     async def _beat(self) -> None:
         running, waiting, free_pages, steps = self.engine.load_estimate()
         if self._stuck(running, waiting, steps):
@@ -265,6 +272,7 @@ class ReplicaPublisher:
             auth_enabled=self.auth_enabled,
             started_at=self._started_at,
             sent_at=time.time(),
+            **self._tier_fields(),
         )
         cache = self._cache_sample
         stats = snapshot_json(self.config.replica_id, cache) if cache is not None else None

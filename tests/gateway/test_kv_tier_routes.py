@@ -26,6 +26,7 @@ def test_a_session_returns_from_the_host_tier_over_http(loaded_model):
 
     engine = build_engine(EngineConfig(num_pages=24, page_size=16, watermark=0.0, kv_tier="host",
                                        kv_tier_size_gb=0.05), loaded=loaded_model)
+    engine.core.tier.load_timeout_s = 30.0  # a loaded CI box: hits, not the late fallback
     settings = ServerSettings(host="127.0.0.1", port=0, api_keys=API_KEYS, admin_key=ADMIN_KEY,
                               log_level="warning")
     with live_servers(engine, [settings]) as (server,):

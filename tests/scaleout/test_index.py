@@ -78,3 +78,32 @@ def test_the_reader_reports_redis_down_and_recovers(redis_server):
         await live.close()
 
     asyncio.run(main())
+
+
+def test_lookup_reports_the_fleet_tier_run_after_each_replica_match(redis_server):
+    keys = RedisKeys("tier-walk-test")
+    chain = [block(i) for i in range(200, 210)]
+
+    async def main() -> None:
+        redis = connect(redis_server.url)
+        await IndexWriter(redis, keys, "r1").apply(chain[:2], [])
+        await IndexWriter(redis, keys, "r2").apply(chain[:5], [])
+        # the tier holds blocks 1..7 (not 0, not 8): entries of a replica that evicted them
+        for h in chain[1:8]:
+            await redis.set(keys.tier_entry(h), b"entry")
+        reader = IndexReader(redis_server.url, keys)
+        found = await reader.lookup(chain, ["r1", "r2", "r3", "r4"], tier_ids=["r1", "r2", "r3"])
+        assert found.pool == {"r1": 2, "r2": 5, "r3": 0, "r4": 0}
+        # r1: blocks 2..7 loadable; r2: 5..7; r3 needs block 0 first, which the tier lacks;
+        # r4 does not load from the tier at all
+        assert found.tier == {"r1": 6, "r2": 3, "r3": 0, "r4": 0}
+        # without tier replicas the tier keys are not even passed
+        plain = await reader.lookup(chain, ["r1", "r2"])
+        assert plain.pool == {"r1": 2, "r2": 5} and plain.tier == {"r1": 0, "r2": 0}
+        await redis.set(keys.tier_entry(chain[0]), b"entry")
+        again = await reader.lookup(chain, ["r3"], tier_ids=["r3"])
+        assert again.tier == {"r3": 8}
+        await reader.close()
+        await redis.aclose()
+
+    asyncio.run(main())

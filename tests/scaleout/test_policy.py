@@ -91,3 +91,23 @@ def test_baselines():
     assert make_policy("round_robin").name == "round_robin"
     with pytest.raises(ValueError, match="unknown routing policy"):
         make_policy("sticky")
+
+
+def test_fleet_tier_blocks_count_at_their_discount_and_only_where_loadable():
+    # Nothing cached in any pool; the fleet's Redis tier holds 800 tokens of the prompt. B and
+    # C load from it (discount 0.8); A does not: the tier lifts B and C above an idle A.
+    candidates = [Candidate(A, 0, 1), Candidate(B, 0, 1, tier_tokens=800, tier_discount=0.8),
+                  Candidate(C, 0, 2, tier_tokens=800, tier_discount=0.8)]
+    assert POLICY.choose(candidates, 1000, "s") == (B, "load")
+    # A pool match beats the same tokens in the tier (loading is not free) ...
+    pool = [Candidate(A, 480, 0), Candidate(B, 0, 0, tier_tokens=480, tier_discount=0.8)]
+    assert POLICY.choose(pool, 1000, "s") == (A, "prefix")
+    # ... but a longer loadable run beats a short pool match: 160 + 0.8 * 640 > 480
+    longer = [Candidate(A, 480, 0), Candidate(B, 160, 0, tier_tokens=640, tier_discount=0.8)]
+    assert POLICY.choose(longer, 1000, "s") == (B, "prefix")
+    # a discount of 0 (measured: loading costs as much as computing) is no match at all
+    free = [Candidate(A, 0, 0), Candidate(B, 0, 1, tier_tokens=800, tier_discount=0.0)]
+    assert POLICY.choose(free, 1000, "s") == (A, "least_loaded")
+    # the load guard still applies to tier matches
+    guarded = [Candidate(A, 0, 0), Candidate(B, 0, 5, tier_tokens=800, tier_discount=1.0)]
+    assert POLICY.choose(guarded, 1000, "s") == (A, "load_guard")

@@ -4,6 +4,7 @@ published, and a replica without Redis keeps serving."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -81,6 +82,7 @@ def test_heartbeat_carries_load_and_hashing_facts_and_expires(fleet):
     assert beat.model_id == fleet.model_id
     assert (beat.page_size, beat.hash_seed, beat.num_pages) == (PAGE_SIZE, 0, NUM_PAGES)
     assert 0 <= beat.pages_free <= beat.num_pages
+    assert (beat.kv_tier, beat.tier_discount) == ("", None)  # this fleet runs without a tier
     assert 0 < redis.pttl(KEYS.heartbeat(replica.replica_id)) <= HEARTBEAT_TTL_S * 1000
     assert replica.replica_id.encode() in redis.smembers(KEYS.replicas)
     redis.close()
@@ -88,6 +90,10 @@ def test_heartbeat_carries_load_and_hashing_facts_and_expires(fleet):
         Heartbeat.from_json(b'{"replica_id": "x"}')
     with pytest.raises(ValueError, match="not JSON"):
         Heartbeat.from_json(b"{")
+    # a beat from a replica older than the tier fields still reads, as "no tier"
+    old = json.loads(raw)
+    del old["kv_tier"], old["tier_discount"]
+    assert Heartbeat.from_json(json.dumps(old)).kv_tier == ""
 
 
 def test_fleet_stats_in_redis_match_the_engine_counters(fleet):
