@@ -6,7 +6,8 @@ this step's writes can reuse them; a memcpy, ~0.1 ms a page here); converting, c
 and writing them to the store runs on a spill worker. Loads run on a load worker (fetch,
 checksum, verify, one staging tensor) while the request waits in the queue and the steps go
 on; the engine thread only copies a finished load into its pages (``index_copy_``). A load
-that takes longer than ``load_timeout_s`` is dropped: the request recomputes.
+that takes longer than ``load_timeout_s`` is dropped: the request recomputes. On GPU both
+directions go through pinned host memory (DMA copies; never run on a GPU yet).
 
 Trust (guide invariant 8): an entry is used only when its checksum holds and its block hash,
 parent hash, token ids, extra keys (model, tenant salt, cache_salt) and pool layout equal the
@@ -77,6 +78,17 @@ def pool_layout(kv_pool: torch.Tensor) -> bytes:
     return f"{kv_pool.dtype}|L{layers}|H{heads}|D{dim}|P{page_size}".encode()
 
 
+def _to_host(pages: torch.Tensor) -> torch.Tensor:
+    """``pages`` as a contiguous host tensor: on GPU through pinned memory (a DMA copy, then
+    this worker waits for it; the engine's stream goes on), on CPU a plain contiguous copy."""
+    if not pages.is_cuda:
+        return pages.contiguous()
+    host = torch.empty(pages.shape, dtype=pages.dtype, pin_memory=True)
+    host.copy_(pages, non_blocking=True)
+    torch.cuda.current_stream(pages.device).synchronize()
+    return host
+
+
 class KVTier:
     """Spills evicted pages of ``kv_pool`` to ``store`` and loads them back.
 
@@ -124,7 +136,7 @@ class KVTier:
     def _write(self, blocks: list[HashedBlock], snapshot: torch.Tensor) -> None:
         written = nbytes = dropped = 0
         try:
-            pages = snapshot.permute(2, 0, 1, 3, 4, 5).contiguous().cpu()  # [n, L, 2, ps, Hkv, D]
+            pages = _to_host(snapshot.permute(2, 0, 1, 3, 4, 5))  # [n, L, 2, ps, Hkv, D]
             raw = pages.view(torch.uint8).reshape(len(blocks), -1).numpy()
             for i, block in enumerate(blocks):
                 blob = TierEntry(block, self.layout, raw[i].tobytes()).encode()
@@ -210,12 +222,18 @@ class KVTier:
             good.append(entry.payload)
         payload = None
         if good:
-            staging = bytearray(len(good) * self.page_bytes)
+            cuda = self.kv_pool.is_cuda
+            # on GPU the staging buffer is pinned, so the upload is a DMA, not a pageable copy
+            staging = torch.empty(len(good) * self.page_bytes, dtype=torch.uint8, pin_memory=cuda)
+            flat = staging.numpy()
             for i, data in enumerate(good):
-                staging[i * self.page_bytes : (i + 1) * self.page_bytes] = data
-            pages = torch.frombuffer(staging, dtype=torch.uint8).view(self.kv_pool.dtype)
+                flat[i * self.page_bytes : (i + 1) * self.page_bytes] = memoryview(data)
+            pages = staging.view(self.kv_pool.dtype)
             payload = pages.view(len(good), *self.page_shape).permute(1, 2, 0, 3, 4, 5)
-            payload = payload.to(self.kv_pool.device)
+            if cuda:
+                payload = payload.to(self.kv_pool.device, non_blocking=True)
+                # the pinned buffer must outlive the copy: done before this worker returns it
+                torch.cuda.current_stream(self.kv_pool.device).synchronize()
         with self._lock:
             s = self._stats
             s.corrupt += corrupt
