@@ -70,21 +70,20 @@ import math
 import os
 import random
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-from benchmarks.common import base_parser, print_table, write_json
+from benchmarks.common import base_parser, bounded_schema, free_port, print_table, ratio, write_json
+from benchmarks.server_process import ServerProcess
 from prefixgate.agents import texts
+from prefixgate.agents.report import percentile
 
 PAUSE_MEDIAN_S = 1.5
 PAUSE_SIGMA = 1.0
@@ -138,25 +137,6 @@ def draw_pause(rng: random.Random, scale: float = 1.0) -> float:
     [PAUSE_MIN_S, PAUSE_MAX_S], then times ``scale`` (0 = a pause-free swarm)."""
     raw = rng.lognormvariate(math.log(PAUSE_MEDIAN_S), PAUSE_SIGMA)
     return min(max(raw, PAUSE_MIN_S), PAUSE_MAX_S) * scale
-
-
-def bounded_schema(node: Any) -> Any:
-    """A schema whose every value has a small size bound, so greedy calls stay short.
-    NOTE: xgrammar ignores maxLength next to a ``format``, so the format goes."""
-    if not isinstance(node, dict):
-        return node
-    node = {k: bounded_schema(v) for k, v in node.items()}
-    kind = node.get("type")
-    if kind == "string" and not {"enum", "pattern"} & node.keys():
-        node.pop("format", None)
-        node["maxLength"] = min(node.get("maxLength", 12), 12)
-    elif kind in ("integer", "number"):
-        node["maximum"] = min(node.get("maximum", 1000), 1000)
-    elif kind == "array":
-        node["maxItems"] = 2
-    elif kind == "object" and isinstance(node.get("additionalProperties"), dict):
-        node["maxProperties"] = 2
-    return node
 
 
 def tool_schemas(count: int) -> tuple[dict[str, Any], ...]:
@@ -320,23 +300,6 @@ def shared_prefix_tokens(counter: PromptCounter, plan: Plan,
 
 
 # ------------------------------------------------------------------------------ figures
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0..100) by linear interpolation between order statistics."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-def ratio(numerator: float | None, denominator: float | None) -> float | None:
-    if numerator is None or denominator is None or denominator == 0:
-        return None
-    return numerator / denominator
 
 
 def recompute_floor(turns: Sequence[Turn], shared_tokens: int, page_size: int) -> int:
@@ -532,12 +495,6 @@ def summarise(turns: list[Turn], wall_s: float, shared_tokens: int = 0,
 # ------------------------------------------------------------------------------ servers
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def serve_flags() -> set[str]:
     """The long flags `prefixgate serve` takes (to skip an arm whose flags are not there)."""
     out = subprocess.run([sys.executable, "-m", "prefixgate.gateway.cli", "serve", "--help"],
@@ -545,50 +502,18 @@ def serve_flags() -> set[str]:
     return {word.strip("[],") for word in out.split() if word.startswith("--")}
 
 
-class Server:
+class Server(ServerProcess):
     """One `prefixgate serve` subprocess on a free port, stopped by its PID."""
 
     def __init__(self, name: str, flags: list[str]):
-        self.name = name
-        self.port = free_port()
-        # the server's own log, kept open for the subprocess's lifetime (closed in stop())
-        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115
-            prefix=f"agent_sessions_{name}_", suffix=".log", delete=False)
-        command = [sys.executable, "-m", "prefixgate.gateway.cli", "serve", "--host", "127.0.0.1",
-                   "--port", str(self.port), "--log-level", "warning", *flags]
-        self.command = command
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        port = free_port()
+        super().__init__(name, [sys.executable, "-m", "prefixgate.gateway.cli", "serve",
+                                "--host", "127.0.0.1", "--port", str(port),
+                                "--log-level", "warning", *flags], port)
 
-    def wait_ready(self) -> str:
-        """Blocks until /health answers; returns the served model name."""
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server {self.name} exited ({self.process.returncode}):\n"
-                                   + self.log_tail())
-            try:
-                response = httpx.get(self.base_url + "/v1/models", timeout=2)
-                if response.status_code == 200:
-                    return response.json()["data"][0]["id"]
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError(f"server {self.name} did not come up in {SERVER_START_TIMEOUT_S} s:\n"
-                           + self.log_tail())
-
-    def log_tail(self, lines: int = 30) -> str:
-        return "\n".join(Path(self.log.name).read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-        self.log.close()
+    def wait_ready(self, timeout_s: float = SERVER_START_TIMEOUT_S) -> str:  # type: ignore[override]
+        """Blocks until /v1/models answers; returns the served model name."""
+        return super().wait_ready(timeout_s)[1][0]
 
 
 def cache_stats(base_url: str) -> dict[str, Any]:

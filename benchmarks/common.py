@@ -1,10 +1,12 @@
-"""Shared helpers for benchmarks: --json handling, medians, a plain table printer."""
+"""Shared helpers for benchmarks: --json handling, medians, a plain table printer, ratios, free
+ports, and the bounded tool schemas the swarm benchmarks send."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import platform
+import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -45,3 +47,39 @@ def write_json(path: Path | None, results: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=2, sort_keys=True))
     print(f"\nwrote {path}")
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """numerator / denominator, None when either is unknown or the denominator is 0."""
+    if numerator is None or denominator is None or denominator == 0:
+        return None
+    return numerator / denominator
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def bounded_schema(node: Any) -> Any:
+    """A JSON schema whose every value has a small bounded size: unbounded, a greedy 135M
+    model runs on inside a string until max_tokens cuts the call. NOTE: xgrammar ignores
+    maxLength next to a ``format``, so the format goes."""
+    if isinstance(node, list):
+        return [bounded_schema(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    node = {key: bounded_schema(value) for key, value in node.items()}
+    kind = node.get("type")
+    if kind == "string" and not {"enum", "pattern"} & node.keys():
+        node.pop("format", None)
+        node["maxLength"] = min(node.get("maxLength", 12), 12)
+    elif kind in ("integer", "number"):
+        node["maximum"] = min(node.get("maximum", 1000), 1000)
+    elif kind == "array":
+        node["maxItems"] = min(node.get("maxItems", 2), 2)
+    elif kind == "object" and isinstance(node.get("additionalProperties"), dict):
+        node["maxProperties"] = min(node.get("maxProperties", 2), 2)
+    return node

@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import time
@@ -44,7 +43,7 @@ import httpx
 import redis
 import torch
 
-from benchmarks.common import base_parser, print_table, write_json
+from benchmarks.common import base_parser, free_port, print_table, write_json
 from prefixgate.agents.runner import Endpoint, RunResult, run_workload
 from prefixgate.agents.workload import SwarmConfig, build_workload
 from prefixgate.gateway.engine.config import EngineConfig
@@ -60,11 +59,6 @@ from prefixgate.gateway.server.serve import GatewayServer, ServersThread, uvicor
 POLICIES = ("cache_aware", "round_robin", "random")
 PAGE_SIZE = 16
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_until(predicate, timeout_s: float, what: str) -> None:

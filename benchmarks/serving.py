@@ -66,15 +66,10 @@ averages of 6-7 on a shared 2-core machine; the load average at each start is in
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -82,7 +77,8 @@ from typing import Any
 
 import httpx
 
-from benchmarks.common import base_parser, write_json
+from benchmarks.common import base_parser, bounded_schema, free_port, ratio, write_json
+from benchmarks.server_process import ServerProcess, memory_mb
 from prefixgate.agents import texts
 from prefixgate.agents.report import percentile
 from prefixgate.agents.runner import read_usage
@@ -95,7 +91,6 @@ TASK_TOKENS, FOLLOWUP_TOKENS = 50, 35
 PEERS = {"vllm": ("vllm", "vllm_cpu.sh"), "llama-server": ("llama-server", "llama_server.sh")}
 PEER_SCRIPTS = Path(__file__).resolve().parents[2] / "shared" / "peers"
 DEFAULT_PEERS_DIR = Path.home() / ".cache" / "prefixgate-peers"
-STOP_TIMEOUT_S = 30
 WARMUP_MESSAGES = [{"role": "user", "content": "Say hello."}]
 
 
@@ -135,28 +130,6 @@ def build_swarm(settings: Settings) -> Workload:
         concurrency=settings.agents, arrival="burst", seed=settings.seed,
         tools_field=settings.tool_loop)
     return build_workload(config)
-
-
-def bounded_schema(node: Any) -> Any:
-    """A JSON schema whose every value has a small bounded size: unbounded, a greedy 135M
-    model runs on inside a string until max_tokens cuts the call. NOTE: xgrammar ignores
-    maxLength next to a ``format``, so the format goes."""
-    if isinstance(node, list):
-        return [bounded_schema(item) for item in node]
-    if not isinstance(node, dict):
-        return node
-    node = {key: bounded_schema(value) for key, value in node.items()}
-    kind = node.get("type")
-    if kind == "string" and not {"enum", "pattern"} & node.keys():
-        node.pop("format", None)
-        node["maxLength"] = min(node.get("maxLength", 12), 12)
-    elif kind == "integer":
-        node["maximum"] = min(node.get("maximum", 1000), 1000)
-    elif kind == "array":
-        node["maxItems"] = min(node.get("maxItems", 2), 2)
-    elif kind == "object" and isinstance(node.get("additionalProperties"), dict):
-        node["maxProperties"] = min(node.get("maxProperties", 2), 2)
-    return node
 
 
 def tool_specs(agent: Agent) -> list[dict]:
@@ -380,13 +353,6 @@ def summarize(records: list[Record], wall_s: float) -> dict[str, Any]:
     }
 
 
-def ratio(ours: float | None, theirs: float | None) -> float | None:
-    """ours / theirs, None when either is unknown or theirs is 0."""
-    if ours is None or theirs is None or theirs == 0:
-        return None
-    return ours / theirs
-
-
 def ratios(ours: dict[str, Any], theirs: dict[str, Any] | None) -> dict[str, float | None]:
     """prefixgate / peer for the headline figures (all None without a usable peer run)."""
     keys = {"wall_ratio": "wall_s", "ttft_p50_ratio": "ttft_p50_s",
@@ -398,115 +364,6 @@ def ratios(ours: dict[str, Any], theirs: dict[str, Any] | None) -> dict[str, flo
 
 
 # ------------------------------------------------------------------------------ processes
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _status_kb(pid: int, field_name: str) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (from /proc/*/stat parent ids)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(parent, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def memory_mb(pid: int) -> dict[str, float | None]:
-    """VmRSS and VmHWM of ``pid`` and VmRSS summed over it and its descendants, in MiB."""
-    rss, hwm = _status_kb(pid, "VmRSS"), _status_kb(pid, "VmHWM")
-    tree = [kb for kb in (_status_kb(p, "VmRSS") for p in [pid, *_descendants(pid)]) if kb]
-    return {"rss_mb": rss / 1024 if rss else None, "rss_hwm_mb": hwm / 1024 if hwm else None,
-            "rss_tree_mb": sum(tree) / 1024 if tree else None}
-
-
-class ServerProcess:
-    """A server subprocess in its own process group, its output in a temporary log."""
-
-    def __init__(self, name: str, command: list[str], port: int,
-                 env: dict[str, str] | None = None) -> None:
-        self.name = name
-        self.command = command
-        self.base_url = f"http://127.0.0.1:{port}"
-        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed in stop()
-            prefix=f"serving_{name}_", suffix=".log", delete=False)
-        self.started = time.perf_counter()
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
-                                        env=env, start_new_session=True)
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def wait_ready(self, timeout_s: float) -> tuple[float, list[str]]:
-        """Block until GET /v1/models answers; returns (seconds since start, model ids)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n"
-                                   + self.log_tail())
-            try:
-                response = httpx.get(self.base_url + "/v1/models", timeout=5)
-                if response.status_code == 200:
-                    ids = [str(m["id"]) for m in response.json().get("data", [])]
-                    return time.perf_counter() - self.started, ids
-            except (httpx.HTTPError, ValueError, KeyError, TypeError):
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.name} did not answer /v1/models in {timeout_s:.0f} s:\n"
-                           + self.log_tail())
-
-    def log_tail(self, lines: int = 30) -> str:
-        self.log.flush()
-        text = Path(self.log.name).read_text(errors="replace")
-        return "\n".join(text.splitlines()[-lines:])
-
-    def stop(self) -> None:
-        """SIGTERM to the PID, then to its process group (workers left behind), then SIGKILL."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):  # the group is next
-                self.process.wait(STOP_TIMEOUT_S)
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(self.pid, 0)  # anything left in the group?
-            except ProcessLookupError:
-                break
-            os.killpg(self.pid, sig)
-            deadline = time.monotonic() + (STOP_TIMEOUT_S if sig == signal.SIGTERM else 5)
-            while time.monotonic() < deadline:
-                try:
-                    os.killpg(self.pid, 0)
-                except ProcessLookupError:
-                    break
-                time.sleep(0.2)
-        if self.process.poll() is None:
-            self.process.wait(5)
-        self.log.close()
 
 
 def prefixgate_command(port: int) -> list[str]:

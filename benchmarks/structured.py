@@ -83,7 +83,6 @@ import json
 import os
 import pstats
 import random
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -93,7 +92,7 @@ from typing import Any, NamedTuple
 import httpx
 import torch
 
-from benchmarks.common import base_parser, print_table, write_json
+from benchmarks.common import base_parser, free_port, print_table, write_json
 from prefixgate.agents import texts
 from prefixgate.agents.ideal import SentPrompt, ideal_hits
 from prefixgate.gateway.engine.api import (
@@ -409,11 +408,6 @@ class Sent:
         """The text of each generated token, from the response's logprobs."""
         return [entry["token"] for entry in self.response["choices"][0]["logprobs"]["content"]]
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def agent_openings(num_agents: int, seed: int = 0) -> tuple[str, list[str]]:
