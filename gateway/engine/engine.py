@@ -2,7 +2,7 @@
 
 One background thread owns the LLMEngine and drives its steps; the HTTP event loop only
 enqueues commands and awaits deltas, so a forward pass never blocks it. Deltas cross back with
-``loop.call_soon_threadsafe``.
+``loop.call_soon_threadsafe``, once per loop per step (``_flush_outbox``), not once per delta.
 """
 
 from __future__ import annotations
@@ -62,6 +62,9 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._num_queued = 0  # submitted but not yet handed to the core (for the overload check)
+        # what the engine thread's commands and step produced for the event loops: handed over
+        # together once they are done (_flush_outbox)
+        self._outbox: list[tuple[asyncio.AbstractEventLoop, Callable[[Any], None], Any]] = []
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -131,12 +134,39 @@ class AsyncEngine:
                             self.core.recover(EngineError("internal error in the engine step"))
                         except Exception:
                             logger.exception("recovering from a failed step failed")
+            self._flush_outbox()
             if self._lock_waiters:
                 # NOTE: threading.Lock is not fair: released and re-taken at once, a busy engine
                 # would starve stats/pin callers for many steps. Step aside briefly for them.
                 time.sleep(0.0005)
         with self._lock:
             self.core.fail_all(EngineError("the engine is shutting down", code="shutdown"))
+        self._flush_outbox()
+
+    def _send(self, loop: asyncio.AbstractEventLoop, callback: Callable[[Any], None], item: Any) -> None:
+        """Have ``loop`` call ``callback(item)``: after the engine thread's current step (or
+        commands) when called there, at once from any other thread."""
+        if threading.current_thread() is self._thread:
+            self._outbox.append((loop, callback, item))
+        else:
+            _deliver(loop, callback, item)
+
+    def _flush_outbox(self) -> None:
+        """Hand everything the last commands and step produced to its event loops: one wakeup
+        per loop, the fan-out to the requests' queues runs in the loop.
+
+        NOTE: a wakeup per delta (call_soon_threadsafe writes the loop's self-pipe) woke the
+        loop in the middle of the step, 16 times a step at batch 16, and the loop thread then
+        took the GIL from the step's remaining Python for every one of them.
+        """
+        if not self._outbox:
+            return
+        items, self._outbox = self._outbox, []
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Callable[[Any], None], Any]]] = {}
+        for loop, callback, item in items:
+            by_loop.setdefault(loop, []).append((callback, item))
+        for loop, calls in by_loop.items():
+            _deliver(loop, _call_each, calls)
 
     # ------------------------------------------------------------------ requests
 
@@ -158,7 +188,7 @@ class AsyncEngine:
         queue: asyncio.Queue[Delta | EngineError] = asyncio.Queue()
 
         def sink(item: Delta | EngineError) -> None:
-            _deliver(loop, queue.put_nowait, item)
+            self._send(loop, queue.put_nowait, item)
 
         def add() -> None:
             with self._wake:
@@ -211,9 +241,9 @@ class AsyncEngine:
 
         def sink(item: Delta | EngineError) -> None:
             if isinstance(item, EngineError):
-                _deliver(loop, lambda e: _settle(done, e), item)
+                self._send(loop, lambda e: _settle(done, e), item)
             elif item.usage is not None:
-                _deliver(loop, lambda e: _settle(done, e), None)
+                self._send(loop, lambda e: _settle(done, e), None)
 
         def add() -> None:
             try:
@@ -351,6 +381,16 @@ def _deliver(loop: asyncio.AbstractEventLoop, callback: Callable[[Any], None], i
         loop.call_soon_threadsafe(callback, item)
     except RuntimeError:  # "Event loop is closed"
         logger.debug("dropped a delta for a closed event loop")
+
+
+def _call_each(calls: list[tuple[Callable[[Any], None], Any]]) -> None:
+    """In the event loop: one engine step's deliveries, each on its own (one that raises
+    loses its item alone)."""
+    for callback, item in calls:
+        try:
+            callback(item)
+        except Exception:
+            logger.exception("delivering an engine result failed")
 
 
 def _settle(future: asyncio.Future[Any], error: EngineError | None) -> None:

@@ -214,6 +214,47 @@ def test_async_engine_streams_and_cancel_frees_pages(make_engine, tokenizer):
         engine.shutdown_sync()
 
 
+def test_async_engine_wakes_the_loop_once_per_step(make_engine, tokenizer):
+    """Concurrent streams get a step's deltas in one hand-over (one call_soon_threadsafe per
+    step, not one per delta), and stream exactly what the sync engine emits, in order."""
+    core = make_engine(num_pages=128, num_speculative_tokens=0)
+    prompts = [chat(tokenizer, t) for t in TASKS[:4]]
+    stop = SamplingParams(max_tokens=10, temperature=0, stop=("\n\n",))
+    expected = run(core, [GenerationRequest(p, stop, request_id=f"s{i}") for i, p in enumerate(prompts)])
+    engine = AsyncEngine(core, model_name="m")
+    wakeups = []
+
+    async def stream(i: int) -> list[Delta]:
+        return [d async for d in engine.generate(GenerationRequest(prompts[i], stop, request_id=f"a{i}"))]
+
+    async def main() -> list[list[Delta]]:
+        loop = asyncio.get_running_loop()
+        call_soon_threadsafe = loop.call_soon_threadsafe
+
+        def counted(*args):
+            wakeups.append(core.num_steps)
+            return call_soon_threadsafe(*args)
+
+        loop.call_soon_threadsafe = counted
+        return await asyncio.gather(*(stream(i) for i in range(4)))
+
+    steps_before = core.num_steps
+    engine.start_sync()
+    try:
+        streamed = asyncio.run(main())
+    finally:
+        engine.shutdown_sync()
+    for i, deltas in enumerate(streamed):
+        want = expected[f"s{i}"]
+        assert [(d.token_ids, d.text, d.finish_reason) for d in deltas] == \
+               [(d.token_ids, d.text, d.finish_reason) for d in want]
+        assert deltas[-1].usage is not None
+    steps = core.num_steps - steps_before
+    assert len(wakeups) == len(set(wakeups)) <= steps  # at most one per step (none for a
+    # step whose deltas were all empty is fine too), never one per delta
+    assert sum(len(d) for d in streamed) > steps
+
+
 def test_step_token_budget_defaults_by_device() -> None:
     assert step_token_budget(EngineConfig(), "cpu") == 192
     assert step_token_budget(EngineConfig(), "cuda") == 2048
