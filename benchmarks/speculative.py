@@ -1,17 +1,21 @@
-"""Speculative decoding on the default model: greedy decode with n-gram drafts vs without.
+"""Speculative decoding on the default model: decode with n-gram drafts vs without.
 
 Workload (deterministic): agent-style prompts whose output repeats its context, a tool call
 to repeat with the same arguments, a list to copy, a JSON object to echo back with one field
-changed, and plain tasks whose output repeats nothing (the "misses cost nothing" case). Every request is greedy with ``ignore_eos`` and the same number of
-output tokens; each prompt is prefilled once beforehand (cached), so only decoding is timed.
+changed, and plain tasks whose output repeats nothing (the "misses cost nothing" case). Every
+request has ``ignore_eos`` and the same number of output tokens; it is greedy, or with
+``--temperature T`` sampled at T with a seed per prompt (``--seed`` + its index), so the drafts
+are verified by rejection sampling and the seeded outputs of both engines still compare; each
+prompt is prefilled once beforehand (cached), so only decoding is timed.
 Batch 1 runs the prompts one at a time; batch 16 runs 16 at once (the prompts cycled).
 
 Measured in one run: two engines on the same loaded model, ``--speculative-tokens`` 0 and N,
-alternating (off, on) pairs ``--repeats`` times; reported: median decode tokens/s of each, the
+alternating (off, on) pairs ``--repeats`` times (at batch 1, per prompt); reported: median decode tokens/s of each, the
 median of the per-pair ratios (on / off; noisy machines: ratios of adjacent runs), acceptance
 (accepted / proposed draft tokens), and whether the outputs were token-identical.
 
     python -m benchmarks.speculative --json out/speculative.json
+    python -m benchmarks.speculative --temperature 0.8 --batches 1 --json out/speculative_t08.json
 """
 
 from __future__ import annotations
@@ -66,13 +70,15 @@ def run(engine, requests: list[GenerationRequest]) -> dict[str, list[int]]:
     return out
 
 
-def measure(engine, batch_prompts: list[tuple[int, ...]], max_tokens: int, tag: str
-            ) -> tuple[float, dict[str, list[int]]]:
+def measure(engine, batch_prompts: list[tuple[int, ...]], max_tokens: int, tag: str,
+            temperature: float = 0.0, seeds: list[int] | None = None) -> tuple[float, dict[str, list[int]]]:
     """Decode tokens/s of one batch (prompts prefilled first, untimed)."""
     warm = [GenerationRequest(p, SamplingParams(max_tokens=1, temperature=0), request_id=f"{tag}w{i}")
             for i, p in enumerate(batch_prompts)]
     run(engine, warm)
-    timed = [GenerationRequest(p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+    timed = [GenerationRequest(p, SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                                 seed=seeds[i] if seeds and temperature else None,
+                                                 ignore_eos=True),
                                request_id=f"{i}") for i, p in enumerate(batch_prompts)]
     began = time.perf_counter()
     out = run(engine, timed)
@@ -86,6 +92,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--seed", type=int, default=0, help="sampled requests: seed + prompt index")
     args = parser.parse_args()
     loaded = load_model(None)
     system = "You are a careful software agent. Answer exactly as asked."
@@ -93,7 +101,8 @@ def main() -> None:
                                     loaded=loaded)[0] for k in (0, args.speculative_tokens)}
     base = prompts(loaded.tokenizer, system)
     results: dict[str, object] = {"speculative_tokens": args.speculative_tokens,
-                                  "max_tokens": args.max_tokens, "repeats": args.repeats}
+                                  "max_tokens": args.max_tokens, "repeats": args.repeats,
+                                  "temperature": args.temperature}
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         batch_prompts = [base[i % len(base)] for i in range(max(batch, 1))]
@@ -102,21 +111,24 @@ def main() -> None:
         speeds: dict[int, list[float]] = {k: [] for k in engines}
         identical = True
         for rep in range(args.repeats):
-            outputs = {}
-            for k, engine in engines.items():
-                if batch == 1:
-                    total_tokens, total_time = 0, 0.0
-                    merged = {}
-                    for i, p in enumerate(batch_prompts):
-                        tps, out = measure(engine, [p], args.max_tokens, f"r{rep}b1p{i}")
+            outputs: dict[int, dict[str, list[int]]] = {k: {} for k in engines}
+            if batch == 1:
+                # off and on alternate per prompt, so each pair is seconds apart on a noisy machine
+                totals = {k: [0, 0.0] for k in engines}
+                for i, p in enumerate(batch_prompts):
+                    for k, engine in engines.items():
+                        tps, out = measure(engine, [p], args.max_tokens, f"r{rep}b1p{i}",
+                                           args.temperature, [args.seed + i])
                         n = sum(len(v) for v in out.values())
-                        total_tokens += n
-                        total_time += n / tps
-                        merged[str(i)] = out["0"]
-                    speeds[k].append(total_tokens / total_time)
-                    outputs[k] = merged
-                else:
-                    tps, out = measure(engine, batch_prompts, args.max_tokens, f"r{rep}b{batch}")
+                        totals[k][0] += n
+                        totals[k][1] += n / tps
+                        outputs[k][str(i)] = out["0"]
+                for k in engines:
+                    speeds[k].append(totals[k][0] / totals[k][1])
+            for k, engine in engines.items():
+                if batch != 1:
+                    tps, out = measure(engine, batch_prompts, args.max_tokens, f"r{rep}b{batch}",
+                                       args.temperature, [args.seed + i for i in range(len(batch_prompts))])
                     speeds[k].append(tps)
                     outputs[k] = out
             identical = identical and len({str(sorted(o.items())) for o in outputs.values()}) == 1
@@ -133,7 +145,8 @@ def main() -> None:
     results["acceptance"] = drafter.num_accepted / drafter.num_proposed if drafter.num_proposed else 0.0
     results["drafts"] = drafter.num_drafts
     rows.append(("acceptance (accepted / proposed)", results["acceptance"]))
-    print_table("speculative decoding (n-gram drafts) vs plain greedy decode", rows)
+    mode = f"temperature {args.temperature}, seeded" if args.temperature else "greedy"
+    print_table(f"speculative decoding (n-gram drafts) vs plain decode ({mode})", rows)
     write_json(args.json, results)
 
 

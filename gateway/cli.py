@@ -185,9 +185,10 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         type=int,
         choices=range(0, 17),
         metavar="N",
-        help="speculative decoding of greedy requests: up to N draft tokens a step, looked up "
-        "in the request's own context and verified in one forward (exact: the output is the "
-        "same token for token); default 4, 0 = off",
+        help="speculative decoding: up to N draft tokens a step, looked up in the request's "
+        "own context and verified in one forward (exact: greedy output is the same token for "
+        "token, sampled output has the same distribution, by rejection sampling); default 4, "
+        "0 = off",
     )
     model.add_argument(
         "--kv-tier",

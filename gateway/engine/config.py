@@ -32,8 +32,8 @@ class EngineConfig:
     kv_tier: str | None = None
     kv_tier_size_gb: float = 4.0
     kv_tier_path: str | None = None
-    # speculative decoding of greedy requests: at most this many draft tokens a step, looked
-    # up in the sequence's own context (gateway/engine/drafter.py); 0 = off
+    # speculative decoding (greedy and sampled requests): at most this many draft tokens a
+    # step, looked up in the sequence's own context (gateway/engine/drafter.py); 0 = off
     num_speculative_tokens: int = 4
     # ... and only while a step's decode rows (decodes + drafts) stay within this. Measured
     # (benchmarks.speculative, quiet machine, quantized weights): without the cap b1 1.19x but

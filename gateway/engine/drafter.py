@@ -5,8 +5,10 @@ same agent" are in it, and nothing crosses tenants: a sequence only reads its ow
 
 The draft after a context ``... a b c`` is what followed the latest earlier occurrence of its
 last ``n``-gram (longest ``n`` first, 4 down to 2). The scheduler verifies it in one forward as
-a short chunk over the paged cache (gateway/engine/llm_engine.py accepts the longest prefix the
-model agrees with, token for token under greedy decoding). Pure Python, no torch.
+a short chunk over the paged cache; sampler.verify accepts the drafts the model agrees with:
+under greedy decoding the longest prefix equal to the argmax, under sampling by rejection
+sampling (the proposal is a point mass on the draft, so a draft is kept with its probability
+under the request's own sampling distribution). Pure Python, no torch.
 
 Adaptive length: a sequence drafts ``k`` tokens, ``k`` growing by one after a fully accepted
 draft and falling to one past the accepted run after a rejection, so a sequence whose drafts

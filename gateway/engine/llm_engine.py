@@ -40,7 +40,14 @@ from prefixgate.gateway.engine.grammar import (
     new_matcher,
 )
 from prefixgate.gateway.engine.kv_tier import KVTier
-from prefixgate.gateway.engine.sampler import SampleRow, make_generator, sample
+from prefixgate.gateway.engine.sampler import (
+    SampleRow,
+    Verified,
+    has_penalties,
+    make_generator,
+    sample,
+    verify,
+)
 from prefixgate.gateway.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from prefixgate.gateway.engine.sequence import SeqStatus, Sequence
 from prefixgate.gateway.engine.stop_strings import StopStringMatcher
@@ -335,7 +342,7 @@ class LLMEngine:
                 "the model step failed on this request; it was stopped (other requests in the "
                 "step were not affected)", code="request_failed"))
         mask_row = {s.seq_id: i for i, s in enumerate(constrained)}
-        accepted = self._verify_drafts(out, logits, culprits) if self.scheduler.drafter else {}
+        verified = self._verify_drafts(out, logits, culprits) if self.scheduler.drafter else {}
         self.scheduler.commit(out)
         for c in out.chunks:
             if c.seq.num_prompt_tokens > c.start_pos:
@@ -350,10 +357,10 @@ class LLMEngine:
         for c in out.chunks:
             if not c.need_logits:
                 continue
-            # a verify chunk has a row per draft token too: sample after the accepted ones
-            seq, index = c.seq, logit_row + len(accepted.get(c.seq.seq_id, ()))
+            # a verify chunk has a row per draft token too; its tokens are picked already
+            seq, index = c.seq, logit_row
             logit_row += 1 + len(c.draft_ids)
-            if seq.status is not SeqStatus.RUNNING:
+            if seq.status is not SeqStatus.RUNNING or seq.seq_id in verified:
                 continue
             family = [seq]
             if seq.num_choices_to_fork:
@@ -397,27 +404,35 @@ class LLMEngine:
                         logprob = self._logprob(token_id, token_logprob,
                                                 top_ids[: seq.sampling.top_logprobs],
                                                 top_lps[: seq.sampling.top_logprobs])
-                    drafts = accepted.get(seq.seq_id)
-                    if drafts:
-                        self._on_drafts(seq, drafts)
-                    if seq.status is SeqStatus.RUNNING:  # a draft may have finished it
-                        self._on_token(seq, token_id, logprob)
+                    self._on_token(seq, token_id, logprob)
                 except Exception:  # detokenizer, stop strings, grammar: this row's alone
-                    logger.exception("request %s failed after sampling; failing it alone",
-                                     seq.request_id)
-                    self._fail(seq.request_id, EngineError(
-                        "decoding this request's output failed; it was stopped (other "
-                        "requests in the step were not affected)", code="request_failed"))
+                    self._fail_decoding(seq)
+        for seq, result in verified.values():
+            if seq.status is not SeqStatus.RUNNING or seq.request_id not in self._requests:
+                continue
+            try:
+                self._on_drafts(seq, result)
+            except Exception:
+                self._fail_decoding(seq)
         return out
 
-    def _verify_drafts(self, out: SchedulerOutput, logits: torch.Tensor, culprits: list[int]
-                       ) -> dict[int, tuple[int, ...]]:
-        """Greedy verification of this step's draft tokens: per sequence, the drafts the model
-        agrees with (the longest prefix where each draft is the argmax after the one before).
+    def _fail_decoding(self, seq: Sequence) -> None:
+        logger.exception("request %s failed after sampling; failing it alone", seq.request_id)
+        self._fail(seq.request_id, EngineError(
+            "decoding this request's output failed; it was stopped (other "
+            "requests in the step were not affected)", code="request_failed"))
 
-        NOTE: exact under greedy decoding: an accepted draft is the token the model would have
-        produced, and the token sampled after the accepted run comes from the same logits
-        position a plain decode would compute (up to the summation order of a chunk)."""
+    def _verify_drafts(self, out: SchedulerOutput, logits: torch.Tensor, culprits: list[int]
+                       ) -> dict[int, tuple[Sequence, Verified]]:
+        """Verify this step's draft tokens (sampler.verify): per sequence, the drafts accepted
+        and the token after them, picked here instead of by the step's sampling.
+
+        NOTE: exact for greedy and sampled rows alike: greedy accepts the drafts that are the
+        argmax after the one before; sampled rows use rejection sampling against the sampler's
+        own distribution (penalties included: each row sees the drafts before it), so every
+        emitted token is distributed as a plain decode's, from the same logits position a plain
+        decode would compute (up to the summation order of a chunk). Rejected drafts leave
+        no trace: their K/V is never committed (Scheduler.accept_drafts)."""
         assert self.scheduler.drafter is not None
         spans: list[tuple[ScheduledChunk, int]] = []
         row = 0
@@ -425,37 +440,78 @@ class LLMEngine:
         for c in out.chunks:
             if not c.need_logits:
                 continue
-            if c.draft_ids and c.seq.seq_id not in failed:
+            if c.draft_ids and c.seq.seq_id not in failed and c.seq.status is SeqStatus.RUNNING:
                 spans.append((c, row))
             row += 1 + len(c.draft_ids)
         if not spans:
             return {}
-        index = torch.tensor([r + i for c, r in spans for i in range(len(c.draft_ids))],
+        index = torch.tensor([r + i for c, r in spans for i in range(1 + len(c.draft_ids))],
                              device=logits.device)
-        greedy = logits.index_select(0, index).argmax(dim=-1).tolist()
-        accepted: dict[int, tuple[int, ...]] = {}
-        at = 0
+        rows: list[SampleRow] = []
         for c, _ in spans:
-            drafts = c.draft_ids
-            n = 0
-            while n < len(drafts) and greedy[at + n] == drafts[n]:
-                n += 1
-            at += len(drafts)
-            accepted[c.seq.seq_id] = drafts[:n]
-            self.scheduler.drafter.record(c.seq.draft, len(drafts), n)
-        return accepted
+            seq = c.seq
+            penalised = has_penalties(seq.sampling)
+            for i in range(1 + len(c.draft_ids)):
+                # penalties count the tokens before each position: the drafts ahead of it too
+                tokens = [*seq.token_ids, *c.draft_ids[:i]] if penalised and i else seq.token_ids
+                rows.append(SampleRow(seq.sampling, tokens, seq.num_prompt_tokens, seq.state.generator))
+        results = self._verify(logits.index_select(0, index).float(), rows, [c.draft_ids for c, _ in spans])
+        verified: dict[int, tuple[Sequence, Verified]] = {}
+        for (c, _), result in zip(spans, results, strict=True):
+            if result is None:
+                self._fail(c.seq.request_id, EngineError(
+                    "sampling failed on this request's parameters; it was stopped (other "
+                    "requests in the step were not affected)", code="request_failed"))
+                continue
+            verified[c.seq.seq_id] = (c.seq, result)
+            self.scheduler.drafter.record(c.seq.draft, len(c.draft_ids), result.num_accepted)
+        return verified
 
-    def _on_drafts(self, seq: Sequence, drafts: tuple[int, ...]) -> None:
-        """Emit ``seq``'s accepted draft tokens (as if decoded one by one) and make their K/V
-        the sequence's; stops early when one of them finishes it (EOS, stop, length)."""
-        emitted = 0
-        for token_id in drafts:
-            self._on_token(seq, token_id, None)
-            emitted += 1
+    @staticmethod
+    def _verify(logits: torch.Tensor, rows: list[SampleRow], drafts: list[tuple[int, ...]]
+                ) -> list[Verified | None]:
+        """sampler.verify over every draft chunk; if it raises, each sequence alone (None: it
+        fails alone), as ``_sample`` does. Seeded generators are rewound before the retry, so a
+        sequence's draws are the ones the batched call would have made."""
+        generators = {id(r.generator): r.generator for r in rows if r.generator is not None}
+        states = {key: g.get_state() for key, g in generators.items()}
+        try:
+            return list(verify(logits, rows, drafts))
+        except Exception:
+            logger.exception("batched verification of %d drafts failed; verifying one by one", len(drafts))
+        for key, g in generators.items():
+            g.set_state(states[key])
+        out: list[Verified | None] = []
+        at = 0
+        for draft in drafts:
+            end = at + len(draft) + 1
+            try:
+                out.append(verify(logits[at:end], rows[at:end], [draft])[0])
+            except Exception:
+                logger.exception("verification failed for one sequence (%s)", rows[at].params)
+                out.append(None)
+            at = end
+        if len(drafts) > 1 and all(r is None for r in out):
+            raise RuntimeError("the verification fails on every row: not a per-request failure")
+        return out
+
+    def _on_drafts(self, seq: Sequence, result: Verified) -> None:
+        """Emit ``seq``'s accepted draft tokens (as if decoded one by one), make their K/V the
+        sequence's, then emit the token after them; stops early when one of them finishes it
+        (EOS, stop, length)."""
+        sp = seq.sampling
+        for i, token_id in enumerate(result.token_ids):
+            logprob = None
+            if result.logprobs is not None and sp.logprobs:
+                assert result.top_ids is not None and result.top_logprobs is not None
+                logprob = self._logprob(token_id, result.logprobs[i], result.top_ids[i][: sp.top_logprobs],
+                                        result.top_logprobs[i][: sp.top_logprobs])
+            if i == result.num_accepted:  # the drafts are the sequence's tokens now
+                self.scheduler.accept_drafts(seq, result.num_accepted)
+            self._on_token(seq, token_id, logprob)
+            self.spec_tokens_accepted += i < result.num_accepted
             if seq.status is not SeqStatus.RUNNING:
                 return
-        self.spec_tokens_accepted += emitted
-        self.scheduler.accept_drafts(seq, emitted)
 
     def _move_tier_pages(self, out: SchedulerOutput) -> None:
         """Before anything writes this step: copy evicted pages out to the tier, then write the
@@ -610,12 +666,20 @@ class LLMEngine:
             matcher=new_matcher(state.grammar) if state.grammar is not None else None,
         )
         sp = req.sampling
-        if (self.scheduler.drafter is not None and req.speculative and sp.temperature == 0
-                and sp.n == 1 and not sp.logprobs and state.grammar is None
-                and sp.presence_penalty == 0 and sp.frequency_penalty == 0
-                and sp.repetition_penalty == 1):
-            # NOTE: greedy rows only: under sampling, penalties, logprobs or a grammar a draft
-            # would need rejection sampling / per-draft state; those rows decode one by one
+        # Greedy and sampled requests draft alike (sampler.verify: rejection sampling), with
+        # penalties (each draft position is penalised for the drafts before it), logprobs (each
+        # emitted token's row is the position a plain decode would have used) and seeds (each
+        # emitted token consumes one draw of the request's generator, as a plain decode does,
+        # so a seeded output does not depend on the batch flipping the speculative_max_rows cap).
+        # NOTE: not with a grammar: a draft position's token mask depends on the matcher state
+        # after the drafts before it, so verifying k drafts would mean advancing the matcher
+        # through them, filling k more masks and rolling back the rejected ones each step.
+        # NOTE: not with n > 1: the prompt's last token can be scheduled as a one-token
+        # "decode" (after chunked prefill or a recompute), which would draft before the
+        # choices fork, and the forks sample from that chunk's first row in the step's
+        # sampling, which skips verified chunks.
+        if (self.scheduler.drafter is not None and req.speculative and sp.n == 1
+                and state.grammar is None):
             seq.draft = DraftState(k=self.scheduler.drafter.max_draft)
         state.seqs.append(seq)
         return seq

@@ -1,18 +1,22 @@
 """Speculative decoding on the real engine: greedy output is token-identical to plain decoding,
-drafts are accepted where the context repeats, and rejected drafts leave no trace in the cache
-(every registered page holds the K/V its tokens give)."""
+sampled output is whole and (seeded) reproducible whatever the drafts, drafts are accepted where
+the context repeats, and rejected drafts leave no trace in the cache (every registered page
+holds the K/V its tokens give). The sampling logic itself: tests/engine/test_sampler.py."""
 
 from __future__ import annotations
 
 import torch
 
-from prefixgate.gateway.engine.api import GenerationRequest, SamplingParams
+from prefixgate.gateway.engine import llm_engine
+from prefixgate.gateway.engine.api import EngineError, GenerationRequest, SamplingParams
+from tests.engine.test_constrained import JSON
 from tests.engine.test_engine import TASKS, chat, greedy, run, tokens
 
 REPEAT = ("Copy this list exactly, twice: alpha, beta, gamma, delta, epsilon, zeta, eta, theta. "
           "Then copy it again.")
 TOOL = ('Previous call: {"name": "search_code", "arguments": {"query": "retry policy", '
         '"path": "src/http"}}. Call search_code again with the same arguments.')
+ECHO = '{"tool": "search_code", "arguments": {"query": "retry policy", "path": "src/http", "limit": 5}}'
 
 
 def _requests(tokenizer):
@@ -48,13 +52,87 @@ def test_speculative_greedy_is_token_identical_and_leaves_exact_pages(make_engin
     assert set(spec.cache.pool.cached) == set(plain.cache.pool.cached) and compared >= 15
 
 
-def test_sampled_and_opted_out_requests_never_draft(make_engine, tokenizer):
+def test_opted_out_and_constrained_requests_never_draft(make_engine, tokenizer):
     spec = make_engine(num_pages=64, num_speculative_tokens=4)
     prompt = chat(tokenizer, REPEAT)
-    sampled = GenerationRequest(prompt, SamplingParams(max_tokens=12, temperature=0.7, seed=1), request_id="s")
     opted_out = GenerationRequest(prompt, greedy(12), request_id="o", speculative=False)
-    run(spec, [sampled, opted_out])
+    constrained = GenerationRequest(chat(tokenizer, "Weather in Oslo for 3 days, JSON."), greedy(24),
+                                    request_id="g", grammar=JSON)
+    run(spec, [opted_out, constrained])
     assert spec.scheduler.drafter.num_drafts == 0
+
+
+def _echo(tokenizer) -> tuple[int, ...]:
+    return tuple(tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"Repeat this JSON object exactly, three times, one per line:\n{ECHO}"}]))
+
+
+def _sampled(tokenizer, tag: str, seed: int | None, **sampling) -> GenerationRequest:
+    params = SamplingParams(**{"max_tokens": 48, "temperature": 0.8, "seed": seed, **sampling})
+    return GenerationRequest(_echo(tokenizer), params, request_id=tag)
+
+
+def test_sampled_requests_draft_accept_and_release_every_page(make_engine, tokenizer):
+    """Temperature 0.8 (plain, top-p, top-k, unseeded): drafts are proposed and accepted, every
+    output is whole (48 tokens, or fewer ending in a stop token) and decodes to its text, and
+    the pool ends with every page free again."""
+    spec = make_engine(num_pages=64, num_speculative_tokens=4)
+    free_at_start = spec.cache.num_free_pages
+    requests = [_sampled(tokenizer, "s1", 1), _sampled(tokenizer, "s2", 2, top_p=0.95),
+                _sampled(tokenizer, "s3", 3, top_k=40), _sampled(tokenizer, "u", None)]
+    out = run(spec, requests)
+    drafter = spec.scheduler.drafter
+    print(spec.spec_stats())
+    assert drafter.num_drafts > 0 and drafter.num_accepted > 0 and spec.spec_tokens_accepted > 0
+    assert drafter.num_proposed > drafter.num_accepted
+    for rid, deltas in out.items():
+        got, last = tokens(deltas), deltas[-1]
+        assert last.usage.completion_tokens == len(got), rid
+        if last.finish_reason == "length":
+            assert len(got) == 48, rid
+        else:
+            assert last.finish_reason == "stop" and len(got) < 48 and got[-1] in spec.eos_token_ids, rid
+            got = got[:-1]  # the stop token is not shown
+        assert "".join(d.text for d in deltas) == tokenizer.decode(got), rid
+    spec.cache.check_integrity()
+    assert spec.cache.stats().pages_used == 0 and spec.cache.num_free_pages == free_at_start
+
+
+def test_seeded_sampled_speculation_reproduces_whatever_the_drafts(make_engine, tokenizer):
+    """A seeded sampled request gives the same output twice, with speculation off, and in a batch
+    that changes how much it drafts (each emitted token takes the draw a plain decode would)."""
+    spec = make_engine(num_pages=128, num_speculative_tokens=4)
+    first = tokens(run(spec, [_sampled(tokenizer, "a", 7)])["a"])
+    assert spec.scheduler.drafter.num_accepted > 0
+    assert tokens(run(spec, [_sampled(tokenizer, "b", 7)])["b"]) == first
+    plain = make_engine(num_pages=128, num_speculative_tokens=0)
+    assert tokens(run(plain, [_sampled(tokenizer, "c", 7)])["c"]) == first
+    # seven greedy neighbours fill the row cap: the seeded request drafts far less, or not at all
+    busy = [GenerationRequest(chat(tokenizer, t), greedy(40), request_id=f"n{i}") for i, t in enumerate(TASKS[:7])]
+    crowded = make_engine(num_pages=128, num_speculative_tokens=4)
+    assert tokens(run(crowded, [*busy, _sampled(tokenizer, "d", 7)])["d"]) == first
+    assert tokens(run(spec, [_sampled(tokenizer, "e", 8)])["e"]) != first  # the seed matters
+
+
+def test_speculation_with_penalties_and_logprobs_is_token_identical(make_engine, tokenizer):
+    """Penalties see the drafts before each verified position; logprobs are each emitted
+    position's, as in a plain decode."""
+    params = [greedy(40, repetition_penalty=1.1, logprobs=True, top_logprobs=2),
+              greedy(40, presence_penalty=0.3, frequency_penalty=0.2),
+              SamplingParams(max_tokens=40, temperature=0.8, seed=3, frequency_penalty=0.3, logprobs=True)]
+    requests = lambda: [GenerationRequest(_echo(tokenizer), p, request_id=f"p{i}")  # noqa: E731
+                        for i, p in enumerate(params)]
+    plain = run(make_engine(num_pages=128, num_speculative_tokens=0), requests())
+    spec_engine = make_engine(num_pages=128, num_speculative_tokens=4)
+    spec = run(spec_engine, requests())
+    assert spec_engine.scheduler.drafter.num_accepted > 0
+    for rid in plain:
+        assert tokens(spec[rid]) == tokens(plain[rid]), rid
+        lps = lambda deltas: [lp for d in deltas for lp in (d.logprobs or ())]  # noqa: E731
+        for a, b in zip(lps(spec[rid]), lps(plain[rid]), strict=True):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-3
+            assert [t.token_id for t in a.top] == [t.token_id for t in b.top]
+    assert len(lps(spec["p0"])) == 40 and all(len(lp.top) == 2 for lp in lps(spec["p0"]))
 
 
 def test_speculation_under_page_pressure_keeps_outputs(make_engine, tokenizer):
@@ -76,3 +154,29 @@ def test_no_draft_past_the_step_row_cap(make_engine, tokenizer):
     capped = make_engine(num_pages=64, num_speculative_tokens=4, speculative_max_rows=1)
     run(capped, [GenerationRequest(chat(tokenizer, REPEAT), greedy(16), request_id="c")])
     assert capped.scheduler.drafter.num_drafts == 0  # one decode row already fills the cap
+
+
+def test_a_verification_fault_fails_its_request_alone(make_engine, tokenizer, monkeypatch):
+    """The batched verification raises (after drawing): only the poison's request fails, and
+    the seeded neighbours' outputs are those of a clean run (their generators are rewound
+    before the one-by-one retry)."""
+    clean_engine = make_engine(num_pages=128, num_speculative_tokens=4)
+    clean = run(clean_engine, [_sampled(tokenizer, "a", 7), _sampled(tokenizer, "b", 8, top_p=0.9)])
+    real = llm_engine.verify
+    calls = {"raised": 0}
+
+    def verify(logits, rows, drafts):
+        result = real(logits, rows, drafts)
+        if any(r.params.seed == 666 for r in rows):
+            calls["raised"] += 1
+            raise RuntimeError("injected verification fault")
+        return result
+
+    monkeypatch.setattr(llm_engine, "verify", verify)
+    engine = make_engine(num_pages=128, num_speculative_tokens=4)
+    out = run(engine, [_sampled(tokenizer, "a", 7), _sampled(tokenizer, "b", 8, top_p=0.9),
+                       _sampled(tokenizer, "p", 666)])
+    assert calls["raised"] >= 2  # batched, then alone
+    assert isinstance(out["p"][-1], EngineError) and out["p"][-1].code == "request_failed"
+    assert tokens(out["a"]) == tokens(clean["a"]) and tokens(out["b"]) == tokens(clean["b"])
+    assert engine.cache.stats().pages_used == 0 and engine.num_requests == 0
