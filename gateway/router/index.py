@@ -112,8 +112,9 @@ class IndexReader:
         """Per replica, the leading blocks of ``chain`` its pool holds and, for ``tier_ids``
         (replicas loading from the fleet's Redis tier), the blocks after those that the tier
         holds. One round trip; None when Redis failed."""
-        tiered = [r for r in replica_ids if r in set(tier_ids)]
-        ordered = [*tiered, *(r for r in replica_ids if r not in set(tiered))]
+        loads_tier = set(tier_ids)
+        tiered = [r for r in replica_ids if r in loads_tier]
+        ordered = [*tiered, *(r for r in replica_ids if r not in loads_tier)]
         if not chain or not ordered:
             return ChainMatch(dict.fromkeys(replica_ids, 0), dict.fromkeys(replica_ids, 0))
         keys = [self.keys.block(h) for h in chain]
