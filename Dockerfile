@@ -32,7 +32,7 @@ RUN if ! command -v python3 >/dev/null 2>&1; then \
     fi \
     && python3 -m venv "$VIRTUAL_ENV"
 
-# A C compiler for the native CPU decode kernel (kernels/native.py builds it on first use,
+# A C compiler for the native CPU kernels (kernels/cpu/library.py builds them on first use,
 # -march=native for the host it runs on; without one the torch path is used).
 RUN if ! command -v cc >/dev/null 2>&1; then \
         apt-get update -qq \

@@ -279,6 +279,7 @@ def main() -> None:
         "uncached_over_cached": uncached["wall_s"] / cached["wall_s"],
         "device": info["device"],
         "kernel_backend": info["kernel_backend"],
+        "kv_dtype": info["kv_dtype"],
         "native_cpu_kernels": info["native_cpu_kernels"],
         "max_num_batched_tokens": cached_engine.scheduler.max_num_batched_tokens,
     }

@@ -190,9 +190,9 @@ def main(argv: list[str] | None = None) -> dict:
         "max_abs_diff": diff,
     }
     if backend == "triton":
-        from prefixgate.kernels.triton_attention import paged_attention_triton
-        from prefixgate.kernels.triton_common import device_sms
-        from prefixgate.kernels.triton_decode import plan_decode_splits
+        from prefixgate.kernels.triton.attention import paged_attention_triton
+        from prefixgate.kernels.triton.common import device_sms
+        from prefixgate.kernels.triton.decode import plan_decode_splits
 
         pages = w["block_tables"].shape[1]
         plan = plan_decode_splits(

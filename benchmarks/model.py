@@ -19,17 +19,22 @@ Workload (defaults; every size is a flag):
     both), medians of ``--repeats`` samples after one warm-up each.
 
   * ``--fp32-baseline``: also a second runner of ours over the same weights dequantized to fp32
-    (the path before the quantized kernel, kernels/csrc/linear.c), its samples alternating with
+    (the path before the quantized kernel, kernels/cpu/csrc/linear.c), its samples alternating with
     the quantized runner's; ``--no-transformers`` leaves transformers out (a quick A/B).
+  * ``--kv-dtype bf16``: our runner's KV pool in bf16 (default auto: the model's fp32);
+    ``--kv-baseline``: also a runner over the same weights with the model-dtype (fp32) pool,
+    alternating with it, so ``kv_speedup_*`` = fp32-pool seconds / ``--kv-dtype`` seconds.
   * memory: the process RSS once our runner is built, less the loaded weights it was built
     from (``rss_mb_ours``, before transformers loads), and what the fp32 runner adds to it.
 
 Reported: tokens/s per workload for both, ``prefill_ratio_<N>`` and ``decode_ratio_b<B>`` =
 ours / transformers (> 1: prefixgate is faster), ``quant_speedup_*`` = quantized / fp32 runner,
+``kv_speedup_*`` = ``--kv-dtype`` pool / fp32 pool,
 plus the kernel backend, whether the native CPU decode kernel ran, and the thread count.
 
     python -m benchmarks.model --json out/model.json
     python -m benchmarks.model --fp32-baseline --no-transformers --batches 1 16 --prefill 2048
+    python -m benchmarks.model --kv-dtype bf16 --kv-baseline --no-transformers --batches 16
 """
 
 from __future__ import annotations
@@ -180,6 +185,15 @@ def main() -> None:
         help="also time a runner over the weights dequantized to fp32 (the pre-quantized path)",
     )
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers")
+    parser.add_argument(
+        "--kv-dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+        help="our runner's KV pool dtype (auto: the model's)",
+    )
+    parser.add_argument(
+        "--kv-baseline",
+        action="store_true",
+        help="also time a runner with the model-dtype KV pool, alternating with --kv-dtype's",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -194,13 +208,15 @@ def main() -> None:
         -(-max(args.prefill) // page_size),
     )
 
-    def build(model) -> ModelRunner:
+    def build(model, kv_dtype: str = "auto") -> ModelRunner:
         return ModelRunner.from_loaded(
-            model, num_pages=pages_needed, page_size=page_size, device="cpu", dtype=torch.float32
+            model, num_pages=pages_needed, page_size=page_size, device="cpu", dtype=torch.float32,
+            kv_dtype=kv_dtype,
         )
 
     rss_start = _rss_mb()
-    runner = build(loaded)
+    runner = build(loaded, args.kv_dtype)
+    kv_baseline = build(loaded) if args.kv_baseline else None
     weights = loaded.weights
     loaded = dataclasses.replace(loaded, weights={})  # the runner holds its own packed copy
     rss_ours = _rss_mb() - sum(_nbytes(w) for w in weights.values()) / 2**20
@@ -237,6 +253,7 @@ def main() -> None:
         "model": config.name,
         "threads": threads,
         "kernel_backend": runner.kernel_backend,
+        "kv_dtype": str(runner.kv_dtype).removeprefix("torch."),
         "native_cpu_kernels": kernels.native_decode_available()
         if runner.device.type == "cpu"
         else False,
@@ -265,7 +282,7 @@ def main() -> None:
             ids = random_ids(count)
             table = list(range(-(-count // page_size)))
             prefill_fns: dict[str, Callable[[], float]] = {}
-            for name, model in (("ours", runner), ("ours_fp32", baseline)):
+            for name, model in (("ours", runner), ("ours_fp32", baseline), ("ours_kv", kv_baseline)):
                 if model is not None:
                     prefill_fns[name] = lambda m=model, ids=ids, table=table: _timed(
                         lambda: m.execute([SeqChunk(ids, 0, table, True)])
@@ -290,14 +307,21 @@ def main() -> None:
                     f" | fp32 {count / seconds['ours_fp32']:8.1f} | "
                     f"{seconds['ours_fp32'] / seconds['ours']:5.2f}x"
                 )
+            if kv_baseline is not None:
+                results[f"kv_speedup_prefill_{count}"] = seconds["ours_kv"] / seconds["ours"]
+                shown += (
+                    f" | fp32 KV {count / seconds['ours_kv']:8.1f} | "
+                    f"{seconds['ours_kv'] / seconds['ours']:5.2f}x"
+                )
             rows.append((f"prefill {count:>5} tok/s  ours | ...", shown))
 
         # decode: one prefilled context, copied per sequence on both sides
         prompt = random_ids(args.context)
         first_table = list(range(-(-capacity // page_size)))
         first = int(runner.execute([SeqChunk(prompt, 0, first_table, True)])[0].argmax())
-        if baseline is not None:
-            baseline.execute([SeqChunk(prompt, 0, first_table, True)])
+        for other in (baseline, kv_baseline):
+            if other is not None:
+                other.execute([SeqChunk(prompt, 0, first_table, True)])
         base_cache = None
         if theirs is not None:
             base_cache = theirs(torch.tensor([prompt]), use_cache=True).cache
@@ -307,6 +331,8 @@ def main() -> None:
             }
             if baseline is not None:
                 runs["ours_fp32"] = _OurDecode(baseline, batch, args.context, capacity, first)
+            if kv_baseline is not None:
+                runs["ours_kv"] = _OurDecode(kv_baseline, batch, args.context, capacity, first)
             if theirs is not None:
                 runs["transformers"] = _TheirGenerate(theirs, base_cache, prompt, batch, first)
                 runs["transformers_forward"] = _TheirDecode(theirs, base_cache, batch, first)
@@ -333,13 +359,17 @@ def main() -> None:
                 speedup = seconds["ours_fp32"] / seconds["ours"]
                 results[f"quant_speedup_decode_b{batch}"] = speedup
                 shown += f" | fp32 {generated / seconds['ours_fp32']:8.1f} | {speedup:5.2f}x"
+            if kv_baseline is not None:
+                speedup = seconds["ours_kv"] / seconds["ours"]
+                results[f"kv_speedup_decode_b{batch}"] = speedup
+                shown += f" | fp32 KV {generated / seconds['ours_kv']:8.1f} | {speedup:5.2f}x"
             rows.append((f"decode b={batch:<3} tok/s  ours | ...", shown))
             del runs
 
     print_table(
         f"{config.name}: prefixgate runner (quantized weights native where it can) vs "
-        f"transformers / the fp32 runner (CPU, {threads} threads, "
-        f"kernels={runner.kernel_backend})",
+        f"transformers / the fp32 runner / the fp32 KV pool (CPU, {threads} threads, "
+        f"kernels={runner.kernel_backend}, KV {results['kv_dtype']})",
         rows,
     )
     write_json(args.json, results)

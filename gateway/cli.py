@@ -14,7 +14,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from prefixgate.gateway.engine.config import EngineConfig
+from prefixgate.gateway.engine.config import KV_DTYPES, EngineConfig
 from prefixgate.gateway.router.cli import ROUTE_DEFAULTS, add_route_parser, route_settings
 from prefixgate.gateway.server.limits import LIMIT_DEFAULTS, add_limit_flags, limits_from_values
 from prefixgate.gateway.server.settings import ServerSettings, env_var, merge_api_keys
@@ -36,6 +36,7 @@ DEFAULTS: dict[str, Any] = {
     "hash_seed": 0,
     "device": None,
     "dtype": None,
+    "kv_dtype": "auto",
     "kernel_backend": None,
     "native_kernels": "on",
     "quantized_weights": "on",
@@ -136,6 +137,13 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         "--dtype",
         choices=["float32", "bfloat16", "float16"],
         help="default: float32 on CPU, bfloat16 on GPU",
+    )
+    model.add_argument(
+        "--kv-dtype",
+        choices=KV_DTYPES,
+        help="KV cache precision: bf16 halves the KV bytes (twice the pages in --kv-memory; "
+        "K/V rounded to bf16 when stored, attention still in fp32); auto = the model's dtype "
+        "(default auto)",
     )
     model.add_argument(
         "--kernel-backend",
@@ -369,6 +377,7 @@ def configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerSettings]:
         served_model_name=values["served_model_name"],
         device=values["device"],
         dtype=values["dtype"],
+        kv_dtype=None if values["kv_dtype"] == "auto" else values["kv_dtype"],
         page_size=values["page_size"],
         kv_memory_gb=values["kv_memory"],
         num_pages=values["num_pages"],

@@ -84,7 +84,7 @@ class AttentionPlan:
         padded: decode groups for the padded gather path.
         shared: decode groups that share a prefix run of pages.
         use_native: decode rows and prefill chunks may use the native CPU kernels
-            (kernels/native.py, kernels/native_prefill.py).
+            (kernels/cpu/decode.py, kernels/cpu/prefill.py).
     """
 
     starts: list[int]

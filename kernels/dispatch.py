@@ -120,13 +120,14 @@ def write_kv(
 ) -> None:
     """Scatter each new token's K/V into its cache slot (``slot = page * page_size + offset``).
 
-    ``native``: the torch backend may use the native CPU copy (fp32; kernels/native_ops.py).
+    ``native``: the torch backend may use the native CPU copy (fp32 K/V into fp32 or bf16
+    caches; kernels/cpu/ops.py).
     ``check=False``: the torch backend skips the shape/dtype/device validation, for a caller
     that validated the same layout already this step (the model checks its first layer; every
     layer's caches are views of one pool). Slot values are still bounds-checked.
     """
     if resolve_backend(key.device, backend) == "triton":
-        from prefixgate.kernels.triton_write_kv import write_kv_triton
+        from prefixgate.kernels.triton.write_kv import write_kv_triton
 
         write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     else:
@@ -162,7 +163,7 @@ def paged_attention(
             ``write_kv``); the Triton launcher always reads its shapes through it.
     """
     if resolve_backend(query.device, backend) == "triton":
-        from prefixgate.kernels.triton_attention import paged_attention_triton
+        from prefixgate.kernels.triton.attention import paged_attention_triton
 
         return paged_attention_triton(
             query,
@@ -191,7 +192,7 @@ def copy_pages(
     NOTE: ``dst`` ids must be distinct and disjoint from ``src`` (pairs copy in parallel).
     """
     if resolve_backend(kv_pool.device, backend) == "triton":
-        from prefixgate.kernels.triton_copy_pages import copy_pages_triton
+        from prefixgate.kernels.triton.copy_pages import copy_pages_triton
 
         copy_pages_triton(kv_pool, src, dst)
     else:

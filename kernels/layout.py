@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from prefixgate.kernels.host_memory import empty_huge
+from prefixgate.kernels.cpu.host_memory import empty_huge
 
 
 def allocate_kv_pool(

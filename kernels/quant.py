@@ -6,7 +6,7 @@ Each row of ``[rows, cols]`` is ``cols / 32`` blocks of 32 weights, stored as in
   * Q8_0 (34 B): fp16 d, 32 int8; weight = d * q
 where byte j of the nibbles holds weight j (low) and weight j + 16 (high). :meth:`dequantize`
 gives exactly gguf's values (``gguf.quants.dequantize``), the oracle of the native kernel
-(kernels/csrc/linear_quant.c), which computes on these blocks directly.
+(kernels/cpu/csrc/linear_quant.c), which computes on these blocks directly.
 """
 
 from __future__ import annotations

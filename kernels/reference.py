@@ -10,12 +10,17 @@ exact (no approximations beyond the dtype) and reasonably fast:
   loop per sequence;
 * decode rows of sequences that share a run of prefix pages attend to that run once, all
   together (cascade attention, merged by log-sum-exp), then each to its own pages;
-* prefill chunks (``n_s > 1``) of fp32 CPU caches go through the native kernel reading the
-  pages in place (kernels/native_prefill.py) when the plan allows native kernels; otherwise
+* prefill chunks (``n_s > 1``) of fp32 queries over fp32 or bf16 CPU caches go through the
+  native kernel reading the pages in place (kernels/cpu/prefill.py) when the plan allows
+  native kernels; otherwise
   SDPA per sequence with a lower-right causal bias (the flash path skips the masked half) and
   ``enable_gqa`` (K/V never expanded per query head);
 * decode folds each GQA group into SDPA's row dim; both gather pages into reused buffers
   (kernels/workspace.py) read by SDPA as strided views.
+
+A cache narrower than the query (bf16 pages under an fp32 model, ``--kv-dtype bf16``) is read
+as stored and widened: attention runs in the wider of the two dtypes, so the only rounding the
+cache adds is the one ``write_kv`` did when it stored K/V.
 """
 
 from __future__ import annotations
@@ -31,9 +36,9 @@ from prefixgate.kernels.attention_plan import (
     plan_attention,
 )
 from prefixgate.kernels.checks import check_attention_inputs, check_copy_inputs, check_write_inputs
-from prefixgate.kernels.native import paged_decode_native
-from prefixgate.kernels.native_ops import write_kv_native
-from prefixgate.kernels.native_prefill import paged_prefill_native
+from prefixgate.kernels.cpu.decode import KV_DTYPES, paged_decode_native
+from prefixgate.kernels.cpu.ops import write_kv_native
+from prefixgate.kernels.cpu.prefill import paged_prefill_native
 from prefixgate.kernels.workspace import gather_pages
 
 
@@ -48,8 +53,9 @@ def write_kv_ref(
 ) -> None:
     """Scatter each new token's K/V into its slot (``slot = page * page_size + offset``).
 
-    ``use_native``: fp32 CPU tensors go through the native copy (kernels/native_ops.py) when it
-    is available; the torch ops below otherwise. ``check=False`` skips the layout validation
+    ``use_native``: fp32 K/V into fp32 or bf16 CPU caches go through the native copy
+    (kernels/cpu/ops.py) when it is available; the torch ops below otherwise (both round to
+    a narrower cache's dtype to nearest even). ``check=False`` skips the layout validation
     (the caller validated this layout already).
     """
     if check:
@@ -103,7 +109,7 @@ def paged_attention_ref(
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     for s in plan.prefill:
         rows = slice(starts[s], starts[s + 1])
-        # native (fp32 CPU): in place on the pages; it declines anything else
+        # native (fp32 query, fp32/bf16 pages, CPU): in place on the pages; it declines the rest
         if plan.use_native and paged_prefill_native(
             out[rows], query[rows], k_cache, v_cache,
             _sequence_pages(block_tables[s], lens[s], k_cache.shape[1]), lens[s], scale,
@@ -150,7 +156,9 @@ def _prefill_one(
     n_new = q.shape[0]
     pages = _sequence_pages(block_table, ctx_len, k_cache.shape[1])
     k, v = _gather_context(k_cache, v_cache, pages[None], ctx_len)  # [1, Hkv, C, D]
-    q_heads = q.to(k.dtype).transpose(0, 1)[None]  # [1, Hq, n, D]
+    dtype = torch.promote_types(q.dtype, k.dtype)
+    k, v = k.to(dtype), v.to(dtype)  # no-ops unless the cache is narrower than the query
+    q_heads = q.to(dtype).transpose(0, 1)[None]  # [1, Hq, n, D]
     # Row j sits at position ctx_len - n_new + j and sees keys 0..that position: a causal mask
     # aligned to the lower right. Passing it as a causal bias (not a materialised boolean mask)
     # lets SDPA's CPU flash kernel skip the masked half instead of converting an [n, C] mask.
@@ -182,14 +190,16 @@ def _decode_padded(
     use_native: bool = True,
 ) -> None:
     """The single query row of each sequence of a chunk: the native kernel reading pages in
-    place when it applies (fp32 on CPU), else one padded gather + masked SDPA."""
+    place when it applies (fp32 query on CPU), else one padded gather + masked SDPA."""
     if use_native and paged_decode_native(
         out, query, k_cache, v_cache, chunk.rows, chunk.pages, chunk.lengths, scale
     ):
         return
     k, v = _gather_context(k_cache, v_cache, chunk.pages, chunk.ctx_len)  # [B, Hkv, C, D]
+    dtype = torch.promote_types(query.dtype, k.dtype)
+    k, v = k.to(dtype), v.to(dtype)  # no-ops unless the cache is narrower than the query
     # decode needs no causal mask, only padding's
-    q = _grouped_decode_query(query, chunk.rows, k_cache.shape[2], k.dtype)  # [B, Hkv, G, D]
+    q = _grouped_decode_query(query, chunk.rows, k_cache.shape[2], dtype)  # [B, Hkv, G, D]
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.key_mask, scale=scale)
     out[chunk.rows] = o.reshape(o.shape[0], *out.shape[1:]).to(out.dtype)
 
@@ -248,7 +258,7 @@ def _own_pages_with_lse(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [B, Hkv, G, D], [B, Hkv, G]
     """Each member's fp32 query rows over its own pages, with the log-sum-exp for the merge."""
     batch, num_kv_heads, group_size, head_dim = q.shape
-    if use_native and q.device.type == "cpu" and k_cache.dtype == torch.float32:
+    if use_native and q.device.type == "cpu" and k_cache.dtype in KV_DTYPES:
         flat_q = q.view(batch, num_kv_heads * group_size, head_dim)
         out = torch.empty_like(flat_q)
         lse = torch.empty(batch, num_kv_heads * group_size, dtype=torch.float32)

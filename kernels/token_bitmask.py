@@ -3,7 +3,7 @@
 Layout (xgrammar's): ``bitmask [B, ceil(V / 32)] int32``, bit ``j`` of word ``w`` set = token
 ``32 * w + j`` allowed. ``logits [B, V]`` float, rows at any stride, changed in place.
 
-On CPU in fp32 the native loop (kernels/csrc/token_bitmask.c) skips all-ones words with one
+On CPU in fp32 the native loop (kernels/cpu/csrc/token_bitmask.c) skips all-ones words with one
 compare; elsewhere the torch version unpacks the bits (also the oracle in the tests).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from prefixgate.kernels.native_lib import library
+from prefixgate.kernels.cpu.library import library
 
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 

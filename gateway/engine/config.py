@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# KV pool precisions (--kv-dtype); "auto" (or None) = the model's dtype
+KV_DTYPES = ("auto", "fp32", "bf16", "fp16")
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -11,6 +14,15 @@ class EngineConfig:
     served_model_name: str | None = None  # defaults to the model's own name
     device: str | None = None  # None = cuda if available else cpu
     dtype: str | None = None  # None = fp32 on CPU, bf16 on GPU
+    # KV pool precision, one of KV_DTYPES; None / "auto" = the model's dtype (the pool as it
+    # always was, and what the fidelity bounds are measured with). "bf16" under the fp32 model
+    # on CPU halves the KV bytes (2x the pages for the same kv_memory_gb); K/V are rounded to
+    # bf16 as they are written and attention widens them back and computes in fp32. NOT
+    # token-identical to the fp32 pool: measured on SmolLM2-135M (benchmarks.kv_dtype, 32
+    # prompts incl. the fidelity suite's 7, 64 greedy tokens) 26/32 continuations identical
+    # (all 7 fidelity prompts), the others first differ at tokens 11-38; decode steps at batch
+    # 16 1.21-1.29x faster (512-2,048 context, 1 thread), prefill unchanged
+    kv_dtype: str | None = None
     page_size: int = 16
     kv_memory_gb: float | None = None  # KV pool budget; ignored when num_pages is set
     num_pages: int | None = None
@@ -41,7 +53,7 @@ class EngineConfig:
     # 16 at 4, 30 at 8, ~58 at 16 rows
     speculative_max_rows: int = 8
     kernel_backend: str | None = None  # None = triton on CUDA, torch on CPU
-    native_kernels: bool = True  # CPU fp32: the native C kernels (kernels/csrc) when they build here
+    native_kernels: bool = True  # CPU fp32: the native C kernels (kernels/cpu/csrc) when they build here
     # with the native kernels: run a GGUF's Q4_0/Q4_1/Q8_0 matrices in their blocks (decode b1
     # ~2x, prefill ~1.1x, RSS 1,670 -> 654 MB on the default model; b16 decode ~0.9x: from 16
     # rows the FMAs, not memory, bound it); False = dequantize to fp32 as before
@@ -50,6 +62,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+            raise ValueError(
+                f"kv_dtype must be one of {', '.join(KV_DTYPES)} (or None), got {self.kv_dtype!r}"
+            )
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
         if self.kv_memory_gb is not None and self.kv_memory_gb <= 0:

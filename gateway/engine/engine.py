@@ -412,9 +412,10 @@ def build_engine(config: EngineConfig | None = None, *, event_sink=None, loaded=
 
     config = config or EngineConfig()
     core, info = create_llm_engine(config, event_sink=event_sink, loaded=loaded, tier_store=tier_store)
-    logger.info("engine ready: model=%s device=%s kernels=%s%s pages=%d x %d tokens, step budget %d tokens",
-                info["model_name"], info["device"], info["kernel_backend"],
-                " + native CPU kernels" if info.get("native_cpu_kernels") else "",
+    logger.info("engine ready: model=%s device=%s %s (KV %s) kernels=%s%s pages=%d x %d tokens, "
+                "step budget %d tokens",
+                info["model_name"], info["device"], info["dtype"], info["kv_dtype"],
+                info["kernel_backend"], " + native CPU kernels" if info.get("native_cpu_kernels") else "",
                 core.cache.num_pages, core.page_size, core.scheduler.max_num_batched_tokens)
     return AsyncEngine(core, model_name=info["model_name"], device=info["device"],
                        kernel_backend=info["kernel_backend"])

@@ -23,9 +23,9 @@ def create_llm_engine(
     """Load the model (unless ``loaded`` is given) and return the sync engine plus facts about it.
 
     Returns:
-        (engine, info) with info keys model_name, device, dtype, kernel_backend,
+        (engine, info) with info keys model_name, device, dtype, kv_dtype, kernel_backend,
         native_cpu_kernels, huge_pages (CPU: whether the KV pool and weights sit in huge
-        pages, kernels/host_memory.py; None on GPU), num_pages.
+        pages, kernels/cpu/host_memory.py; None on GPU), num_pages.
     """
     if loaded is None:
         loaded = load_model(config.model, progress=progress)
@@ -36,6 +36,7 @@ def create_llm_engine(
         page_size=config.page_size,
         device=config.device,
         dtype=config.dtype,
+        kv_dtype=config.kv_dtype,
         max_model_len=config.max_model_len,
         kernel_backend=config.kernel_backend,
         native_kernels=config.native_kernels,
@@ -61,6 +62,7 @@ def create_llm_engine(
         "model_id": loaded.name,
         "device": str(runner.device),
         "dtype": str(runner.dtype).removeprefix("torch."),
+        "kv_dtype": str(runner.kv_dtype).removeprefix("torch."),
         "kernel_backend": runner.kernel_backend,
         "native_cpu_kernels": runner.native_cpu_kernels,
         "huge_pages": runner.huge_pages,

@@ -1,7 +1,9 @@
 """How big the KV pool is: pages from ``--num-pages`` or from a memory budget ``--kv-memory``.
 
 Also the device/dtype defaults the runner uses: CUDA when available else CPU; fp32 on CPU
-(fidelity, and CPUs have no fast bf16 attention path here), bf16 on GPU.
+(fidelity, and CPUs have no fast bf16 attention path here), bf16 on GPU; the KV pool in the
+model's dtype unless ``--kv-dtype`` says otherwise (a page's bytes, so the page count, follow
+the pool's dtype).
 """
 
 from __future__ import annotations
@@ -59,6 +61,24 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         return _DTYPES[dtype.lower()]
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)}") from None
+
+
+def resolve_kv_dtype(kv_dtype: str | torch.dtype | None, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's dtype: ``None`` / ``"auto"`` = the model's; else as :func:`resolve_dtype`."""
+    if kv_dtype is None or (isinstance(kv_dtype, str) and kv_dtype.lower() == "auto"):
+        return model_dtype
+    if isinstance(kv_dtype, torch.dtype):
+        resolved = kv_dtype
+    else:
+        try:
+            resolved = _DTYPES[kv_dtype.lower()]
+        except KeyError:
+            raise ValueError(
+                f"unknown kv dtype {kv_dtype!r}; use auto, fp32, bf16 or fp16"
+            ) from None
+    if resolved not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"kv dtype must be fp32, bf16 or fp16, got {resolved}")
+    return resolved
 
 
 def kv_page_bytes(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:

@@ -17,11 +17,16 @@ from dataclasses import dataclass
 import torch
 
 from prefixgate import kernels
-from prefixgate.gateway.engine.kv_budget import plan_kv_budget, resolve_device, resolve_dtype
+from prefixgate.gateway.engine.kv_budget import (
+    plan_kv_budget,
+    resolve_device,
+    resolve_dtype,
+    resolve_kv_dtype,
+)
 from prefixgate.gateway.engine.loader.loaded_model import LoadedModel
 from prefixgate.gateway.engine.model_config import ModelConfig
 from prefixgate.gateway.engine.models import ForwardBatch, build_model
-from prefixgate.kernels.host_memory import huge_pages_status
+from prefixgate.kernels.cpu.host_memory import huge_pages_status
 
 logger = logging.getLogger(__name__)
 
@@ -62,16 +67,19 @@ class ModelRunner:
             (an existing ``[L, 2, P, page_size, Hkv, D]`` tensor); none = default budget.
         page_size: tokens per page.
         device / dtype: None = CUDA if available else CPU; fp32 on CPU, bf16 on GPU.
+        kv_dtype: the KV pool's dtype ("fp32" / "bf16" / "fp16" or a torch dtype); None or
+            "auto" = ``dtype`` (or a given ``kv_pool``'s). A narrower pool is written rounded
+            (write_kv) and read widened to the query's dtype by every attention path.
         max_model_len: longest sequence (None = the model's context length).
         eos_token_ids: exposed for the engine (the tokenizer's).
         kernel_backend: "triton" / "torch" / None (kernels' default for the device).
         shared_prefix_attention: torch backend: decode rows whose contexts start with the same
             pages attend to that run once for all of them (kernels/attention_plan.py).
-        native_kernels: torch backend on CPU in fp32: decode attention (kernels/native.py) and
-            the fused layer ops (kernels/native_ops.py) run natively when the library builds
+        native_kernels: torch backend on CPU in fp32: decode attention (kernels/cpu/decode.py) and
+            the fused layer ops (kernels/cpu/ops.py) run natively when the library builds
             here; False = torch ops only.
         quantized_weights: with the native kernels, a GGUF's Q4_0/Q4_1/Q8_0 matrices are
-            executed in their blocks (kernels/csrc/linear_quant.c); False = dequantized to fp32.
+            executed in their blocks (kernels/cpu/csrc/linear_quant.c); False = dequantized to fp32.
     """
 
     def __init__(
@@ -85,6 +93,7 @@ class ModelRunner:
         page_size: int = 16,
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
+        kv_dtype: str | torch.dtype | None = None,
         max_model_len: int | None = None,
         eos_token_ids: Sequence[int] = (),
         kernel_backend: str | None = None,
@@ -94,6 +103,9 @@ class ModelRunner:
     ) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        if kv_pool is not None and kv_dtype is None:
+            kv_dtype = kv_pool.dtype
+        self.kv_dtype = resolve_kv_dtype(kv_dtype, self.dtype)
         if self.device.type == "cpu":
             _configure_cpu_threads()
         if max_model_len is not None and max_model_len < 1:
@@ -103,7 +115,7 @@ class ModelRunner:
         self.eos_token_ids = tuple(eos_token_ids)
         self.kernel_backend = kernels.backend_name(self.device, kernel_backend)
         # fp32 on CPU: decode attention and the fused layer ops run natively when the library
-        # builds here (kernels/native.py, kernels/native_ops.py)
+        # builds here (kernels/cpu/decode.py, kernels/cpu/ops.py)
         self.native_cpu_kernels = (
             native_kernels
             and self.device.type == "cpu"
@@ -125,17 +137,21 @@ class ModelRunner:
         shape_tail = (page_size, config.num_kv_heads, config.head_dim)
         if kv_pool is not None:
             expected = (config.num_layers, 2, kv_pool.shape[2], *shape_tail)
-            if tuple(kv_pool.shape) != expected or kv_pool.device != self.device:
+            if (
+                tuple(kv_pool.shape) != expected
+                or kv_pool.device != self.device
+                or kv_pool.dtype != self.kv_dtype
+            ):
                 raise ValueError(
-                    f"kv_pool has shape {tuple(kv_pool.shape)} on {kv_pool.device}; expected "
-                    f"{expected} on {self.device}"
+                    f"kv_pool has shape {tuple(kv_pool.shape)} {kv_pool.dtype} on "
+                    f"{kv_pool.device}; expected {expected} {self.kv_dtype} on {self.device}"
                 )
             self.kv_pool = kv_pool
         else:
             budget = plan_kv_budget(
                 config,
                 page_size=page_size,
-                dtype=self.dtype,
+                dtype=self.kv_dtype,
                 device=self.device,
                 num_pages=num_pages,
                 kv_memory_gb=kv_memory_gb,
@@ -146,7 +162,7 @@ class ModelRunner:
                 page_size,
                 config.num_kv_heads,
                 config.head_dim,
-                self.dtype,
+                self.kv_dtype,
                 self.device,
             )  # [L, 2, P, page_size, Hkv, D]
         self.page_size = page_size
@@ -157,13 +173,14 @@ class ModelRunner:
         # after the pool and the weights were allocated: a refused advice shows here
         self.huge_pages = huge_pages_status() if self.device.type == "cpu" else None
         logger.info(
-            "runner: %s on %s/%s, %d pages x %d tokens (%.2f GiB KV), kernels=%s%s%s",
+            "runner: %s on %s/%s, %d pages x %d tokens (%.2f GiB KV, %s), kernels=%s%s%s",
             config.name,
             self.device,
             self.dtype,
             self.num_pages,
             page_size,
             self.kv_pool.numel() * self.kv_pool.element_size() / (1 << 30),
+            self.kv_dtype,
             self.kernel_backend,
             " + native CPU kernels" if self.native_cpu_kernels else "",
             f", huge pages {self.huge_pages}" if self.huge_pages else "",

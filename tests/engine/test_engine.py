@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from prefixgate.gateway.engine.api import (
     ContextLengthError,
@@ -273,3 +274,21 @@ def test_the_scheduler_counts_attention_with_the_models_flop_ratio(make_engine, 
     engine = make_engine()
     assert engine.scheduler.context_scale == 3072
     assert engine.scheduler.max_num_batched_tokens == 192
+
+
+def test_bf16_kv_serves_with_prefix_caching(make_engine, tokenizer):
+    """``kv_dtype="bf16"``: the second request of a prompt hits the cache (its last block
+    copied on write, as the last prompt token is recomputed into it) and decodes exactly what
+    the first decoded over pages it computed itself; speculative drafts write bf16 K/V too."""
+    engine = make_engine(kv_dtype="bf16", num_pages=128)
+    assert engine.runner.kv_pool.dtype == torch.bfloat16 and engine.runner.native_cpu_kernels
+    prompt = chat(tokenizer, TASKS[5])
+    prompt = prompt[: len(prompt) // 16 * 16]  # whole blocks: a full hit, then copy-on-write
+    first = run(engine, [GenerationRequest(prompt, greedy(24), request_id="a")])["a"]
+    second = run(engine, [GenerationRequest(prompt, greedy(24), request_id="b")])["b"]
+    assert tokens(second) == tokens(first) and len(tokens(first)) == 24
+    usage = [d.usage for d in second if d.usage][0]
+    assert usage.cached_tokens == len(prompt) - 1  # a full hit stops one token short
+    assert engine.cache.stats().cow_copies == 1  # ... and writes it into a copy of the page
+    assert engine.spec_stats()["spec_drafts"] > 0
+    engine.cache.check_integrity()

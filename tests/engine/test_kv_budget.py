@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from prefixgate.gateway.engine.config import EngineConfig
 from prefixgate.gateway.engine.kv_budget import (
     GIB,
     kv_page_bytes,
     plan_kv_budget,
     resolve_device,
     resolve_dtype,
+    resolve_kv_dtype,
 )
 
 pytestmark = pytest.mark.slow
@@ -53,3 +55,19 @@ def test_device_and_dtype_defaults():
         assert resolve_device(None).type == "cpu"
         with pytest.raises(ValueError, match="CUDA is not available"):
             resolve_device("cuda")
+
+
+def test_kv_dtype_defaults_to_the_model_dtype_and_rejects_unknown_names():
+    assert resolve_kv_dtype(None, torch.float32) == torch.float32
+    assert resolve_kv_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert resolve_kv_dtype("bf16", torch.float32) == torch.bfloat16
+    assert resolve_kv_dtype("fp16", torch.float32) == torch.float16
+    assert resolve_kv_dtype(torch.float32, torch.bfloat16) == torch.float32
+    with pytest.raises(ValueError, match="unknown kv dtype 'int8'"):
+        resolve_kv_dtype("int8", torch.float32)
+    with pytest.raises(ValueError, match="fp32, bf16 or fp16"):
+        resolve_kv_dtype(torch.float64, torch.float32)
+    assert EngineConfig().kv_dtype is None
+    assert EngineConfig(kv_dtype="bf16").kv_dtype == "bf16"
+    with pytest.raises(ValueError, match="kv_dtype must be one of auto, fp32, bf16, fp16"):
+        EngineConfig(kv_dtype="bfloat16x")

@@ -90,3 +90,41 @@ def test_tier_round_trip_is_byte_identical(make_engine):
     assert load.blocks == () and stats.corrupt == 1 and stats.rejected == 2
     assert not store.may_contain(block.block_hash)
     tier.close()
+
+
+def test_an_entry_of_another_pool_dtype_is_never_loaded():
+    """An entry spilled from an fp32 pool does not load into a bf16 pool of the same shape (nor
+    the reverse): the layout tag carries the dtype, and the payload size differs too."""
+    from prefixgate.cache.hashing import HashedBlock
+    from prefixgate.gateway.engine.kv_tier import KVTier, pool_layout
+
+    fp32 = torch.randn(2, 2, 4, 16, 3, 64)
+    bf16 = torch.zeros(fp32.shape, dtype=torch.bfloat16)
+    assert pool_layout(fp32) != pool_layout(bf16)
+    assert pool_layout(fp32).replace(b"float32", b"bfloat16") == pool_layout(bf16)
+    slot = entry_slot_bytes(fp32[:, :, 0].numel() * fp32.element_size())
+    store = HostTier(8 * slot, slot)
+    writer, reader = KVTier(store, fp32), KVTier(store, bf16)
+    block = HashedBlock(b"h" * 16, b"p" * 16, bytes(64), b"tenant")
+    writer.spill([(1, block)])
+    writer.flush()
+    reader.request("r", 0, [block])
+    while (load := reader.poll("r")) is None:
+        pass
+    assert load.blocks == () and load.payload is None
+    assert reader.stats().rejected == 1 and store.may_contain(block.block_hash)
+    # the fp32 pool still loads its own entry
+    writer.request("w", 0, [block])
+    while (load := writer.poll("w")) is None:
+        pass
+    assert load.blocks == (block,) and torch.equal(load.payload[:, :, 0], fp32[:, :, 1])
+    # and a bf16 pool's entry does not load into the fp32 pool
+    other = block._replace(block_hash=b"g" * 16)
+    reader.spill([(2, other)])
+    reader.flush()
+    writer.request("x", 0, [other])
+    while (load := writer.poll("x")) is None:
+        pass
+    assert load.blocks == () and writer.stats().rejected == 1
+    writer.close()
+    reader.close()

@@ -15,7 +15,7 @@ from prefixgate.gateway.engine.model_config import ModelConfig, RopeScaling, Uns
 from prefixgate.gateway.engine.models.linear import Linear, onednn_linear_available
 from prefixgate.gateway.engine.models.llama import rms_norm
 from prefixgate.gateway.engine.models.rope import RotaryEmbedding, inverse_frequencies
-from prefixgate.kernels.native_lib import native_status
+from prefixgate.kernels.cpu.library import native_status
 
 BASE = ModelConfig(
     architecture="llama",

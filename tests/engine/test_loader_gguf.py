@@ -20,7 +20,7 @@ from prefixgate.gateway.engine.loader import (
     load_model,
 )
 from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
-from prefixgate.kernels.native_ops import quant_native_available
+from prefixgate.kernels.cpu.ops import quant_native_available
 from prefixgate.kernels.quant import QuantizedTensor
 from tests.engine.tiny_models import (
     Q,

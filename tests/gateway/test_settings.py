@@ -194,6 +194,25 @@ def test_speculative_tokens_flag_reaches_the_engine_config():
 
 
 
+def test_kv_dtype_flag_reaches_the_engine_config(capsys):
+    engine, _ = resolve(["serve"], {})
+    assert engine.kv_dtype is None  # auto: the model's dtype, the pool as before
+    engine, _ = resolve(["serve", "--kv-dtype", "auto"], {})
+    assert engine.kv_dtype is None
+    engine, _ = resolve(["serve", "--kv-dtype", "bf16"], {})
+    assert engine.kv_dtype == "bf16"
+    engine, _ = resolve(["serve", "--kv-dtype", "fp32"], {"PREFIXGATE_KV_DTYPE": "bf16"})
+    assert engine.kv_dtype == "fp32"  # the flag wins
+    engine, _ = resolve(["serve"], {"PREFIXGATE_KV_DTYPE": "fp16"})
+    assert engine.kv_dtype == "fp16"
+    with pytest.raises(SystemExit):
+        resolve(["serve", "--kv-dtype", "int8"], {})
+    assert "--kv-dtype" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        resolve(["serve"], {"PREFIXGATE_KV_DTYPE": "bfloat8"})
+    assert "PREFIXGATE_KV_DTYPE" in capsys.readouterr().err
+
+
 def test_quantized_weights_flag_reaches_the_engine_config():
     engine, _ = resolve(["serve"], {})
     assert engine.quantized_weights is True

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixgate.kernels.native_lib import library
+from prefixgate.kernels.cpu.library import library
 from prefixgate.kernels.token_bitmask import apply_token_bitmask, apply_token_bitmask_ref
 
 needs_native = pytest.mark.skipif(library() is None, reason="the native library does not build here")

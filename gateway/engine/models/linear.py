@@ -1,6 +1,6 @@
 """A linear layer whose weight is laid out once for the fastest GEMM on its device.
 
-With the native CPU kernels on (fp32), the weight is packed for kernels/csrc/linear.c (16-column
+With the native CPU kernels on (fp32), the weight is packed for kernels/cpu/csrc/linear.c (16-column
 blocks streamed k-major; faster than oneDNN for decode-sized batches, equal for prefill; see
 there). Otherwise, on x86 CPUs the weight is reordered into oneDNN's blocked format
 (``torch.ops.mkldnn._reorder_linear_weight``) and applied with ``_linear_pointwise``: on the
@@ -10,7 +10,7 @@ torch without oneDNN, non-fp32) it is plain ``F.linear`` / ``addmm``. Both compu
 weight's dtype with fp32 accumulation; results differ only in summation order.
 
 A weight still in ggml blocks (:class:`~prefixgate.kernels.quant.QuantizedTensor`, from a GGUF
-file) runs natively in its blocks (kernels/csrc/linear_quant.c: a decode step streams ~96 MB
+file) runs natively in its blocks (kernels/cpu/csrc/linear_quant.c: a decode step streams ~96 MB
 instead of 540 MB of fp32 for SmolLM2) when ``native`` is set and the kernel is built here;
 otherwise it is dequantized once, exactly, and takes the paths above.
 """
@@ -22,8 +22,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from prefixgate.kernels.host_memory import HugePageArena
-from prefixgate.kernels.native_ops import (
+from prefixgate.kernels.cpu.host_memory import HugePageArena
+from prefixgate.kernels.cpu.ops import (
     linear_native,
     linear_quant_native,
     pack_linear_weight,
@@ -58,10 +58,10 @@ class Linear:
             or ggml blocks (CPU fp32 compute only), kept as they are with ``native``.
         bias: ``[out_features]`` or None.
         pack: reorder for oneDNN (CPU fp32 only; ignored where unavailable).
-        native: pack for the native CPU kernel (kernels/native_ops.py) when it is available;
+        native: pack for the native CPU kernel (kernels/cpu/ops.py) when it is available;
             takes precedence over ``pack``.
         arena: where the natively packed weight is allocated (huge pages; see
-            kernels/host_memory.py); None: an ordinary allocation.
+            kernels/cpu/host_memory.py); None: an ordinary allocation.
     """
 
     __slots__ = ("bias", "in_features", "native", "out_features", "packed", "quant", "weight")

@@ -20,8 +20,8 @@ from prefixgate.gateway.engine.model_config import ModelConfig, check_weights
 from prefixgate.gateway.engine.models.forward_batch import ForwardBatch
 from prefixgate.gateway.engine.models.linear import Linear
 from prefixgate.gateway.engine.models.rope import RotaryEmbedding
-from prefixgate.kernels.host_memory import HugePageArena
-from prefixgate.kernels.native_ops import (
+from prefixgate.kernels.cpu.host_memory import HugePageArena
+from prefixgate.kernels.cpu.ops import (
     quant_native_available,
     rms_norm_native,
     rope_native,
@@ -64,7 +64,7 @@ class LlamaModel:
         max_positions: longest sequence to support (RoPE table size).
         kernel_backend: passed to ``kernels`` ops (None = their default choice).
         native_ops: on CPU in fp32, run RMSNorm, SiLU-and-multiply, RoPE and the K/V write as
-            fused native ops (kernels/native_ops.py) where the library builds; each falls
+            fused native ops (kernels/cpu/ops.py) where the library builds; each falls
             back to its torch ops otherwise. Same math, fewer passes and dispatches.
     """
 

@@ -1,0 +1,198 @@
+"""The native CPU library (kernels/cpu/csrc/*.c): built once per machine, loaded with ctypes.
+
+Every C source under ``kernels/cpu/csrc`` goes into one shared object, built with the system C
+compiler on first use into a per-user cache (``$PREFIXGATE_CACHE_DIR``, else
+``$XDG_CACHE_HOME/prefixgate``, else ``~/.cache/prefixgate``), keyed by the sources, the flags
+and the CPU's feature flags (it is built with ``-march=native``). The library links the
+``libgomp.so.1`` torch already loaded, so its OpenMP loops share torch's thread pool.
+
+No compiler or a failed build: :func:`library` returns None, the outcome is logged once and
+visible through :func:`native_status`, and every caller falls back to its torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).parent / "csrc"
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
+# NOTE: linked in a separate step WITHOUT -ffast-math: linking a shared object with it pulls in
+# crtfastmath.o, whose load-time hook turns on flush-to-zero for the whole process
+LINK_FLAGS = ("-shared", "-fopenmp")
+
+_status = "not loaded yet"
+
+
+def native_status() -> str:
+    """``"native (<path>)"`` once loaded, else why not (``"unavailable: ..."``)."""
+    return _status
+
+
+def sources() -> list[Path]:
+    """The C sources of the library, in a fixed order."""
+    return sorted(SOURCE_DIR.glob("*.c"))
+
+
+def _cache_dir() -> Path:
+    explicit = os.environ.get("PREFIXGATE_CACHE_DIR")
+    if explicit:
+        return Path(explicit) / "kernels"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    preferred = Path(base) / "prefixgate" / "kernels"
+    try:
+        preferred.mkdir(parents=True, exist_ok=True)
+        if os.access(preferred, os.W_OK | os.X_OK):
+            return preferred
+    except OSError:
+        pass
+    # a read-only or missing home (containers, CI sandboxes): a private per-user temp dir
+    return _private_dir(Path(tempfile.gettempdir()) / f"prefixgate-kernels-{os.getuid()}")
+
+
+def _private_dir(path: Path) -> Path:
+    """``path`` created 0700, and refused unless it is ours and nobody else can write it: we
+    load code from it, and /tmp is shared."""
+    path.mkdir(mode=0o700, exist_ok=True)
+    info = path.stat()
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise OSError(f"{path} is not a private directory of this user; not loading code from it")
+    return path
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(compiler: str) -> Path:
+    files = sources()
+    flags = " ".join(COMPILE_FLAGS + LINK_FLAGS).encode()
+    parts = [f.name.encode() + b"\0" + f.read_bytes() for f in files]
+    key = hashlib.sha256(
+        b"\0".join([*parts, flags, compiler.encode(), _cpu_flags().encode()])
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"prefixgate_cpu-{platform.machine()}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # build next to the target, then rename: concurrent processes never load a partial file
+    fd, tmp = tempfile.mkstemp(prefix="tmp-prefixgate_cpu-", suffix=".so", dir=target.parent)
+    os.close(fd)
+    objects = [f"{tmp[: -len('.so')]}-{f.stem}.o" for f in files]
+    run = functools.partial(subprocess.run, check=True, capture_output=True, text=True, timeout=120)
+    try:
+        for source, obj in zip(files, objects, strict=True):
+            run([compiler, *COMPILE_FLAGS, "-c", str(source), "-o", obj])
+        run([compiler, *LINK_FLAGS, *objects, "-o", tmp, "-lm"])
+        os.chmod(tmp, 0o755)  # loadable by every user sharing the cache directory
+        os.replace(tmp, target)
+    finally:
+        for leftover in (tmp, *objects):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
+    return target
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """ctypes signatures of the exported functions, in the C argument order."""
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    # paged_decode.c
+    lib.pg_paged_decode_f32.argtypes = [
+        *(p, i64, p, p, p, i64, p, p, p, i64, p),  # tensors and strides
+        *(i32, i32, i32, i32, i32, f32),  # sizes and scale
+        i32,  # num_threads
+        i64,  # num_pages
+        i64,  # num_rows
+        i32,  # kv_bf16
+    ]
+    lib.pg_paged_decode_f32.restype = i32
+    # cpu_ops.c
+    lib.pg_rms_norm_f32.argtypes = [p, i64, p, p, i64, i64, i32, f32, i32]
+    lib.pg_rms_norm_f32.restype = None
+    lib.pg_silu_mul_f32.argtypes = [p, i64, p, i64, i32, i32]
+    lib.pg_silu_mul_f32.restype = None
+    lib.pg_rope_f32.argtypes = [p, i64, i32, i32, p, p, i64, i32]
+    lib.pg_rope_f32.restype = None
+    lib.pg_write_kv_f32.argtypes = [p, i64, p, i64, p, p, p, i64, i64, i64]
+    lib.pg_write_kv_f32.restype = i32
+    lib.pg_write_kv_bf16.argtypes = [p, i64, p, i64, p, p, p, i64, i64, i64]
+    lib.pg_write_kv_bf16.restype = i32
+    # linear.c
+    lib.pg_linear_f32.argtypes = [p, i64, p, p, p, i64, p, i64, i32, i32, i32, i32]
+    lib.pg_linear_f32.restype = None
+    lib.pg_linear_preferred.argtypes = []
+    lib.pg_linear_preferred.restype = i32
+    # linear_quant.c
+    lib.pg_linear_quant_f32.argtypes = [i32, p, i64, p, p, p, i64, p, i64, i32, i32, i32, i32, i32]
+    lib.pg_linear_quant_f32.restype = i32
+    lib.pg_linear_quant_preferred.argtypes = []
+    lib.pg_linear_quant_preferred.restype = i32
+    lib.pg_quant_group_bytes.argtypes = [i32]
+    lib.pg_quant_group_bytes.restype = i32
+    lib.pg_quant_rows_f32.argtypes = [i32, p, i64, i32, p, i64, p, i64, i32]
+    lib.pg_quant_rows_f32.restype = i64
+    # linear_amx.c (a stub answering "no" where the library was built without AMX)
+    lib.pg_amx_available.argtypes = []
+    lib.pg_amx_available.restype = i32
+    lib.pg_linear_quant_amx_f32.argtypes = [i32, p, i64, p, p, p, i64, p, i64, i32, i32, i32, i32]
+    lib.pg_linear_quant_amx_f32.restype = i32
+    # token_bitmask.c
+    lib.pg_apply_token_bitmask_f32.argtypes = [p, i64, p, i64, i64, i64]
+    lib.pg_apply_token_bitmask_f32.restype = None
+    # paged_prefill.c
+    lib.pg_paged_prefill_f32.argtypes = [
+        *(p, i64, p, p, p, i64),  # query, its row stride, k/v caches, pages, pages given
+        *(i32, i32, p, i64),  # ctx_len, n_rows, out, its row stride
+        *(i32, i32, i32, i32, f32, i32, i64),  # heads, head_dim, page_size, scale, threads, pool
+        i32,  # kv_bf16
+    ]
+    lib.pg_paged_prefill_f32.restype = i32
+    limits = (ctypes.c_int(), ctypes.c_int())
+    lib.pg_limits(ctypes.byref(limits[0]), ctypes.byref(limits[1]))
+    lib.max_group, lib.max_head_dim = limits[0].value, limits[1].value
+    lib.pg_prefill_limits(ctypes.byref(limits[0]), ctypes.byref(limits[1]))
+    lib.prefill_max_group, lib.prefill_max_head_dim = limits[0].value, limits[1].value
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded library (built on first call), or None when it cannot be built here."""
+    global _status
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        _status = "unavailable: no C compiler (cc/gcc) on PATH"
+        logger.warning("native CPU kernels %s; using the torch path", _status)
+        return None
+    try:
+        path = _build(compiler)
+        lib = ctypes.CDLL(str(path))
+        _declare(lib)
+    except subprocess.CalledProcessError as exc:
+        _status = f"unavailable: build failed: {(exc.stderr or '').strip()[-500:]}"
+    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
+        _status = f"unavailable: {exc}"
+    else:
+        _status = f"native ({path})"
+        logger.info("native CPU kernels loaded: %s", path)
+        return lib
+    logger.warning("native CPU kernels %s; using the torch path", _status)
+    return None
+
+
+__all__ = ["library", "native_status", "sources"]

@@ -1,0 +1,391 @@
+"""Fused per-token layer ops on CPU, fp32 (kernels/cpu/csrc/cpu_ops.c): RMSNorm, SiLU-and-multiply,
+in-place rotary embedding, and the K/V scatter into the pages; and the linear layer
+(kernels/cpu/csrc/linear.c) over weights packed once by :func:`pack_linear_weight`, and its
+weight-only quantized twin (kernels/cpu/csrc/linear_quant.c; linear_amx.c on AMX tiles where
+the CPU has them) over ggml blocks packed once by :func:`pack_quant_weight`, with the row
+gather of such a table (:func:`quant_rows_native`).
+
+Each function returns None / False, touching nothing, when the native library is not
+available here or the tensors are not what it handles (non-CPU, non-fp32, a layout it does
+not take); the caller then runs its torch version, which is also the oracle in the tests.
+The model uses them only when the runner's ``native_kernels`` switch is on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prefixgate.kernels.cpu.host_memory import HugePageArena
+from prefixgate.kernels.cpu.library import library
+from prefixgate.kernels.quant import BLOCK, QUANT_TYPE_IDS, QuantizedTensor
+
+
+def _fp32_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
+def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """``weight * x / sqrt(mean(x**2, -1) + eps)`` for ``x [T, H]`` (rows at any stride)."""
+    lib = library()
+    if (
+        lib is None
+        or x.dim() != 2
+        or weight.shape != (x.shape[1],)
+        or x.stride(1) != 1
+        or not weight.is_contiguous()
+        or not _fp32_cpu(x, weight)
+    ):
+        return None
+    out = torch.empty(x.shape, dtype=x.dtype)
+    lib.pg_rms_norm_f32(
+        x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0),
+        x.shape[0], x.shape[1], eps, torch.get_num_threads(),
+    )
+    return out
+
+
+def silu_mul_native(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """``silu(gate) * up`` for ``gate_up [T, 2I]`` (gate first); returns ``[T, I]``."""
+    lib = library()
+    if (
+        lib is None
+        or gate_up.dim() != 2
+        or gate_up.shape[1] % 2
+        or gate_up.stride(1) != 1
+        or not _fp32_cpu(gate_up)
+    ):
+        return None
+    inter = gate_up.shape[1] // 2
+    out = torch.empty((gate_up.shape[0], inter), dtype=gate_up.dtype)
+    lib.pg_silu_mul_f32(
+        gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), gate_up.shape[0], inter,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def rope_native(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Rotate ``x [T, H, D]`` in place (rotate-half pairs ``(i, i + D/2)``) by per-token
+    angles ``cos`` / ``sin`` (``T * D/2`` values each, contiguous, e.g. ``[T, 1, D/2]``).
+
+    The heads of a row must be dense (``x.stride() == (any, D, 1)``); rows may be strided, as
+    when ``x`` is the q|k part of a fused qkv output.
+    """
+    lib = library()
+    if lib is None or x.dim() != 3:
+        return False
+    rows, heads, head_dim = x.shape
+    half = head_dim // 2
+    if (
+        head_dim % 2
+        or x.stride(2) != 1
+        or x.stride(1) != head_dim
+        or x.stride(0) < heads * head_dim  # overlapping rows would rotate twice
+        or cos.numel() != rows * half
+        or sin.numel() != rows * half
+        or not (cos.is_contiguous() and sin.is_contiguous())
+        or not _fp32_cpu(x, cos, sin)
+    ):
+        return False
+    lib.pg_rope_f32(
+        x.data_ptr(), x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr(), rows,
+        torch.get_num_threads(),
+    )
+    return True
+
+
+def write_kv_native(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+) -> bool:
+    """Copy each token's fp32 K/V row into its slot of fp32 caches, or of bf16 caches rounded to
+    nearest even (as ``.to(torch.bfloat16)``); False (nothing written) if not handled here.
+
+    Raises:
+        ValueError: a slot outside ``[-1, num_pages * page_size)`` (checked before any write).
+    """
+    lib = library()
+    if (
+        lib is None
+        or key.dim() != 3
+        or value.shape != key.shape
+        or slot_mapping.shape != (key.shape[0],)
+        or slot_mapping.dtype != torch.int64
+        or slot_mapping.device.type != "cpu"
+        or not slot_mapping.is_contiguous()
+        or key.shape[1:] != k_cache.shape[2:]
+        or v_cache.shape != k_cache.shape
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or key.stride()[1:] != (key.shape[2], 1)
+        or value.stride()[1:] != (value.shape[2], 1)
+        or not _fp32_cpu(key, value)
+        or k_cache.dtype not in (torch.float32, torch.bfloat16)
+        or v_cache.dtype != k_cache.dtype
+        or k_cache.device.type != "cpu"
+        or v_cache.device.type != "cpu"
+    ):
+        return False
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    write = lib.pg_write_kv_bf16 if k_cache.dtype == torch.bfloat16 else lib.pg_write_kv_f32
+    rc = write(
+        key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_cache.data_ptr(),
+        v_cache.data_ptr(), slot_mapping.data_ptr(), key.shape[0], key.shape[1] * key.shape[2],
+        num_slots,
+    )
+    if rc != 0:
+        raise ValueError(f"write_kv: a slot outside [-1, {num_slots}) (nothing written)")
+    return True
+
+
+LINEAR_COLS = 16  # output columns per packed block (linear.c's COLS)
+
+
+def pack_linear_weight(
+    weight: torch.Tensor, arena: HugePageArena | None = None
+) -> torch.Tensor | None:
+    """``weight [N, K]`` as ``[ceil(N / 16), K, 16]`` (zero-padded columns) for
+    :func:`linear_native`, allocated from ``arena`` when given; None when the native library
+    is not available, was not built for AVX-512 (its tiles would spill; the vendor GEMM is
+    better there) or the weight is not fp32 on CPU."""
+    lib = library()
+    if lib is None or not lib.pg_linear_preferred() or weight.dim() != 2 or not _fp32_cpu(weight):
+        return None
+    n, k = weight.shape
+    blocks = -(-n // LINEAR_COLS)
+    shape = (blocks, k, LINEAR_COLS)
+    if arena is not None:
+        packed = arena.empty(shape, weight.dtype)
+    else:
+        packed = torch.empty(shape, dtype=weight.dtype)
+    full = n // LINEAR_COLS
+    packed[:full] = weight[: full * LINEAR_COLS].view(full, LINEAR_COLS, k).transpose(1, 2)
+    if full < blocks:  # the last, partial block: its missing columns are zero
+        packed[full].zero_()
+        packed[full, :, : n - full * LINEAR_COLS] = weight[full * LINEAR_COLS :].t()
+    return packed
+
+
+def _epilogue_fits(bias: torch.Tensor | None, residual: torch.Tensor | None, rows: int,
+                   out_features: int) -> bool:
+    """Whether a linear kernel can read ``bias`` ([N], dense) and ``residual`` ([M, N], unit
+    column stride), both fp32 on the CPU (the fp32 and the quantized kernels alike)."""
+    if bias is not None and (bias.shape != (out_features,) or not bias.is_contiguous()
+                             or not _fp32_cpu(bias)):
+        return False
+    return residual is None or (residual.shape == (rows, out_features)
+                                and (residual.stride(1) == 1 or out_features == 1)
+                                and _fp32_cpu(residual))
+
+
+def linear_native(
+    x: torch.Tensor,  # [M, K]
+    packed: torch.Tensor,  # from pack_linear_weight
+    out_features: int,
+    bias: torch.Tensor | None = None,  # [N]
+    residual: torch.Tensor | None = None,  # [M, N]: returns residual + x @ W.T (+ bias)
+) -> torch.Tensor | None:
+    """``x @ W.T (+ bias) (+ residual)`` as a new ``[M, N]`` tensor; None (nothing computed)
+    for inputs it does not take: rows of ``x`` must be dense, everything fp32 on CPU."""
+    lib = library()
+    k = packed.shape[1] if packed.dim() == 3 else -1
+    if (
+        lib is None
+        or x.dim() != 2
+        or x.shape[1] != k
+        or (x.stride(1) != 1 and k > 1)
+        or packed.shape[2] != LINEAR_COLS
+        or not packed.is_contiguous()
+        or packed.shape[0] * LINEAR_COLS < out_features
+        or not _fp32_cpu(x, packed)
+        or not _epilogue_fits(bias, residual, x.shape[0], out_features)
+    ):
+        return None
+    rows = x.shape[0]
+    out = torch.empty((rows, out_features), dtype=torch.float32)
+    if rows:
+        lib.pg_linear_f32(
+            x.data_ptr(), x.stride(0), packed.data_ptr(),
+            bias.data_ptr() if bias is not None else None,
+            residual.data_ptr() if residual is not None else None,
+            residual.stride(0) if residual is not None else 0,
+            out.data_ptr(), out.stride(0), rows, out_features, k, torch.get_num_threads(),
+        )
+    return out
+
+
+# More rows than this dequantize each column block once into an fp32 scratch tile and run the
+# fp32 kernel over it (prefill); up to this many (one row tile) expand the weights in registers
+# (decode). Both give the same bits; the figures behind the choice are in linear_quant.c.
+QUANT_SCRATCH_MIN_ROWS = 16
+
+
+# From this many rows the quantized linear runs on AMX tiles (kernels/cpu/csrc/linear_amx.c)
+# where the CPU and the OS allow it; fewer rows stream the blocks through vector registers
+# (linear_quant.c; DRAM-bound there). The figures behind the choice are in linear_amx.c.
+QUANT_AMX_MIN_ROWS = 12
+
+
+def quant_native_available() -> bool:
+    """Whether quantized weights can run natively here (the library built, with AVX-512)."""
+    lib = library()
+    return lib is not None and bool(lib.pg_linear_quant_preferred())
+
+
+def quant_amx_available() -> bool:
+    """Whether the AMX path of the quantized linear runs here: the library was built for a CPU
+    with AMX-BF16 and Linux granted this process the tile state (asked once, by the library).
+    False elsewhere, and :func:`linear_quant_native` then takes the vector-register kernel for
+    every row count."""
+    # NOTE: not cached here: the library can be rebuilt and reloaded (tests do), and a cached
+    # answer would send a call to a library whose signatures were never declared
+    lib = library()
+    return lib is not None and bool(lib.pg_amx_available())
+
+
+def pack_quant_weight(
+    weight: QuantizedTensor, arena: HugePageArena | None = None
+) -> torch.Tensor | None:
+    """``weight [N, K]`` repacked for :func:`linear_quant_native` as uint8 ``[ceil(N / 16),
+    K / 32 * group bytes]``: per 16-column block, per 32 k, the 16 fp16 scales (and mins),
+    then the quants k-major with the 16 columns of a k adjacent (two k per byte for 4-bit);
+    zero past N. Allocated from ``arena`` when given; None when the native kernel is not
+    available here (see :func:`quant_native_available`)."""
+    if not quant_native_available():
+        return None
+    lib = library()
+    n, k = weight.shape
+    blocks, groups = -(-n // LINEAR_COLS), k // BLOCK
+    group_bytes = lib.pg_quant_group_bytes(QUANT_TYPE_IDS[weight.qtype])
+    data = weight.data
+    if blocks * LINEAR_COLS != n:
+        data = torch.cat([data, data.new_zeros(blocks * LINEAR_COLS - n, data.shape[1])])
+    # [blocks, groups, 16 columns, block bytes]
+    grouped = data.view(blocks, LINEAR_COLS, groups, -1).permute(0, 2, 1, 3)
+    scales = [grouped[..., 0:2]]  # d
+    if weight.qtype == "Q8_0":
+        quants = grouped[..., 2:].transpose(2, 3)  # [.., 32 k, 16 columns]
+    else:
+        if weight.qtype == "Q4_1":
+            scales.append(grouped[..., 2:4])  # m
+        nibbles = grouped[..., -16:]
+        values = torch.cat([nibbles & 0xF, nibbles >> 4], dim=-1)  # [.., 16 columns, 32 k]
+        pairs = values[..., 0::2] | (values[..., 1::2] << 4)  # byte j: k = 2j, 2j + 1
+        quants = pairs.transpose(2, 3)  # [.., 16 j, 16 columns]
+    parts = [part.reshape(blocks, groups, -1) for part in (*scales, quants)]
+    if arena is not None:
+        packed = arena.empty((blocks, groups * group_bytes), torch.uint8)
+    else:
+        packed = torch.empty((blocks, groups * group_bytes), dtype=torch.uint8)
+    torch.cat(parts, dim=-1, out=packed.view(blocks, groups, group_bytes))
+    return packed
+
+
+def linear_quant_native(
+    x: torch.Tensor,  # [M, K]
+    packed: torch.Tensor,  # from pack_quant_weight
+    qtype: str,
+    out_features: int,
+    bias: torch.Tensor | None = None,  # [N]
+    residual: torch.Tensor | None = None,  # [M, N]: returns residual + x @ W.T (+ bias)
+    *,
+    scratch_min_rows: int = QUANT_SCRATCH_MIN_ROWS,
+    amx_min_rows: int = QUANT_AMX_MIN_ROWS,
+) -> torch.Tensor | None:
+    """``x @ W.T (+ bias) (+ residual)`` as a new ``[M, N]`` fp32 tensor, ``W`` the exact
+    dequantized values of the packed blocks; None (nothing computed) for inputs it does not
+    take: rows of ``x`` must be dense, everything fp32 on CPU. From ``amx_min_rows`` rows it
+    runs on AMX tiles where :func:`quant_amx_available` (as accurate, grouped differently: not
+    bit-identical to the other paths). ``scratch_min_rows`` / ``amx_min_rows``: parameters only
+    so tests can drive every path of the kernels."""
+    lib = library()
+    k = x.shape[1] if x.dim() == 2 else -1
+    if (
+        lib is None
+        or qtype not in QUANT_TYPE_IDS
+        or x.dim() != 2
+        or k % BLOCK
+        or (x.stride(1) != 1 and k > 1)
+        or packed.dtype != torch.uint8
+        or not packed.is_contiguous()
+        or packed.shape[0] * LINEAR_COLS < out_features
+        or packed.shape[1] != k // BLOCK * lib.pg_quant_group_bytes(QUANT_TYPE_IDS[qtype])
+        or not _fp32_cpu(x)
+        or not _epilogue_fits(bias, residual, x.shape[0], out_features)
+    ):
+        return None
+    rows = x.shape[0]
+    out = torch.empty((rows, out_features), dtype=torch.float32)
+    if rows:
+        args = (
+            QUANT_TYPE_IDS[qtype], x.data_ptr(), x.stride(0), packed.data_ptr(),
+            bias.data_ptr() if bias is not None else None,
+            residual.data_ptr() if residual is not None else None,
+            residual.stride(0) if residual is not None else 0,
+            out.data_ptr(), out.stride(0), rows, out_features, k,
+        )
+        rc = -1  # the AMX kernel writes nothing when it declines (-1)
+        if rows >= amx_min_rows and quant_amx_available():
+            rc = lib.pg_linear_quant_amx_f32(*args, torch.get_num_threads())
+        if rc != 0:
+            rc = lib.pg_linear_quant_f32(*args, scratch_min_rows, torch.get_num_threads())
+        if rc != 0:
+            return None
+    return out
+
+
+def quant_rows_native(
+    ids: torch.Tensor,  # [T] int64
+    packed: torch.Tensor,  # from pack_quant_weight
+    qtype: str,
+    shape: tuple[int, int],  # the weight's [N, K]
+) -> torch.Tensor | None:
+    """Rows ``W[ids]`` (``[T, K]`` fp32, exactly dequantized) of a packed weight: the
+    embedding lookup straight from the LM head's blocks when the two are tied; None when not
+    handled here.
+
+    Raises:
+        IndexError: an id outside ``[0, N)`` (nothing gathered).
+    """
+    lib = library()
+    n, k = shape
+    if (
+        lib is None
+        or qtype not in QUANT_TYPE_IDS
+        or ids.dim() != 1
+        or ids.dtype != torch.int64
+        or ids.device.type != "cpu"
+        or packed.dtype != torch.uint8
+        or not packed.is_contiguous()
+        or packed.shape != (-(-n // LINEAR_COLS),
+                            k // BLOCK * lib.pg_quant_group_bytes(QUANT_TYPE_IDS[qtype]))
+    ):
+        return None
+    ids = ids.contiguous()
+    out = torch.empty((ids.shape[0], k), dtype=torch.float32)
+    bad = lib.pg_quant_rows_f32(
+        QUANT_TYPE_IDS[qtype], packed.data_ptr(), n, k, ids.data_ptr(), ids.shape[0],
+        out.data_ptr(), out.stride(0), torch.get_num_threads(),
+    )
+    if bad:
+        raise IndexError(f"row id {int(ids[bad - 1])} outside [0, {n})")
+    return out
+
+
+__all__ = [
+    "QUANT_AMX_MIN_ROWS",
+    "QUANT_SCRATCH_MIN_ROWS",
+    "linear_native",
+    "linear_quant_native",
+    "pack_linear_weight",
+    "pack_quant_weight",
+    "quant_amx_available",
+    "quant_native_available",
+    "quant_rows_native",
+    "rms_norm_native",
+    "rope_native",
+    "silu_mul_native",
+    "write_kv_native",
+]

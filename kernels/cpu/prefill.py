@@ -1,0 +1,124 @@
+"""Native CPU prefill attention (kernels/cpu/csrc/paged_prefill.c): one sequence's new query rows
+attend causally to its context, K/V read in place from the pages.
+
+Why: the torch path gathers the context into a dense buffer and runs SDPA's CPU flash kernel,
+whose GEMM blocks are thin at small head dims (~120 GFLOPS at 2,048 tokens, head dim 64, on
+the 2-core dev box); the C kernel tiles the G query heads of a KV head together and scores 16
+keys per vector. Same switch, fallbacks and page dtypes (fp32 or bf16, widened exactly on
+load) as the native decode kernel (kernels/cpu/decode.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prefixgate.kernels.cpu.decode import KV_DTYPES
+from prefixgate.kernels.cpu.library import library
+
+
+def paged_prefill_native(
+    out: torch.Tensor,  # [n, Hq, D] fp32
+    query: torch.Tensor,  # [n, Hq, D] fp32 (rows at any stride, heads dense)
+    k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D] fp32 or bf16, contiguous
+    v_cache: torch.Tensor,
+    pages: torch.Tensor,  # [>= ceil(ctx_len / page_size)] int64, the sequence's pages in order
+    ctx_len: int,
+    scale: float,
+    num_threads: int | None = None,
+) -> bool:
+    """Causal attention of ``n`` new rows, row ``i`` at position ``ctx_len - n + i``.
+
+    Returns False (touching nothing) when the kernel is unavailable or the inputs are not what
+    it handles (query/out not fp32, caches neither fp32 nor bf16, non-CPU, non-contiguous
+    caches, overlapping output rows or an output that partly overlaps the query, head dim not
+    a multiple of 16 or above its limit, GQA group above its limit); the caller then runs the
+    torch path.
+
+    Raises:
+        ValueError: inconsistent shapes, ``ctx_len < n``, too few pages, or a page id outside
+            the pool (checked before anything is read or written).
+    """
+    tensors = (out, query, k_cache, v_cache, pages)
+    if not (
+        all(t.device.type == "cpu" for t in tensors)
+        and query.dtype == out.dtype == torch.float32
+        and k_cache.dtype == v_cache.dtype
+        and k_cache.dtype in KV_DTYPES
+    ):
+        return False
+    lib = library()
+    if lib is None:
+        return False
+    if (
+        query.dim() != 3
+        or out.shape != query.shape
+        or k_cache.dim() != 4
+        or v_cache.shape != k_cache.shape
+        or k_cache.shape[3] != query.shape[2]
+        or k_cache.shape[2] < 1
+        or query.shape[1] % k_cache.shape[2]
+        or pages.dim() != 1
+    ):
+        raise ValueError(
+            f"paged prefill: inconsistent shapes: query/out {tuple(query.shape)}/"
+            f"{tuple(out.shape)}, k/v cache {tuple(k_cache.shape)}/{tuple(v_cache.shape)}, "
+            f"pages {tuple(pages.shape)}"
+        )
+    n_rows, num_q_heads, head_dim = query.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if not n_rows <= ctx_len < 2**31:
+        raise ValueError(f"paged prefill: context {ctx_len} shorter than its {n_rows} new rows")
+    if pages.shape[0] * page_size < ctx_len:
+        raise ValueError(
+            f"paged prefill: {pages.shape[0]} pages of {page_size} cannot hold {ctx_len} tokens"
+        )
+    overlaps = (
+        out.untyped_storage().data_ptr() == query.untyped_storage().data_ptr()
+        and out.data_ptr() != query.data_ptr()
+    )
+    if (
+        overlaps  # a shifted view of the query would be overwritten while read
+        or (n_rows > 1 and out.stride(0) < num_q_heads * head_dim)
+        or head_dim % 16
+        or head_dim > lib.prefill_max_head_dim
+        or num_q_heads // num_kv_heads > lib.prefill_max_group
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or query.stride(2) != 1
+        or query.stride(1) != head_dim
+        or out.stride(2) != 1
+        or out.stride(1) != head_dim
+        or not pages.is_contiguous()
+        or pages.dtype != torch.int64
+        or pages.device.type != "cpu"
+    ):
+        return False
+    if n_rows == 0:
+        return True
+    rc = lib.pg_paged_prefill_f32(
+        query.data_ptr(),
+        query.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        pages.data_ptr(),
+        pages.shape[0],
+        ctx_len,
+        n_rows,
+        out.data_ptr(),
+        out.stride(0),
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        scale,
+        num_threads or torch.get_num_threads(),
+        k_cache.shape[0],
+        int(k_cache.dtype == torch.bfloat16),
+    )
+    if rc == -2:  # the sizes were checked above: a page id is out of range
+        raise ValueError(f"paged prefill: a page id outside the pool [0, {k_cache.shape[0]})")
+    if rc != 0:
+        raise MemoryError("native prefill kernel could not allocate its scratch")
+    return True
+
+
+__all__ = ["paged_prefill_native"]
