@@ -60,7 +60,7 @@ class ServerProcess:
     """A server subprocess in its own process group, its output in a temporary log."""
 
     def __init__(self, name: str, command: list[str], port: int,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
         self.name = name
         self.command = command
         self.base_url = f"http://127.0.0.1:{port}"
@@ -68,7 +68,7 @@ class ServerProcess:
             prefix=f"bench_{name}_", suffix=".log", delete=False)
         self.started = time.perf_counter()
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
-                                        env=env, start_new_session=True)
+                                        env=env, cwd=cwd, start_new_session=True)
 
     @property
     def pid(self) -> int:

@@ -461,7 +461,10 @@ def run_peer(settings: Settings, args: Any) -> dict[str, Any]:
     port = free_port()
     command = peer_command(args.peer, args.peers_dir, port, settings.agents)
     assert command is not None  # checked in main() before prefixgate ran
-    process = ServerProcess(args.peer_name, command, port)
+    # NOTE: started in its own folder: from the repository root, Python subprocesses of the
+    # peer (vLLM inspects the model in one) import this repository's kernels/ package in place
+    # of the `kernels` package transformers probes for, and the peer fails to start
+    process = ServerProcess(args.peer_name, command, port, cwd=Path(command[0]).parent)
     try:
         startup_s, _ = process.wait_ready(args.start_timeout)
         summary = run_server(args.peer_name, process.base_url, args.peer_model or "default",
