@@ -49,6 +49,7 @@ class BlockPool:
         self.clock = clock
         self.num_retained_evicted = 0  # retained pages reused before their deadline (pressure)
         self.num_retention_expiries = 0
+        self.num_retention_reclaimed = 0  # retentions ended early to give a tenant its share
         # called with (page id, its block) when a cached page is evicted for reuse, before its
         # K/V is overwritten (the second tier copies it out: gateway/engine/kv_tier.py)
         self.evict_sink: Callable[[int, HashedBlock], None] | None = None
@@ -168,6 +169,19 @@ class BlockPool:
             else:
                 self.free_queue.remove(page)
             self.retained.add(page)
+        return True
+
+    def unretain(self, page: Page) -> bool:
+        """End ``page``'s retention now (its budget is given back): a free page goes back to
+        the ordinary LRU, at its most recent end. False if it was not retained."""
+        if page.retain_until <= 0:
+            return False
+        if page.ref_count == 0:
+            self.retained.remove(page)
+            self.free_queue.append(page)
+        page.retain_until = page.retain_ttl = 0.0
+        page.retain_tenant = None
+        self.num_retention_reclaimed += 1
         return True
 
     def register(self, page: Page, block: HashedBlock) -> bool:

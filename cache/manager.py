@@ -353,9 +353,18 @@ class KVCacheManager:
         Args:
             max_pages: the global retention budget (pages retained in the whole pool).
             tenant: whose budget pays; pages it already retains count against it.
-            max_tenant_pages: the tenant's retention budget (pages it may hold retained).
-                Blocks past either budget are left to the LRU; renewing a retained page costs
-                no budget.
+            max_tenant_pages: the tenant's share of the global budget: guaranteed, not a cap.
+                While the global budget has room a tenant may retain past its share; once it
+                is full, a tenant below its share takes pages back from tenants past theirs
+                (their earliest deadlines first, back to the LRU), and a tenant at or past its
+                share retains nothing more. Without ``max_pages`` the share is a plain cap.
+                Blocks left out go to the LRU; renewing a retained page costs no budget.
+
+        NOTE: a share is work-conserving because a hard per-tenant cap left most of the
+        retention budget idle whenever one tenant ran the swarm (benchmarks.agent_sessions: a
+        single tenant held 25% of the pool retained while half was allowed, and retention
+        saved almost nothing); reclaiming keeps the guarantee that one tenant's paused sessions
+        cannot take the budget from the others.
 
         NOTE: walked from the conversation's tail back to its head, and pages other live
         sequences hold are skipped: the head is usually a system prompt every agent shares,
@@ -368,21 +377,52 @@ class KVCacheManager:
             How many pages are retained now for this prefix.
         """
         pages = self._cached_prefix_pages(token_ids, extra_keys)
-        in_budget = self.num_retained_pages() if max_pages is not None else 0
-        tenant_in_budget = self.num_retained_pages(tenant) if max_tenant_pages is not None else 0
+        held = self._retained_per_tenant()
+        total = sum(held.values())
+        lenders: list[Page] | None = None  # reclaim candidates, made on first need
         retained = 0
         for page in reversed(pages):
             if page.ref_count > 0 and page.retain_until <= 0:
                 continue  # in use by another sequence: not at risk, not worth a budget slot
             if page.retain_until <= 0:
-                if max_pages is not None and in_budget >= max_pages:
+                mine = held.get(tenant, 0)
+                share_left = max_tenant_pages is None or mine < max_tenant_pages
+                if max_pages is not None and total >= max_pages:
+                    if max_tenant_pages is None or not share_left:
+                        break
+                    if lenders is None:
+                        lenders = sorted((p for p in self.pool.pages
+                                          if p.retain_until > 0 and p.retain_tenant != tenant),
+                                         key=lambda p: p.retain_until, reverse=True)
+                    if not self._reclaim_one(lenders, held, max_tenant_pages):
+                        break
+                    total -= 1
+                elif max_pages is None and not share_left:
                     break
-                if max_tenant_pages is not None and tenant_in_budget >= max_tenant_pages:
-                    break
-                in_budget += 1
-                tenant_in_budget += 1
+                held[tenant] = mine + 1
+                total += 1
             retained += self.pool.retain(page, ttl_s, tenant)
         return retained
+
+    def _reclaim_one(self, lenders: list[Page], held: dict[str, int], share: int) -> bool:
+        """End the retention of the earliest-deadline page of a tenant past ``share`` (popped
+        from ``lenders``, sorted latest deadline first); False when no tenant is past it."""
+        while lenders:
+            page = lenders.pop()
+            owner = page.retain_tenant
+            if owner is None or page.retain_until <= 0 or held.get(owner, 0) <= share:
+                continue
+            self.pool.unretain(page)
+            held[owner] -= 1
+            return True
+        return False
+
+    def _retained_per_tenant(self) -> dict[str, int]:
+        held: dict[str, int] = {}
+        for page in self.pool.pages:
+            if page.retain_until > 0 and page.retain_tenant is not None:
+                held[page.retain_tenant] = held.get(page.retain_tenant, 0) + 1
+        return held
 
     def num_retained_pages(self, tenant: str | None = None) -> int:
         """Pages under retention: free retained ones plus referenced ones with a deadline.
@@ -499,6 +539,7 @@ class KVCacheManager:
             pages_retained=sum(1 for p in pages if p.retain_until > 0),
             retained_evicted=self.pool.num_retained_evicted,
             retention_expiries=self.pool.num_retention_expiries,
+            retention_reclaimed=self.pool.num_retention_reclaimed,
             retained_per_tenant=retained_per_tenant,
         )
 

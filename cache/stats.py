@@ -119,6 +119,8 @@ class CacheStats:
     pages_retained: int = 0  # under retention now (free or in use)
     retained_evicted: int = 0  # retained pages reused before their deadline (memory pressure)
     retention_expiries: int = 0  # retentions that ran out (their pages went back to the LRU)
+    # retentions ended early: a tenant below its share took budget back from one past its own
+    retention_reclaimed: int = 0
     retained_per_tenant: dict[str, int] = field(default_factory=dict)  # pages_retained by tenant
 
     @property

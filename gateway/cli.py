@@ -294,8 +294,9 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         "--retention-tenant-budget",
         type=_fraction,
         metavar="F",
-        help="at most this fraction of the KV pool is retained for one tenant (default 0.25; "
-        "the whole pool's retention stays within 0.5; pins are not counted)",
+        help="each tenant's guaranteed share of retained KV pages, as a fraction of the pool "
+        "(default 0.25): past it only while the pool's retention budget (0.5) has room, and "
+        "given back to a tenant below its share when it is full; pins are not counted",
     )
     fleet.add_argument(
         "--response-ttl",

@@ -36,8 +36,10 @@ class EngineConfig:
     # at most this fraction of the pool is under retention (cache/retention.py) at a time, so
     # sessions waiting on tools cannot hold the whole cache ahead of everyone else's LRU
     retention_budget: float = 0.5
-    # and at most this fraction per tenant, so one tenant's paused sessions cannot take the
-    # whole retention budget from the others (explicit pins are not counted)
+    # and this fraction is each tenant's guaranteed share of it (work-conserving: a tenant may
+    # borrow idle budget, and gives it back to a tenant below its share; cache/manager.py
+    # retain), so one tenant's paused sessions cannot take the budget from the others
+    # (explicit pins are not counted)
     retention_tenant_budget: float = 0.25
     # the second KV tier (cache/tier.py): None = off, "host" = host memory (a memory-mapped
     # file when kv_tier_path is set), "redis" = the fleet's Redis (the server builds that store)

@@ -201,6 +201,9 @@ class EngineCollector(Collector):
                       cache.retained_evicted)
         yield counter("kv_retention_expiries", "Retentions that ran out (pages back to the LRU).",
                       cache.retention_expiries)
+        yield counter("kv_retention_reclaimed",
+                      "Retentions ended early: a tenant below its share took budget back.",
+                      cache.retention_reclaimed)
         yield gauge(
             "kv_fragmentation", "Allocated but unused slots / allocated slots.", cache.fragmentation
         )

@@ -138,6 +138,7 @@ async def stats_json(
         "pages_retained": cache.pages_retained,
         "retained_evicted": cache.retained_evicted,
         "retention_expiries": cache.retention_expiries,
+        "retention_reclaimed": cache.retention_reclaimed,
         # pages each tenant's retention budget pays for (a tenant key sees only its own)
         "retained_per_tenant": dict(sorted(cache.retained_per_tenant.items())),
         "kv_cache_usage": round(cache.usage, 6),

@@ -108,35 +108,63 @@ def finished_pages(manager: KVCacheManager, name: str, tokens: list[int], **kw) 
 
 
 def test_a_tenant_budget_bounds_each_tenants_retained_pages_and_spares_pins():
+    # without a global budget the tenant's share is a plain cap
     m, _ = manager_with_clock(10)
     alpha, beta = b"salt-alpha", b"salt-beta"
     a1, a2, b1 = list(range(8)), list(range(100, 108)), list(range(200, 208))  # 2 pages each
     a1_pages = finished_pages(m, "a1", a1, extra_keys=alpha, tenant="alpha")
     a2_pages = finished_pages(m, "a2", a2, extra_keys=alpha, tenant="alpha")
     b1_pages = finished_pages(m, "b1", b1, extra_keys=beta, tenant="beta")
-    budgets = dict(max_pages=6, max_tenant_pages=3)
-    assert m.retain(a1, alpha, 30, tenant="alpha", **budgets) == 2
+    assert m.retain(a1, alpha, 30, tenant="alpha", max_tenant_pages=3) == 2
     # alpha's third and last page: a2's tail (retention walks tail first: the session's own
     # history before a head it may share)
-    assert m.retain(a2, alpha, 30, tenant="alpha", **budgets) == 1
-    assert m.retain(b1, beta, 30, tenant="beta", **budgets) == 2  # alpha's use costs beta nothing
+    assert m.retain(a2, alpha, 30, tenant="alpha", max_tenant_pages=3) == 1
+    assert m.retain(b1, beta, 30, tenant="beta", max_tenant_pages=3) == 2  # alpha costs beta nothing
     retained_by = {t: [p.page_id for p in m.pool.pages if p.retain_tenant == t] for t in ("alpha", "beta")}
     assert retained_by == {"alpha": sorted([*a1_pages, a2_pages[1]]), "beta": sorted(b1_pages)}
     assert m.num_retained_pages("alpha") == 3 and m.num_retained_pages("beta") == 2
-    assert m.retain(a1, alpha, 60, tenant="alpha", **budgets) == 2  # renewing costs no budget
+    assert m.retain(a1, alpha, 60, tenant="alpha", max_tenant_pages=3) == 2  # renewing is free
     stats = m.stats()
     assert stats.retained_per_tenant == {"alpha": 3, "beta": 2} and stats.pages_retained == 5
     assert stats.for_tenant("beta").retained_per_tenant == {"beta": 2}
-    # the global budget still binds: 5 of 6 used, beta may take one more page of its 3
-    b2 = list(range(300, 308))
-    finished_pages(m, "b2", b2, extra_keys=beta, tenant="beta")
-    assert m.retain(b2, beta, 30, tenant="beta", max_pages=6, max_tenant_pages=3) == 1
-    # alpha at its budget: a2's tail (already retained) is renewed, its head stays out
-    assert m.retain(a2, alpha, 30, tenant="alpha", max_pages=10, max_tenant_pages=3) == 1
-    assert m.num_retained_pages("alpha") == 3
     # explicit pins are not retention: a pin past the budget still holds every page
     assert m.pin(a2, alpha) == 2 and m.stats().pages_pinned == 2
     assert m.num_retained_pages("alpha") == 3
+    m.check_integrity()
+
+
+def test_a_tenant_alone_borrows_the_idle_budget_and_gives_it_back_to_a_tenant_below_its_share():
+    m, clock = manager_with_clock(12)
+    alpha, beta = b"salt-alpha", b"salt-beta"
+    budgets = dict(max_pages=6, max_tenant_pages=2)
+    sessions = [list(range(100 * i, 100 * i + 8)) for i in range(3)]  # alpha: 3 x 2 pages
+    tables = []
+    for i, tokens in enumerate(sessions):
+        tables.append(finished_pages(m, f"a{i}", tokens, extra_keys=alpha, tenant="alpha"))
+        clock.now += 1  # session i's retention ends after session i-1's
+        assert m.retain(tokens, alpha, 30, tenant="alpha", **budgets) == 2
+    # alone, alpha holds the whole global budget, three times its share of 2
+    assert m.num_retained_pages("alpha") == 6 and m.num_retained_pages() == 6
+    assert m.stats().retention_reclaimed == 0
+    b = list(range(900, 912))  # 3 pages
+    b_pages = finished_pages(m, "b", b, extra_keys=beta, tenant="beta")
+    # the budget is full: beta takes back its share of 2 from alpha (past its own), alpha's
+    # earliest deadlines first (session 0), and its head page goes to the LRU
+    assert m.retain(b, beta, 30, tenant="beta", **budgets) == 2
+    assert m.num_retained_pages("beta") == 2 and m.num_retained_pages("alpha") == 4
+    assert [p.page_id for p in m.pool.pages if p.retain_tenant == "beta"] == sorted(b_pages[1:])
+    assert all(m.pool.pages[i].retain_until == 0 for i in tables[0])
+    assert all(m.pool.pages[i].retain_until > 0 for i in (*tables[1], *tables[2]))
+    # the reclaimed pages are ordinary LRU pages again, still cached
+    assert all(m.pool.pages[i] in m.pool.free_queue for i in tables[0])
+    assert len(m._cached_prefix_pages(sessions[0], alpha)) == 2
+    assert m.stats().retention_reclaimed == 2
+    # at its share, with the budget full, beta retains no more; alpha (past its share) none
+    b2 = list(range(1000, 1004))
+    finished_pages(m, "b2", b2, extra_keys=beta, tenant="beta")
+    assert m.retain(b2, beta, 30, tenant="beta", **budgets) == 0
+    assert m.retain(sessions[0], alpha, 30, tenant="alpha", **budgets) == 0
+    assert m.num_retained_pages() == 6
     m.check_integrity()
 
 
