@@ -9,7 +9,8 @@ exact (no approximations beyond the dtype) and reasonably fast:
   per chunk of sequences (sorted by context length so padding stays small), not a Python
   loop per sequence;
 * decode rows of sequences that share a run of prefix pages attend to that run once, all
-  together (cascade attention, merged by log-sum-exp), then each to its own pages;
+  together (cascade attention, merged by log-sum-exp), then each to its own pages: on CPU
+  with native kernels the run is read in place and merged in C (kernels/cpu/cascade.py);
 * prefill chunks (``n_s > 1``) of fp32 queries over fp32 or bf16 CPU caches go through the
   native kernel reading the pages in place (kernels/cpu/prefill.py) when the plan allows
   native kernels; otherwise
@@ -36,6 +37,7 @@ from prefixgate.kernels.attention_plan import (
     plan_attention,
 )
 from prefixgate.kernels.checks import check_attention_inputs, check_copy_inputs, check_write_inputs
+from prefixgate.kernels.cpu.cascade import cascade_decode_native
 from prefixgate.kernels.cpu.decode import KV_DTYPES, paged_decode_native
 from prefixgate.kernels.cpu.ops import write_kv_native
 from prefixgate.kernels.cpu.prefill import paged_prefill_native
@@ -217,10 +219,23 @@ def _decode_shared_prefix(
     against its own pages, merged exactly by log-sum-exp.
 
     Both partial results stay in fp32 until the merge (a bf16/fp16 cache is upcast here), so
-    the split adds no rounding step of the cache's dtype.
+    the split adds no rounding step of the cache's dtype. ``use_native``: the native decode
+    kernel writes each member's own-pages result into ``out`` and the native cascade kernel
+    attends the run in place and merges into it (kernels/cpu/cascade.py); either declining
+    falls through to the torch path below, which overwrites those rows.
     """
     page_size, num_kv_heads, head_dim = k_cache.shape[1:]
     suffix = group.suffix
+    if use_native and query.device.type == "cpu" and k_cache.dtype in KV_DTYPES:
+        own_lse = torch.empty(suffix.rows.shape[0], query.shape[1], dtype=torch.float32)
+        if paged_decode_native(
+            out, query, k_cache, v_cache, suffix.rows, suffix.pages, suffix.lengths, scale,
+            own_lse,
+        ) and cascade_decode_native(
+            out, query, k_cache, v_cache, suffix.rows, group.shared_pages, group.shared_len,
+            scale, own_lse,
+        ):
+            return
     q = _grouped_decode_query(query, suffix.rows, num_kv_heads, torch.float32)  # [B, Hkv, G, D]
     batch, _, group_size, _ = q.shape
     # shared run: one "sequence" of B*G query rows per KV head

@@ -163,11 +163,21 @@ def _declare(lib: ctypes.CDLL) -> None:
         i32,  # kv_bf16
     ]
     lib.pg_paged_prefill_f32.restype = i32
+    # paged_cascade.c
+    lib.pg_cascade_decode_f32.argtypes = [
+        *(p, i64, p, p, p, i64, i32),  # query, its row stride, k/v caches, run pages, tokens
+        *(p, i32, p, p, i64, p),  # rows, their count, own_lse, out, its row stride, lse
+        *(i32, i32, i32, i32, f32, i32),  # heads, head_dim, page_size, scale, threads
+        *(i64, i64, i32),  # pool pages, query rows, kv_bf16
+    ]
+    lib.pg_cascade_decode_f32.restype = i32
     limits = (ctypes.c_int(), ctypes.c_int())
     lib.pg_limits(ctypes.byref(limits[0]), ctypes.byref(limits[1]))
     lib.max_group, lib.max_head_dim = limits[0].value, limits[1].value
     lib.pg_prefill_limits(ctypes.byref(limits[0]), ctypes.byref(limits[1]))
     lib.prefill_max_group, lib.prefill_max_head_dim = limits[0].value, limits[1].value
+    lib.pg_cascade_limits(ctypes.byref(limits[0]), ctypes.byref(limits[1]))
+    lib.cascade_max_rows, lib.cascade_max_head_dim = limits[0].value, limits[1].value
 
 
 @functools.cache
