@@ -54,7 +54,8 @@ global hit_rate over the run: hit tokens / query tokens), tier hit rate and rete
 when the server reports them (any ``*tier*`` field of /v1/cache/stats and ``prefixgate:*tier*``
 in /metrics), evictions, preemptions. Ratios against LRU: ``recompute_ratio_retention``,
 ``recompute_ratio_retention_tier``, ``jct_p50_ratio_retention``, ``jct_p50_ratio_retention_tier``,
-``excess_recompute_ratio_*`` (excess / LRU's excess), ``ttft_returning_p50_ratio_*``; targets (issue #16): recompute <= 0.10, JCT p50 <= 0.6, pause-free
+``excess_recompute_ratio_*`` (excess / LRU's excess), ``ttft_returning_p50_ratio_*``,
+``recompute_floor_ratio`` (floor / LRU's recomputed: the best recompute ratio possible); targets (issue #16): recompute <= 0.10, JCT p50 <= 0.6, pause-free
 throughput within noise. Greedy decoding makes every arm generate the same tokens, so the arms
 run the same conversations (checked: ``same_outputs_as_lru``).
 
@@ -338,6 +339,10 @@ def comparison(arms: dict[str, dict[str, Any]]) -> dict[str, float | None]:
                             ("ttft_returning_p50_ratio", "ttft_returning_p50_s")):
             out[f"{key}_{arm}"] = (ratio(row.get(figure), lru.get(figure))
                                    if row is not None and lru is not None else None)
+    # the best recompute_ratio any cache could reach: what a pool that never evicts computes
+    out["recompute_floor_ratio"] = (ratio(lru.get("recompute_floor_tokens"),
+                                          lru.get("recomputed_tokens"))
+                                    if lru is not None else None)
     default, tier = arms.get("pause_free"), arms.get("pause_free_tier")
     out["throughput_ratio_pause_free_tier"] = (
         ratio(tier.get("turns_per_s"), default.get("turns_per_s"))
