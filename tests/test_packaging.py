@@ -97,7 +97,7 @@ def test_wheel_installs_beside_openai_agents(tmp_path: Path) -> None:
         for path in (REPO / folder).rglob("*"):
             if "examples" in path.parts or "__pycache__" in path.parts or path.is_dir():
                 continue
-            if path.suffix in (".py", ".c", ".html", ".css", ".js"):
+            if path.suffix in (".py", ".c", ".h", ".html", ".css", ".js"):
                 member = "prefixgate/" + path.relative_to(REPO).as_posix()
                 assert member in names, f"{member} is missing from the wheel"
     assert not any(n.split("/")[0] in FOLDERS for n in names), "a bare top-level package"

@@ -44,6 +44,11 @@ def sources() -> list[Path]:
     return sorted(SOURCE_DIR.glob("*.c"))
 
 
+def headers() -> list[Path]:
+    """The headers the sources include (part of the build key, never compiled alone)."""
+    return sorted(SOURCE_DIR.glob("*.h"))
+
+
 def _cache_dir() -> Path:
     explicit = os.environ.get("PREFIXGATE_CACHE_DIR")
     if explicit:
@@ -83,7 +88,7 @@ def _cpu_flags() -> str:
 def _build(compiler: str) -> Path:
     files = sources()
     flags = " ".join(COMPILE_FLAGS + LINK_FLAGS).encode()
-    parts = [f.name.encode() + b"\0" + f.read_bytes() for f in files]
+    parts = [f.name.encode() + b"\0" + f.read_bytes() for f in [*files, *headers()]]
     key = hashlib.sha256(
         b"\0".join([*parts, flags, compiler.encode(), _cpu_flags().encode()])
     ).hexdigest()[:16]

@@ -22,16 +22,16 @@
  * Layout (kernels/layout.py): k_cache, v_cache [num_pages, page_size, Hkv, D] contiguous, fp32
  * or bf16 (kv_bf16, widened exactly: a bf16 is the top half of an fp32's bits).
  *
- * NOTE: kv_elem / vkeys / load_keys are copies of paged_prefill.c's (static in their
- * translation unit; a shared header would not be part of the library's build key, which hashes
- * the .c files only). Built and loaded by kernels/cpu/cascade.py; the torch path is the oracle
- * in tests/kernels/cpu/test_cascade.py.
+ * Reads rows with kv_rows.h, like the other attention kernels. Built and loaded by
+ * kernels/cpu/cascade.py; the torch path is the oracle in tests/kernels/cpu/test_cascade.py.
  */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "kv_rows.h"
 
 #define KEYS 16            /* keys per vector of scores */
 #define VECS 4             /* score vectors per row tile and key block */
@@ -43,29 +43,12 @@
 #define MAX_ITEM_SCORES (1 << 18) /* scores per item (1 MiB): more keys split further */
 #define CASCADE_MAX_ROWS 4096 /* rows per KV head (B x G): bounds the scratch */
 
-typedef float vkeys __attribute__((vector_size(KEYS * sizeof(float))));
+_Static_assert(sizeof(vkeys) == KEYS * sizeof(float), "KEYS is one vkeys");
 
 int pg_cascade_limits(int *max_rows, int *max_head_dim) {
     *max_rows = CASCADE_MAX_ROWS;
     *max_head_dim = CASCADE_MAX_HEAD_DIM;
     return 0;
-}
-
-static inline vkeys load_keys(const float *p) {
-    vkeys v;
-    memcpy(&v, p, sizeof(v));
-    return v;
-}
-
-static inline void store_keys(float *p, vkeys v) { memcpy(p, &v, sizeof(v)); }
-
-/* Element i of a K/V row, as fp32 (bf16: widened exactly, its bits are the fp32's top half). */
-static inline float kv_elem(const void *row, int i, const int bf16) {
-    if (bf16) {
-        const union { uint32_t u; float f; } w = {.u = (uint32_t)((const uint16_t *)row)[i] << 16};
-        return w.f;
-    }
-    return ((const float *)row)[i];
 }
 
 typedef struct {

@@ -23,6 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kv_rows.h"
+
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 
@@ -58,16 +60,6 @@ static inline page_walk walk_start(const void *cache, const int64_t *seq_pages, 
                    token_stride * elem_bytes, offset * elem_bytes, len, page_size,
                    row_elems * elem_bytes, page_size, -1, NULL, NULL};
     return w;
-}
-
-/* Element i of a K/V row, as fp32: a bf16 is widened exactly (its bits are the fp32's top
- * half). Inlined with a constant `bf16`, the D-loops below vectorise either way. */
-static inline float kv_elem(const void *row, int64_t i, const int bf16) {
-    if (bf16) {
-        const union { uint32_t u; float f; } w = {.u = (uint32_t)((const uint16_t *)row)[i] << 16};
-        return w.f;
-    }
-    return ((const float *)row)[i];
 }
 
 /* The next token's row (call exactly `len` times). */

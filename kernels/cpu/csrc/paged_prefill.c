@@ -30,35 +30,20 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kv_rows.h"
+
 #define KEYS 16          /* keys per block: one vector of scores */
 #define ROWS_PER_ITEM 32 /* query positions per work item */
 #define TILE_ROWS 4      /* query rows whose scores and outputs are in registers together */
 #define PREFILL_MAX_GROUP 16
 #define PREFILL_MAX_HEAD_DIM 256
 
-typedef float vkeys __attribute__((vector_size(KEYS * sizeof(float))));
+_Static_assert(sizeof(vkeys) == KEYS * sizeof(float), "KEYS is one vkeys");
 
 int pg_prefill_limits(int *max_group, int *max_head_dim) {
     *max_group = PREFILL_MAX_GROUP;
     *max_head_dim = PREFILL_MAX_HEAD_DIM;
     return 0;
-}
-
-static inline vkeys load_keys(const float *p) {
-    vkeys v;
-    memcpy(&v, p, sizeof(v));
-    return v;
-}
-
-static inline void store_keys(float *p, vkeys v) { memcpy(p, &v, sizeof(v)); }
-
-/* Element i of a K/V row, as fp32 (bf16: widened exactly, its bits are the fp32's top half). */
-static inline float kv_elem(const void *row, int i, const int bf16) {
-    if (bf16) {
-        const union { uint32_t u; float f; } w = {.u = (uint32_t)((const uint16_t *)row)[i] << 16};
-        return w.f;
-    }
-    return ((const float *)row)[i];
 }
 
 typedef struct {
