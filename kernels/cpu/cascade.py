@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from prefixgate.kernels.cpu.decode import KV_DTYPES
+from prefixgate.kernels.cpu.attention_inputs import (
+    heads_inconsistent,
+    partly_overlaps,
+    takes_dtypes,
+)
 from prefixgate.kernels.cpu.library import library
 
 
@@ -49,12 +53,8 @@ def cascade_decode_native(
             written).
     """
     extras = [t for t in (own_lse, lse) if t is not None]
-    tensors = (out, query, k_cache, v_cache, rows, shared_pages, *extras)
     if not (
-        all(t.device.type == "cpu" for t in tensors)
-        and query.dtype == out.dtype == torch.float32
-        and k_cache.dtype == v_cache.dtype
-        and k_cache.dtype in KV_DTYPES
+        takes_dtypes(out, query, k_cache, v_cache, rows, shared_pages, *extras)
         and all(t.dtype == torch.float32 for t in extras)
     ):
         return False
@@ -63,13 +63,7 @@ def cascade_decode_native(
         return False
     batch = rows.shape[0] if rows.dim() == 1 else -1
     if (
-        query.dim() != 3
-        or out.shape != query.shape
-        or k_cache.dim() != 4
-        or v_cache.shape != k_cache.shape
-        or k_cache.shape[3] != query.shape[2]
-        or k_cache.shape[2] < 1
-        or query.shape[1] % k_cache.shape[2]
+        heads_inconsistent(out, query, k_cache, v_cache)
         or batch < 1
         or shared_pages.dim() != 1
         or any(t.shape != (batch, query.shape[1]) for t in extras)
@@ -87,12 +81,8 @@ def cascade_decode_native(
             f"cascade decode: a shared run of {shared_len} tokens over "
             f"{shared_pages.shape[0]} pages of {page_size}"
         )
-    overlaps = (
-        out.untyped_storage().data_ptr() == query.untyped_storage().data_ptr()
-        and out.data_ptr() != query.data_ptr()
-    )
     if (
-        overlaps  # a shifted view of the query would be overwritten while read
+        partly_overlaps(out, query)
         or head_dim % 16
         or head_dim > lib.cascade_max_head_dim
         or batch * (num_q_heads // num_kv_heads) > lib.cascade_max_rows

@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from prefixgate.kernels.cpu.attention_inputs import KV_DTYPES
 from prefixgate.kernels.cpu.library import library, native_status
-
-# the page dtypes the native attention kernels read (the query and output are always fp32)
-KV_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def native_decode_available() -> bool:

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from prefixgate.kernels.cpu.decode import KV_DTYPES
+from prefixgate.kernels.cpu.attention_inputs import (
+    heads_inconsistent,
+    partly_overlaps,
+    takes_dtypes,
+)
 from prefixgate.kernels.cpu.library import library
 
 
@@ -38,27 +42,12 @@ def paged_prefill_native(
         ValueError: inconsistent shapes, ``ctx_len < n``, too few pages, or a page id outside
             the pool (checked before anything is read or written).
     """
-    tensors = (out, query, k_cache, v_cache, pages)
-    if not (
-        all(t.device.type == "cpu" for t in tensors)
-        and query.dtype == out.dtype == torch.float32
-        and k_cache.dtype == v_cache.dtype
-        and k_cache.dtype in KV_DTYPES
-    ):
+    if not takes_dtypes(out, query, k_cache, v_cache, pages):
         return False
     lib = library()
     if lib is None:
         return False
-    if (
-        query.dim() != 3
-        or out.shape != query.shape
-        or k_cache.dim() != 4
-        or v_cache.shape != k_cache.shape
-        or k_cache.shape[3] != query.shape[2]
-        or k_cache.shape[2] < 1
-        or query.shape[1] % k_cache.shape[2]
-        or pages.dim() != 1
-    ):
+    if heads_inconsistent(out, query, k_cache, v_cache) or pages.dim() != 1:
         raise ValueError(
             f"paged prefill: inconsistent shapes: query/out {tuple(query.shape)}/"
             f"{tuple(out.shape)}, k/v cache {tuple(k_cache.shape)}/{tuple(v_cache.shape)}, "
@@ -72,12 +61,8 @@ def paged_prefill_native(
         raise ValueError(
             f"paged prefill: {pages.shape[0]} pages of {page_size} cannot hold {ctx_len} tokens"
         )
-    overlaps = (
-        out.untyped_storage().data_ptr() == query.untyped_storage().data_ptr()
-        and out.data_ptr() != query.data_ptr()
-    )
     if (
-        overlaps  # a shifted view of the query would be overwritten while read
+        partly_overlaps(out, query)
         or (n_rows > 1 and out.stride(0) < num_q_heads * head_dim)
         or head_dim % 16
         or head_dim > lib.prefill_max_head_dim

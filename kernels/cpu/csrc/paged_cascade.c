@@ -51,21 +51,6 @@ int pg_cascade_limits(int *max_rows, int *max_head_dim) {
     return 0;
 }
 
-typedef struct {
-    const char *k_cache, *v_cache;
-    const int64_t *pages;              /* the shared run's page ids, in order */
-    int64_t page_stride, token_stride; /* bytes */
-    int page_size, elem_bytes;
-} shared_run;
-
-/* Row of token t of KV head h (K or V cache). */
-static inline const void *run_row(const shared_run *kv, const char *cache, int t, int h,
-                                  int head_dim) {
-    return cache + kv->pages[t / kv->page_size] * kv->page_stride +
-           (int64_t)(t % kv->page_size) * kv->token_stride +
-           (int64_t)h * head_dim * kv->elem_bytes;
-}
-
 /* One (KV head h, keys [t_begin, t_end)) item over all `rows` = B x G rows of the head; row r
  * is sequence r / group (query row seq_rows[r / group]), query head h * group + r % group.
  * Two passes, like paged_decode.c (the item's keys are few enough that the score matrix stays
@@ -77,7 +62,7 @@ static inline const void *run_row(const shared_run *kv, const char *cache, int t
  * head_dim and bf16 are compile-time constants where inlined. Returns 1 when scratch could not
  * be allocated. */
 static inline __attribute__((always_inline)) int cascade_item(
-    const int head_dim, const int bf16, const shared_run *kv, const float *query,
+    const int head_dim, const int bf16, const paged_kv *kv, const float *query,
     int64_t q_row_stride, const int64_t *seq_rows, int group, int rows, int h, int t_begin,
     int t_end, float scale, float *o, float *m, float *l) {
     /* scratch: q [R][D] and the padding rows' o [R - rows][D] with R = rows rounded up to
@@ -112,7 +97,7 @@ static inline __attribute__((always_inline)) int cascade_item(
         const int nkeys = n_keys - b0 < BLOCK ? n_keys - b0 : BLOCK;
         for (int j = 0; j < BLOCK; ++j) {
             if (j < nkeys) {
-                const void *k = run_row(kv, kv->k_cache, t_begin + b0 + j, h, head_dim);
+                const void *k = kv_row(kv, kv->k_cache, t_begin + b0 + j, h, head_dim);
                 for (int d = 0; d < head_dim; ++d) kt[d * BLOCK + j] = kv_elem(k, d, bf16);
             } else {
                 for (int d = 0; d < head_dim; ++d) kt[d * BLOCK + j] = 0.0f;
@@ -160,7 +145,7 @@ static inline __attribute__((always_inline)) int cascade_item(
         const int nkeys = n_keys - b0 < BLOCK ? n_keys - b0 : BLOCK;
         const float *vrow[BLOCK];
         for (int j = 0; j < nkeys; ++j) {
-            const void *v = run_row(kv, kv->v_cache, t_begin + b0 + j, h, head_dim);
+            const void *v = kv_row(kv, kv->v_cache, t_begin + b0 + j, h, head_dim);
             if (bf16) {
                 float *row = vb + (size_t)j * head_dim;
                 for (int d = 0; d < head_dim; ++d) row[d] = kv_elem(v, d, 1);
@@ -246,7 +231,7 @@ int pg_cascade_decode_f32(const float *query, int64_t q_row_stride, const void *
     const int blocks_per_split = (blocks + splits - 1) / splits;
     splits = (blocks + blocks_per_split - 1) / blocks_per_split; /* none empty */
     const int elem_bytes = kv_bf16 ? 2 : 4;
-    const shared_run kv = {(const char *)k_cache, (const char *)v_cache, shared_pages,
+    const paged_kv kv = {(const char *)k_cache, (const char *)v_cache, shared_pages,
                            (int64_t)page_size * num_kv_heads * head_dim * elem_bytes,
                            (int64_t)num_kv_heads * head_dim * elem_bytes, page_size, elem_bytes};
     /* partials: [splits][Hkv][rows] x (o [D], m, l) */

@@ -46,21 +46,6 @@ int pg_prefill_limits(int *max_group, int *max_head_dim) {
     return 0;
 }
 
-typedef struct {
-    const char *k_cache, *v_cache;
-    const int64_t *pages;
-    int64_t page_stride, token_stride; /* bytes */
-    int page_size, elem_bytes;
-} paged_kv;
-
-/* Row of token t of KV head h (K or V cache). */
-static inline const void *kv_row(const paged_kv *kv, const char *cache, int t, int h,
-                                 int head_dim) {
-    return cache + kv->pages[t / kv->page_size] * kv->page_stride +
-           (int64_t)(t % kv->page_size) * kv->token_stride +
-           (int64_t)h * head_dim * kv->elem_bytes;
-}
-
 /* One work item. `rows` = positions in the item (<= ROWS_PER_ITEM) x group; row r is position
  * i0 + r / group, query head h * group + r % group. head_dim, group and bf16 (the page
  * dtype) are compile-time constants where inlined. Returns 1 when scratch could not be allocated. */
