@@ -157,6 +157,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pg_amx_available.restype = i32
     lib.pg_linear_quant_amx_f32.argtypes = [i32, p, i64, p, p, p, i64, p, i64, i32, i32, i32, i32]
     lib.pg_linear_quant_amx_f32.restype = i32
+    lib.amx_available = bool(lib.pg_amx_available())  # asks Linux for the tile state once
     # token_bitmask.c
     lib.pg_apply_token_bitmask_f32.argtypes = [p, i64, p, i64, i64, i64]
     lib.pg_apply_token_bitmask_f32.restype = None

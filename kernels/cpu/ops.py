@@ -239,10 +239,11 @@ def quant_amx_available() -> bool:
     with AMX-BF16 and Linux granted this process the tile state (asked once, by the library).
     False elsewhere, and :func:`linear_quant_native` then takes the vector-register kernel for
     every row count."""
-    # NOTE: not cached here: the library can be rebuilt and reloaded (tests do), and a cached
-    # answer would send a call to a library whose signatures were never declared
+    # NOTE: the answer lives on the library handle, not in a cache here: the library can be
+    # rebuilt and reloaded (tests do), and a cached answer would send a call to a library
+    # whose signatures were never declared
     lib = library()
-    return lib is not None and bool(lib.pg_amx_available())
+    return lib is not None and lib.amx_available
 
 
 def pack_quant_weight(
