@@ -25,7 +25,7 @@ from prefixgate.cache.errors import (
     UnknownSequenceError,
 )
 from prefixgate.cache.events import EventSink
-from prefixgate.cache.hashing import BlockHasher, HashedBlock, HashFn
+from prefixgate.cache.hashing import BlockHash, BlockHasher, HashedBlock, HashFn
 from prefixgate.cache.page import Page
 from prefixgate.cache.sequence import SequenceBlocks
 from prefixgate.cache.stats import CacheStats, HitCounter, HitStats, SharedPrefix
@@ -90,6 +90,7 @@ class KVCacheManager:
         self._per_agent: dict[tuple[str, str], HitCounter] = {}
         self.num_cow_copies = 0
         self._evicted: list[tuple[int, HashedBlock]] = []  # see capture_evictions()
+        self._evicted_hashes: set[BlockHash] = set()  # the same blocks, by hash
         self._unwritten: set[int] = set()  # installed from the tier, load not written yet
 
     # ------------------------------------------------------------------ queries
@@ -456,11 +457,18 @@ class KVCacheManager:
             self._unwritten.discard(page_id)
             return
         self._evicted.append((page_id, block))
+        self._evicted_hashes.add(block.block_hash)
+
+    def evicted_since_taken(self, block_hash: BlockHash) -> bool:
+        """Whether ``block_hash`` was evicted since the last :meth:`take_evicted`: its K/V is on
+        its way to the second tier but not there yet."""
+        return block_hash in self._evicted_hashes
 
     def take_evicted(self) -> list[tuple[int, HashedBlock]]:
         """Pages evicted since the last call, in eviction order; also ends the step's install
         window (its loads are written now)."""
         evicted, self._evicted = self._evicted, []
+        self._evicted_hashes.clear()
         self._unwritten.clear()
         return evicted
 

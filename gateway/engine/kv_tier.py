@@ -110,6 +110,13 @@ class KVTier:
         self._spiller = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-spill")
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-load")
         self._backlog = 0
+        # NOTE: a load must see every spill queued before it (a request returning right after
+        # its pages were evicted): spills are numbered as queued, a fetch waits for those
+        # before its ticket, and blocks still queued count as held by may_contain
+        self._spills_queued = 0
+        self._spills_written = 0
+        self._spill_written = threading.Condition(threading.Lock())
+        self._spilling: dict[bytes, int] = {}  # block hash -> queued spills holding it
         self._loads: dict[Hashable, tuple[float, int, Future[TierLoad]]] = {}
         # set when a load finishes: an engine with nothing else to do waits on it
         self.load_done = threading.Event()
@@ -131,6 +138,10 @@ class KVTier:
             return
         index = torch.tensor([pid for pid, _ in todo], dtype=torch.int64, device=self.kv_pool.device)
         snapshot = self.kv_pool.index_select(2, index)  # [L, 2, n, ps, Hkv, D], a copy
+        with self._spill_written:
+            self._spills_queued += 1
+            for _, block in todo:
+                self._spilling[block.block_hash] = self._spilling.get(block.block_hash, 0) + 1
         self._spiller.submit(self._write, [block for _, block in todo], snapshot)
 
     def _write(self, blocks: list[HashedBlock], snapshot: torch.Tensor) -> None:
@@ -152,6 +163,13 @@ class KVTier:
                 else:
                     dropped += 1
         finally:
+            with self._spill_written:
+                self._spills_written += 1
+                for block in blocks:
+                    left = self._spilling.pop(block.block_hash) - 1
+                    if left:
+                        self._spilling[block.block_hash] = left
+                self._spill_written.notify_all()
             with self._lock:
                 self._backlog -= len(blocks)
                 self._stats.pages_spilled += written
@@ -162,6 +180,8 @@ class KVTier:
 
     def may_contain(self, block: HashedBlock) -> bool | None:
         """Whether a load of a chain starting at ``block`` may find it (None: ask the store)."""
+        if block.block_hash in self._spilling:  # a dict read: atomic under the GIL
+            return True
         return self.store.may_contain(block.block_hash)
 
     def request(self, key: Hashable, start_block: int, blocks: Sequence[HashedBlock]) -> None:
@@ -169,7 +189,7 @@ class KVTier:
         self.cancel(key)
         with self._lock:
             self._stats.probes += 1
-        future = self._loader.submit(self._fetch, start_block, tuple(blocks))
+        future = self._loader.submit(self._fetch, start_block, tuple(blocks), self._spills_queued)
         future.add_done_callback(lambda _: self.load_done.set())
         self._loads[key] = (time.monotonic(), start_block, future)
 
@@ -197,8 +217,11 @@ class KVTier:
         if held is not None:
             held[2].cancel()
 
-    def _fetch(self, start_block: int, blocks: tuple[HashedBlock, ...]) -> TierLoad:
+    def _fetch(self, start_block: int, blocks: tuple[HashedBlock, ...], after_spills: int) -> TierLoad:
         began = time.perf_counter()
+        with self._spill_written:  # what was evicted before the request is in the store first
+            self._spill_written.wait_for(lambda: self._spills_written >= after_spills,
+                                         timeout=self.load_timeout_s)
         try:
             blobs = self.store.get_many([b.block_hash for b in blocks])
         except Exception:  # noqa: BLE001 - e.g. Redis went away: recompute, keep serving

@@ -132,6 +132,9 @@ class Scheduler:
         # above it the FMAs bind and a draft costs more than its expected accepted tokens
         self.max_spec_rows = max_spec_rows
         self.num_tier_waits = 0  # admissions deferred while their tier load ran
+        # pages of tier loads in flight or held for admission, per sequence: at most a pool's
+        # worth (a held load is host memory the size of its pages)
+        self._tier_load_pages: dict[int, int] = {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: preemption takes from the end
         self._admission = itertools.count()
@@ -165,8 +168,7 @@ class Scheduler:
             removed.append(seq)
         for seq in removed:
             seq.status = SeqStatus.FINISHED
-            if seq.tier_probe == "loading" and self.tier is not None:
-                self.tier.cancel(seq.seq_id)
+            self._drop_tier_load(seq)
         return removed
 
     def finish(self, seq: Sequence) -> None:
@@ -251,29 +253,40 @@ class Scheduler:
                 deferred.append(seq)
                 self.num_dedup_waits += 1
                 continue
-            if self.tier is not None and seq.tier_probe != "done":
-                match, loading = self._load_from_tier(seq, blocks, match, loads)
+            tier_blocks = 0
+            if self.tier is not None:
+                tier_blocks, loading = self._tier_continuation(seq, blocks, match)
                 if loading:  # NOTE: the request waits for its load; the step does not
                     deferred.append(seq)
                     self.num_tier_waits += 1
                     continue
-            start, remaining = match.num_cached_tokens, len(seq.token_ids) - match.num_cached_tokens
+            start = match.num_cached_tokens
+            if tier_blocks:
+                start = min((len(match.page_ids) + tier_blocks) * self.cache.page_size,
+                            len(seq.token_ids) - 1)
+            remaining = len(seq.token_ids) - start
             n = self._fit(start, remaining, budget, not has_prefill)
             own_step = self.max_num_batched_tokens - num_decodes  # what a step would leave it
             if n <= 0 or (n < remaining and has_prefill and self._cost(start, remaining) <= own_step):
                 # NOTE: nothing fits, or it would fit the next step whole: split here, its first
                 # token would wait a second step anyway. FIFO: nothing behind it goes first.
+                # A held tier load stays held (see _install_tier_load).
                 self.waiting.appendleft(seq)
                 break
+            # the same count with or without a held load: installed pages come out of the free
+            # ones and stay free (refcount 0) until this allocation takes them
             needed = self.cache.pages_needed_for_prompt(len(seq.token_ids), match)
             if not self.cache.can_allocate(needed):
                 idle = not self.running and not chunks
                 if idle and needed > self.cache.num_free_pages:
+                    self._drop_tier_load(seq)
                     unschedulable.append(seq)  # even an empty engine cannot hold it
                     continue
                 if not idle:
                     self.waiting.appendleft(seq)
                     break
+            if tier_blocks:
+                match = self._install_tier_load(seq, blocks, match, loads)
             self.cache.allocate(
                 seq.seq_id,
                 seq.token_ids,
@@ -325,34 +338,72 @@ class Scheduler:
 
     # ------------------------------------------------------------------ internals
 
-    def _load_from_tier(self, seq: Sequence, blocks: list[HashedBlock], match: PrefixMatch,
-                        loads: list[PageLoad]) -> tuple[PrefixMatch, bool]:
-        """Continue ``seq``'s pool hit from the second tier. Returns (the match to admit with,
-        whether ``seq`` must keep waiting for its load)."""
+    def _tier_continuation(self, seq: Sequence, blocks: list[HashedBlock],
+                           match: PrefixMatch) -> tuple[int, bool]:
+        """How far the second tier continues ``seq``'s pool hit ``match``. Returns (blocks a
+        finished load holds right after the hit, whether ``seq`` must wait for a load).
+
+        A finished load is held on the sequence and installed only in the step that admits it
+        (:meth:`_install_tier_load`): installed early, its pages would sit free in the pool
+        while the request waits for room, and the traffic it waits behind would evict them
+        again. The tier is looked up again whenever the pool's hit has changed since the last
+        look: pages evicted while the request waited went to the tier too.
+        """
         assert self.tier is not None
         first = len(match.page_ids)
-        if seq.tier_probe == "":
-            # a full hit stops one token short anyway: a last block alone is not worth a load
-            wanted = blocks[first : (len(seq.token_ids) - 1) // self.cache.page_size]
-            if not wanted or self.tier.may_contain(wanted[0]) is False:
-                seq.tier_probe = "done"
-                return match, False
-            self.tier.request(seq.seq_id, first, wanted)
-            seq.tier_probe = "loading"
-            return match, True
-        load = self.tier.poll(seq.seq_id)
-        if load is None:
-            return match, True
-        seq.tier_probe = "done"
-        # the pool moved on while the load ran: use the part that continues today's hit
-        skip = first - load.start_block
-        if not load.blocks or skip < 0 or skip >= len(load.blocks):
-            return match, False
+        if seq.tier_probe == "loading":
+            load = self.tier.poll(seq.seq_id)
+            if load is None:
+                return 0, True
+            seq.tier_probe, seq.tier_load = "held", load
+        if seq.tier_probe == "held":
+            load = seq.tier_load
+            skip = first - load.start_block
+            if load.blocks and 0 <= skip < len(load.blocks):
+                return len(load.blocks) - skip, False
+            # empty (a miss, late or doubtful), overtaken by the pool, or the pool lost blocks
+            # before the load's start while it waited (those went to the tier: look again)
+            lost = bool(load.blocks) and skip < 0
+            self._drop_tier_load(seq)
+            seq.tier_probe, seq.tier_probe_blocks = "done", -1 if lost else first
+        if seq.tier_probe == "done" and seq.tier_probe_blocks == first:
+            return 0, False
+        # a full hit stops one token short anyway: a last block alone is not worth a load
+        wanted = blocks[first : (len(seq.token_ids) - 1) // self.cache.page_size]
+        if any(self.cache.evicted_since_taken(b.block_hash) for b in wanted):
+            # evicted by this very schedule(): spilled once it returns, looked up next step
+            seq.tier_probe, seq.tier_probe_blocks = "done", -1
+            return 0, True
+        seq.tier_probe, seq.tier_probe_blocks = "done", first
+        if not wanted or self.tier.may_contain(wanted[0]) is False:
+            return 0, False
+        if sum(self._tier_load_pages.values()) + len(wanted) > self.cache.num_pages:
+            return 0, False  # loads already hold a pool's worth of pages: recompute this one
+        self.tier.request(seq.seq_id, first, wanted)
+        self._tier_load_pages[seq.seq_id] = len(wanted)
+        seq.tier_probe = "loading"
+        return 0, True
+
+    def _install_tier_load(self, seq: Sequence, blocks: list[HashedBlock], match: PrefixMatch,
+                           loads: list[PageLoad]) -> PrefixMatch:
+        """Give ``seq``'s held load pages right before it is allocated; returns the new hit."""
+        load = seq.tier_load
+        skip = len(match.page_ids) - load.start_block
+        self._drop_tier_load(seq)
         page_ids = self.cache.install_blocks(load.blocks[skip:], len(load.blocks) - skip)
         if not page_ids:
-            return match, False
+            return match
         loads.append(PageLoad(tuple(page_ids), load.payload, skip))
-        return self.cache.find_prefix(seq.token_ids, seq.extra_keys, blocks=blocks), False
+        return self.cache.find_prefix(seq.token_ids, seq.extra_keys, blocks=blocks)
+
+    def _drop_tier_load(self, seq: Sequence) -> None:
+        """Forget ``seq``'s tier load: cancel it in flight, release a held one."""
+        if seq.tier_probe == "loading" and self.tier is not None:
+            self.tier.cancel(seq.seq_id)
+        if seq.tier_probe in ("loading", "held"):
+            seq.tier_probe = "done"
+        seq.tier_load = None
+        self._tier_load_pages.pop(seq.seq_id, None)
 
     def _cost(self, start: int, n: int) -> float:
         """Budget units of computing ``n`` prompt tokens from position ``start``."""
@@ -422,6 +473,7 @@ class Scheduler:
         self._release(seq)
         seq.status = SeqStatus.WAITING
         seq.num_computed = 0
+        self._drop_tier_load(seq)
         seq.tier_probe = ""  # its evicted pages may be in the tier by the time it returns
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

@@ -46,8 +46,12 @@ class Sequence:
     hashed_blocks: list[HashedBlock] = field(default_factory=list)
     # Speculative decoding (gateway/engine/drafter.py): its DraftState, None = never drafts.
     draft: Any = None
-    # Second tier: "" = not looked up yet, "loading" = a load is in flight, "done".
+    # Second tier: "" = not looked up yet, "loading" = a load is in flight, "held" = a load
+    # finished and waits in ``tier_load`` for the step that admits the sequence, "done" = looked
+    # up while the pool matched ``tier_probe_blocks`` blocks (looked up again if that changes).
     tier_probe: str = ""
+    tier_load: Any = None
+    tier_probe_blocks: int = -1
     # Engine-side per-sequence state (sampler generator, detokenizer, stop matcher).
     state: Any = None
 
