@@ -45,17 +45,19 @@ Compared (each arm its own fresh server; the same num_pages everywhere):
       default of the medians (the repeats' spread shows the noise).
 
 Reported per arm: job completion time per agent (its first request sent -> its last response
-done, pauses included; p50/p90), prefill tokens recomputed (sum of prompt_tokens - cached_tokens
-from usage.prompt_tokens_details, and the server's prefill_tokens_computed delta; ``floor`` =
-what a pool that never evicts would still compute, chiefly each turn's new tool result, see
-``recompute_floor``; ``excess`` = recomputed - floor, what a cache could have saved), TTFT of
+done, pauses included; p50/p90), prefill tokens computed (``prefill``: sum of prompt_tokens -
+cached_tokens from usage.prompt_tokens_details, and the server's prefill_tokens_computed delta),
+of which ``floor`` = what a pool that never evicts would still compute (each turn's new tool
+result, chiefly; see ``prefill_floor``) and ``recomputed`` = prefill - floor: tokens the
+session had already computed once and a cache could have served, computed again), TTFT of
 returning turns (turns >= 2; p50/p90) and of first turns, pool hit rate (/v1/cache/stats
 global hit_rate over the run: hit tokens / query tokens), tier hit rate and retention counters
 when the server reports them (any ``*tier*`` field of /v1/cache/stats and ``prefixgate:*tier*``
 in /metrics), evictions, preemptions. Ratios against LRU: ``recompute_ratio_retention``,
-``recompute_ratio_retention_tier``, ``jct_p50_ratio_retention``, ``jct_p50_ratio_retention_tier``,
-``excess_recompute_ratio_*`` (excess / LRU's excess), ``ttft_returning_p50_ratio_*``,
-``recompute_floor_ratio`` (floor / LRU's recomputed: the best recompute ratio possible); targets (issue #16): recompute <= 0.10, JCT p50 <= 0.6, pause-free
+``recompute_ratio_retention_tier`` (recomputed / LRU's recomputed), ``prefill_ratio_*`` (prefill
+/ LRU's prefill), ``jct_p50_ratio_retention``, ``jct_p50_ratio_retention_tier``,
+``ttft_returning_p50_ratio_*``, ``prefill_floor_ratio`` (floor / LRU's prefill: the best
+prefill ratio possible); targets (issue #16): recompute <= 0.10, JCT p50 <= 0.6, pause-free
 throughput within noise. Greedy decoding makes every arm generate the same tokens, so the arms
 run the same conversations (checked: ``same_outputs_as_lru``).
 
@@ -303,14 +305,16 @@ def shared_prefix_tokens(counter: PromptCounter, plan: Plan,
 # ------------------------------------------------------------------------------ figures
 
 
-def recompute_floor(turns: Sequence[Turn], shared_tokens: int, page_size: int) -> int:
+def prefill_floor(turns: Sequence[Turn], shared_tokens: int, page_size: int) -> int:
     """Prefill tokens no cache can avoid: what a pool that never evicts would still compute.
 
     Per request: its prompt minus the full pages a cache could serve, capped one token short
     (the last prompt token is always computed): the shared prefix's full pages for a first
     turn (all of it for the first request sent), the previous prompt's full pages for a
     returning turn (its previous call is not counted: the next prompt re-tokenizes it, and
-    the model's spelling may differ). The new tool result of every turn lands here.
+    the constrained decode spells it in other tokens than the tokenizer does, e.g. ' {' '"'
+    where re-tokenizing gives ' {"', so the hit ends a few tokens into the call). The new
+    tool result of every turn lands here.
     """
     floor = 0
     first_sent = min((t.sent_s for t in turns if t.turn == 1), default=None)
@@ -333,15 +337,14 @@ def comparison(arms: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     for arm in ("retention", "retention_tier"):
         row = arms.get(arm)
         for key, figure in (("recompute_ratio", "recomputed_tokens"),
-                            ("excess_recompute_ratio", "recomputed_excess_tokens"),
+                            ("prefill_ratio", "prefill_tokens"),
                             ("jct_p50_ratio", "jct_p50_s"),
                             ("jct_p90_ratio", "jct_p90_s"),
                             ("ttft_returning_p50_ratio", "ttft_returning_p50_s")):
             out[f"{key}_{arm}"] = (ratio(row.get(figure), lru.get(figure))
                                    if row is not None and lru is not None else None)
-    # the best recompute_ratio any cache could reach: what a pool that never evicts computes
-    out["recompute_floor_ratio"] = (ratio(lru.get("recompute_floor_tokens"),
-                                          lru.get("recomputed_tokens"))
+    # the best prefill_ratio any cache could reach: what a pool that never evicts computes
+    out["prefill_floor_ratio"] = (ratio(lru.get("prefill_floor_tokens"), lru.get("prefill_tokens"))
                                     if lru is not None else None)
     default, tier = arms.get("pause_free"), arms.get("pause_free_tier")
     out["throughput_ratio_pause_free_tier"] = (
@@ -484,11 +487,12 @@ def summarise(turns: list[Turn], wall_s: float, shared_tokens: int = 0,
         "ttft_first_p50_s": percentile(first, 50),
         "prompt_tokens": prompt,
         "cached_tokens": cached,
-        "recomputed_tokens": prompt - cached,
-        # what no cache avoids (every turn's new tool result, ...) and the rest, which it could
-        "recompute_floor_tokens": (floor := recompute_floor(turns, shared_tokens, page_size)),
-        "recomputed_excess_tokens": prompt - cached - floor,
-        "recomputed_tokens_returning": returning_prompt - returning_cached,
+        "prefill_tokens": prompt - cached,
+        # what no cache avoids (every turn's new tool result, ...) and the rest, computed once
+        # already by the session: recomputed, which a cache could have served
+        "prefill_floor_tokens": (floor := prefill_floor(turns, shared_tokens, page_size)),
+        "recomputed_tokens": prompt - cached - floor,
+        "prefill_tokens_returning": returning_prompt - returning_cached,
         "returning_hit_rate": returning_cached / returning_prompt if returning_prompt else None,
         "completion_tokens": sum(t.completion_tokens for t in turns),
         "finish_tool_calls": sum(t.finish_reason == "tool_calls" for t in turns),
@@ -665,7 +669,7 @@ def run_arm(name: str, flags: list[str], workload: Workload, plans: list[Plan],
                 print(f"    WARNING: {row['cut_calls']} of {row['requests']} calls cut by "
                       "max_tokens (finish 'length'): those turns retain nothing", flush=True)
             print(f"    run {i + 1}/{len(plans)}: wall {wall:.1f} s, jct p50 "
-                  f"{row['jct_p50_s']:.2f} s, recomputed {row['recomputed_tokens']}, "
+                  f"{row['jct_p50_s']:.2f} s, prefill {row['prefill_tokens']}, recomputed {row['recomputed_tokens']}, "
                   f"pool hit rate {row['pool_hit_rate'] or 0:.3f}", flush=True)
             results.append(row)
     except Exception:
@@ -820,8 +824,8 @@ def main() -> None:
 
 def print_report(results: dict[str, Any], arms: dict[str, dict[str, Any]]) -> None:
     columns = [("jct p50 s", "jct_p50_s"), ("jct p90 s", "jct_p90_s"),
-               ("recomputed", "recomputed_tokens"), ("floor", "recompute_floor_tokens"),
-               ("excess", "recomputed_excess_tokens"), ("ttft ret p50", "ttft_returning_p50_s"),
+               ("prefill", "prefill_tokens"), ("floor", "prefill_floor_tokens"),
+               ("recomputed", "recomputed_tokens"), ("ttft ret p50", "ttft_returning_p50_s"),
                ("ttft ret p90", "ttft_returning_p90_s"), ("pool hit", "pool_hit_rate"),
                ("tier hit", "tier_hit_rate"), ("evictions", "evictions"),
                ("ret. evicted", "retained_evicted"), ("turns/s", "turns_per_s"),
@@ -839,7 +843,7 @@ def print_report(results: dict[str, Any], arms: dict[str, dict[str, Any]]) -> No
     for name, message in results["skipped"].items():
         print(f"{name:<16}  skipped: {message}")
     print_table("vs LRU (targets: recompute <= 0.1, jct p50 <= 0.6; pause-free tier ~ 1; "
-                "excess = recomputed - floor)",
+                "recomputed = prefill - floor)",
                 [(k, "-" if v is None else v) for k, v in results.items()
                  if k.endswith(("_retention", "_retention_tier", "_pause_free_tier"))])
     print_table("workload", [(k, v) for k, v in results.items()

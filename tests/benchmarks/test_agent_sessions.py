@@ -70,15 +70,16 @@ def test_percentile_interpolates():
 
 def test_comparison_ratios_against_lru():
     arms = {
-        "lru": {"recomputed_tokens": 1000, "jct_p50_s": 10.0, "jct_p90_s": 20.0,
+        "lru": {"recomputed_tokens": 1000, "prefill_tokens": 2000, "jct_p50_s": 10.0, "jct_p90_s": 20.0,
                 "ttft_returning_p50_s": 0.5},
-        "retention": {"recomputed_tokens": 400, "jct_p50_s": 8.0, "jct_p90_s": 10.0,
+        "retention": {"recomputed_tokens": 400, "prefill_tokens": 1500, "jct_p50_s": 8.0, "jct_p90_s": 10.0,
                       "ttft_returning_p50_s": 0.25},
         "pause_free": {"turns_per_s": 4.0},
         "pause_free_tier": {"turns_per_s": 3.9},
     }
     out = bench.comparison(arms)
     assert out["recompute_ratio_retention"] == pytest.approx(0.4)
+    assert out["prefill_ratio_retention"] == pytest.approx(0.75)
     assert out["jct_p50_ratio_retention"] == pytest.approx(0.8)
     assert out["jct_p90_ratio_retention"] == pytest.approx(0.5)
     assert out["ttft_returning_p50_ratio_retention"] == pytest.approx(0.5)
@@ -112,23 +113,23 @@ def test_summary_figures_from_turn_records():
              bench.Turn(1, 1, 0.5, 0.3, 1.5, 100, 96, 10, "length"),
              bench.Turn(1, 2, 4.0, 0.4, 6.5, 150, 0, 10, "tool_calls")]
     row = bench.summarise(turns, 6.5)
-    assert row["recomputed_tokens"] == 500 - 192
-    assert row["recomputed_tokens_returning"] == 300 - 96
+    assert row["prefill_tokens"] == 500 - 192
+    assert row["prefill_tokens_returning"] == 300 - 96
     assert row["jct_p50_s"] == pytest.approx((3.5 + 6.0) / 2)
     assert row["ttft_returning_p50_s"] == pytest.approx(0.25)
     assert row["cut_calls"] == 1 and row["finish_tool_calls"] == 3
     assert row["final_conversation_tokens"] == [160, 160]
 
 
-def test_recompute_floor_counts_only_what_no_cache_could_serve():
+def test_prefill_floor_counts_only_what_no_cache_could_serve():
     shared = 40  # 2 full pages of 16 + 8 tokens
     turns = [bench.Turn(0, 1, 0.0, prompt_tokens=50),  # the first request: all of it
              bench.Turn(1, 1, 0.5, prompt_tokens=52),  # the shared 32 tokens are servable
              bench.Turn(0, 2, 3.0, prompt_tokens=120),  # 48 of the previous 50 are servable
              bench.Turn(1, 2, 4.0, prompt_tokens=33)]  # capped one token short: 32 of 33
-    assert bench.recompute_floor(turns, shared, 16) == 50 + (52 - 32) + (120 - 48) + (33 - 32)
+    assert bench.prefill_floor(turns, shared, 16) == 50 + (52 - 32) + (120 - 48) + (33 - 32)
     row = bench.summarise([replace_cached(t, 0) for t in turns], 5.0, shared, 16)
-    assert row["recomputed_excess_tokens"] == row["recomputed_tokens"] - row["recompute_floor_tokens"]
+    assert row["recomputed_tokens"] == row["prefill_tokens"] - row["prefill_floor_tokens"]
 
 
 def replace_cached(turn, cached):
