@@ -482,7 +482,8 @@ class KVCacheManager:
                 self.pool._drop_hash(page)
         return {s.seq_id for s in self._seqs.values() if doomed.intersection(s.block_table)}
 
-    def install_blocks(self, blocks: Sequence[HashedBlock], max_pages: int) -> list[int]:
+    def install_blocks(self, blocks: Sequence[HashedBlock], max_pages: int,
+                       keep: Sequence[int] = ()) -> list[int]:
         """Give verified blocks loaded from the second tier pages of their own, registered
         under their hashes, free-but-cached (refcount 0) so the request's lookup hits them.
 
@@ -492,19 +493,27 @@ class KVCacheManager:
         Args:
             blocks: consecutive blocks continuing a cached prefix (block i's parent is i-1's).
             max_pages: at most this many pages (what admission can spare).
+            keep: pages that must survive the install: the pool hit ``blocks`` continue (free
+                hit pages sit in the LRU queue like any other; taking one would cut the chain
+                the loaded blocks hang from).
         Returns:
             The page ids, in block order; stops early at a block someone cached meanwhile.
         """
         if not self.enable_caching:
             return []
-        room = min(len(blocks), max_pages, self.pool.num_free_pages - self.watermark_pages)
-        pages: list[Page] = []
-        for block in blocks[: max(room, 0)]:
-            if block.block_hash in self.pool.cached:
-                break
-            (page,) = self.pool.allocate(1)
-            self.pool.register(page, block)
-            pages.append(page)
+        held = [self.pool.pages[i] for i in keep]
+        self.pool.touch(held)
+        try:
+            room = min(len(blocks), max_pages, self.pool.num_free_pages - self.watermark_pages)
+            pages: list[Page] = []
+            for block in blocks[: max(room, 0)]:
+                if block.block_hash in self.pool.cached:
+                    break
+                (page,) = self.pool.allocate(1)
+                self.pool.register(page, block)
+                pages.append(page)
+        finally:
+            self.pool.release(reversed(held))
         self._unwritten.update(p.page_id for p in pages)
         self.pool.release(reversed(pages))  # tail first, as free() does: heads outlive tails
         return [p.page_id for p in pages]

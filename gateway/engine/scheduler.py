@@ -390,7 +390,8 @@ class Scheduler:
         load = seq.tier_load
         skip = len(match.page_ids) - load.start_block
         self._drop_tier_load(seq)
-        page_ids = self.cache.install_blocks(load.blocks[skip:], len(load.blocks) - skip)
+        page_ids = self.cache.install_blocks(load.blocks[skip:], len(load.blocks) - skip,
+                                             keep=match.page_ids)
         if not page_ids:
             return match
         loads.append(PageLoad(tuple(page_ids), load.payload, skip))

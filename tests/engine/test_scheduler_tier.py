@@ -127,3 +127,24 @@ def test_an_aborted_request_releases_its_held_load():
     assert back.tier_probe == "held" and s._tier_load_pages == {back.seq_id: 3}
     s.remove_request("turn2")
     assert back.tier_load is None and s._tier_load_pages == {}
+
+
+def test_installing_a_load_never_evicts_the_pool_hit_it_continues():
+    s, tier = tier_scheduler(8)
+    first = seq(range(12), "turn1")
+    s.add(first)
+    tier_step(s, tier)
+    s.finish(first)  # free queue: 5 hashless pages, then turn 1's blocks 2, 1, 0 (tail first)
+    other = seq(range(100, 128), "other")  # 7 pages: the hashless ones, then blocks 2 and 1
+    s.add(other)
+    tier_step(s, tier)
+    s.finish(other)  # block 0 is now the least recently used free page
+    assert len(tier.blocks) == 2
+    back = seq([*range(12), 50, 51, 52, 53], "turn2")
+    s.add(back)
+    tier_step(s, tier)  # pool hit: block 0; the load: blocks 1 and 2
+    assert tier.requests == [(1, 2)]
+    out = tier_step(s, tier)
+    (load,) = out.page_loads
+    assert len(load.page_ids) == 2 and back.num_cached_tokens == 12
+    assert s.cache.block_table(back.seq_id)[:3] == [*s.cache.block_table(back.seq_id)[:1], *load.page_ids]
