@@ -18,9 +18,17 @@ nothing.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 NGRAM_SIZES = (4, 3, 2)
+
+
+class DraftConstraint(Protocol):
+    """What a constrained sequence may draft (gateway/engine/grammar/drafts.GrammarDrafts)."""
+
+    def constrain(self, proposal: Sequence[int], limit: int) -> list[int]: ...
 
 
 @dataclass(slots=True)
@@ -28,6 +36,9 @@ class DraftState:
     """Per-sequence lookup index and draft length."""
 
     k: int
+    # a constrained sequence's grammar: its forced tokens are the draft, else the n-gram
+    # proposal up to the first token it rejects
+    grammar: DraftConstraint | None = None
     # n-gram -> the position right after its latest occurrence (indexed up to ``indexed``)
     index: dict[tuple[int, ...], int] = field(default_factory=dict)
     indexed: int = 0  # n-grams ending before this position are in ``index``
@@ -64,13 +75,17 @@ class NgramDrafter:
                 if j + 1 >= n:
                     index[tuple(tokens[j + 1 - n : j + 1])] = j + 1
         state.indexed = max(state.indexed, end - 1)
+        proposal: list[int] = []
         for n in NGRAM_SIZES:
             if end < n:
                 continue
             start = index.get(tuple(tokens[end - n :]))
             if start is not None:
-                return tokens[start : start + limit]
-        return []
+                proposal = tokens[start : start + limit]
+                break
+        if state.grammar is not None:
+            return state.grammar.constrain(proposal, limit)
+        return proposal
 
     def record(self, state: DraftState, num_proposed: int, num_accepted: int) -> None:
         """The verify of a ``num_proposed`` draft accepted ``num_accepted``: adapt ``k``."""

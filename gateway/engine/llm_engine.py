@@ -39,6 +39,7 @@ from prefixgate.gateway.engine.grammar import (
     TokenMasker,
     new_matcher,
 )
+from prefixgate.gateway.engine.grammar.drafts import GrammarDrafts, draft_bitmask
 from prefixgate.gateway.engine.kv_tier import KVTier
 from prefixgate.gateway.engine.sampler import (
     SampleRow,
@@ -325,8 +326,9 @@ class LLMEngine:
                   if c.draft_ids else self._make_chunk(c.token_ids, c.start_pos, c.block_table, c.need_logits)
                   for c in out.chunks]
         # Constrained rows' grammar states are final now: fill their masks during the forward.
+        # (a verify chunk's masks, one per draft position, are filled in _verify_drafts)
         constrained = [c.seq for c in out.chunks
-                       if c.need_logits and c.seq.state.matcher is not None]
+                       if c.need_logits and c.seq.state.matcher is not None and not c.draft_ids]
         masks = self._mask_filler().start([s.state.matcher for s in constrained]) if constrained else None
         began = time.perf_counter()
         try:
@@ -455,7 +457,17 @@ class LLMEngine:
                 # penalties count the tokens before each position: the drafts ahead of it too
                 tokens = [*seq.token_ids, *c.draft_ids[:i]] if penalised and i else seq.token_ids
                 rows.append(SampleRow(seq.sampling, tokens, seq.num_prompt_tokens, seq.state.generator))
-        results = self._verify(logits.index_select(0, index).float(), rows, [c.draft_ids for c, _ in spans])
+        bitmask = None
+        if any(c.seq.state.matcher is not None for c, _ in spans):
+            # per draft position: what the grammar allows once the drafts before it are in
+            words = self._mask_filler().num_words
+            bitmask = torch.cat([
+                draft_bitmask(c.seq.state.matcher, c.draft_ids, words)
+                if c.seq.state.matcher is not None
+                else torch.full((1 + len(c.draft_ids), words), -1, dtype=torch.int32)
+                for c, _ in spans]).to(logits.device)
+        results = self._verify(logits.index_select(0, index).float(), rows,
+                               [c.draft_ids for c, _ in spans], bitmask)
         verified: dict[int, tuple[Sequence, Verified]] = {}
         for (c, _), result in zip(spans, results, strict=True):
             if result is None:
@@ -468,15 +480,15 @@ class LLMEngine:
         return verified
 
     @staticmethod
-    def _verify(logits: torch.Tensor, rows: list[SampleRow], drafts: list[tuple[int, ...]]
-                ) -> list[Verified | None]:
+    def _verify(logits: torch.Tensor, rows: list[SampleRow], drafts: list[tuple[int, ...]],
+                token_bitmask: torch.Tensor | None = None) -> list[Verified | None]:
         """sampler.verify over every draft chunk; if it raises, each sequence alone (None: it
         fails alone), as ``_sample`` does. Seeded generators are rewound before the retry, so a
         sequence's draws are the ones the batched call would have made."""
         generators = {id(r.generator): r.generator for r in rows if r.generator is not None}
         states = {key: g.get_state() for key, g in generators.items()}
         try:
-            return list(verify(logits, rows, drafts))
+            return list(verify(logits, rows, drafts, token_bitmask))
         except Exception:
             logger.exception("batched verification of %d drafts failed; verifying one by one", len(drafts))
         for key, g in generators.items():
@@ -486,7 +498,8 @@ class LLMEngine:
         for draft in drafts:
             end = at + len(draft) + 1
             try:
-                out.append(verify(logits[at:end], rows[at:end], [draft])[0])
+                masks = token_bitmask[at:end] if token_bitmask is not None else None
+                out.append(verify(logits[at:end], rows[at:end], [draft], masks)[0])
             except Exception:
                 logger.exception("verification failed for one sequence (%s)", rows[at].params)
                 out.append(None)
@@ -671,16 +684,18 @@ class LLMEngine:
         # emitted token's row is the position a plain decode would have used) and seeds (each
         # emitted token consumes one draw of the request's generator, as a plain decode does,
         # so a seeded output does not depend on the batch flipping the speculative_max_rows cap).
-        # NOTE: not with a grammar: a draft position's token mask depends on the matcher state
-        # after the drafts before it, so verifying k drafts would mean advancing the matcher
-        # through them, filling k more masks and rolling back the rejected ones each step.
+        # Constrained rows draft too (grammar/drafts.py): the tokens their grammar forces
+        # next (a tool call's structure and keys), else the n-gram proposal up to the first
+        # token the grammar rejects; each verify row is masked by the grammar's state after
+        # the drafts before it, so the output is the same as one token a step.
         # NOTE: not with n > 1: the prompt's last token can be scheduled as a one-token
         # "decode" (after chunked prefill or a recompute), which would draft before the
         # choices fork, and the forks sample from that chunk's first row in the step's
         # sampling, which skips verified chunks.
-        if (self.scheduler.drafter is not None and req.speculative and sp.n == 1
-                and state.grammar is None):
-            seq.draft = DraftState(k=self.scheduler.drafter.max_draft)
+        if self.scheduler.drafter is not None and req.speculative and sp.n == 1:
+            matcher = seq.state.matcher
+            seq.draft = DraftState(k=self.scheduler.drafter.max_draft,
+                                   grammar=GrammarDrafts(matcher) if matcher is not None else None)
         state.seqs.append(seq)
         return seq
 

@@ -197,8 +197,8 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow],
     return SampleResult(token_ids, *_logprob_fields(raw_logprobs, chosen, rows), dead_ends)
 
 
-def verify(logits: torch.Tensor, rows: Sequence[SampleRow], drafts: Sequence[Sequence[int]]
-           ) -> list[Verified]:
+def verify(logits: torch.Tensor, rows: Sequence[SampleRow], drafts: Sequence[Sequence[int]],
+           token_bitmask: torch.Tensor | None = None) -> list[Verified]:
     """Verify draft tokens against the sampler's own distributions: per sequence, the accepted
     drafts and the token after them, distributed exactly as decoding one token at a time.
 
@@ -209,6 +209,8 @@ def verify(logits: torch.Tensor, rows: Sequence[SampleRow], drafts: Sequence[Seq
         rows: one per logits row. A sequence's rows share its params and generator; row ``i``'s
             ``token_ids`` must include drafts ``0..i-1`` when the request has penalties.
         drafts: each sequence's draft tokens (at least one each).
+        token_bitmask: one row per logits row (as in :func:`sample`): a constrained
+            sequence's row ``i`` allows what its grammar allows after drafts ``0..i-1``.
 
     Returns:
         One Verified per sequence.
@@ -232,7 +234,7 @@ def verify(logits: torch.Tensor, rows: Sequence[SampleRow], drafts: Sequence[Seq
     assert all(drafts), "a sequence without drafts is sampled, not verified"
     logits = logits.float()
     raw_logprobs = logits.log_softmax(dim=-1) if any(r.params.logprobs for r in rows) else None
-    target = target_distribution(logits, rows)
+    target = target_distribution(logits, rows, token_bitmask)
     greedy_ids = target.logits.argmax(dim=-1).tolist()
     probs = target.probs
     vocab = logits.shape[1]

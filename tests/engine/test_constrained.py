@@ -101,12 +101,15 @@ def test_each_of_n_sampled_choices_matches_the_schema(engines, tokenizer):
     assert len(values) == 4
 
 
-def test_preemption_by_recompute_keeps_the_grammar_state(make_engine, tokenizer):
+@pytest.mark.parametrize("speculative_tokens", [0, 4])
+def test_preemption_by_recompute_keeps_the_grammar_state(make_engine, tokenizer, speculative_tokens):
     # a pool too small for all rows at once: rows are preempted and recomputed mid-output
+    # (with drafts of the grammar's forced tokens in flight, too)
     prompts = [chat(tokenizer, f"{task} Answer as JSON.") for task in TASKS[:6]]
     pages_per_seq = -(-(max(map(len, prompts)) + 128) // 16)
-    tight = make_engine(num_pages=pages_per_seq * 3, watermark=0.0)
-    roomy = make_engine()
+    tight = make_engine(num_pages=pages_per_seq * 2, watermark=0.0,
+                        num_speculative_tokens=speculative_tokens)
+    roomy = make_engine(num_speculative_tokens=0)
     spec = GrammarSpec("json_schema", json.dumps(LONG_SCHEMA))
 
     def requests():
@@ -115,6 +118,8 @@ def test_preemption_by_recompute_keeps_the_grammar_state(make_engine, tokenizer)
 
     squeezed = run(tight, requests())
     assert tight.scheduler.num_preemptions > 0
+    if speculative_tokens:
+        assert tight.scheduler.drafter.num_accepted > 0
     reference = run(roomy, requests())
     for rid in squeezed:
         assert finish(squeezed[rid]) == "stop"

@@ -5,17 +5,25 @@ holds the K/V its tokens give). The sampling logic itself: tests/engine/test_sam
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from prefixgate.gateway.engine import llm_engine
-from prefixgate.gateway.engine.api import EngineError, GenerationRequest, SamplingParams
-from tests.engine.test_constrained import JSON
+from prefixgate.gateway.engine.api import (
+    EngineError,
+    GenerationRequest,
+    GrammarSpec,
+    SamplingParams,
+)
+from tests.engine.test_constrained import JSON, LONG_SCHEMA, finish, valid
 from tests.engine.test_engine import TASKS, chat, greedy, run, tokens
 
 REPEAT = ("Copy this list exactly, twice: alpha, beta, gamma, delta, epsilon, zeta, eta, theta. "
           "Then copy it again.")
 TOOL = ('Previous call: {"name": "search_code", "arguments": {"query": "retry policy", '
         '"path": "src/http"}}. Call search_code again with the same arguments.')
+LONG_JSON = GrammarSpec("json_schema", json.dumps(LONG_SCHEMA))
 ECHO = '{"tool": "search_code", "arguments": {"query": "retry policy", "path": "src/http", "limit": 5}}'
 
 
@@ -52,14 +60,58 @@ def test_speculative_greedy_is_token_identical_and_leaves_exact_pages(make_engin
     assert set(spec.cache.pool.cached) == set(plain.cache.pool.cached) and compared >= 15
 
 
-def test_opted_out_and_constrained_requests_never_draft(make_engine, tokenizer):
+def test_opted_out_requests_never_draft(make_engine, tokenizer):
     spec = make_engine(num_pages=64, num_speculative_tokens=4)
-    prompt = chat(tokenizer, REPEAT)
-    opted_out = GenerationRequest(prompt, greedy(12), request_id="o", speculative=False)
-    constrained = GenerationRequest(chat(tokenizer, "Weather in Oslo for 3 days, JSON."), greedy(24),
-                                    request_id="g", grammar=JSON)
-    run(spec, [opted_out, constrained])
+    opted_out = GenerationRequest(chat(tokenizer, REPEAT), greedy(12), request_id="o", speculative=False)
+    run(spec, [opted_out])
     assert spec.scheduler.drafter.num_drafts == 0
+
+
+def _constrained(tokenizer, tag: str, **sampling) -> list[GenerationRequest]:
+    prompts = ["Weather in Oslo for 3 days, JSON.", "Give the forecast for Lima, two days, in fahrenheit.",
+               TOOL]
+    params = SamplingParams(**{"max_tokens": 48, "temperature": 0, **sampling})
+    out = [GenerationRequest(chat(tokenizer, p), params, request_id=f"{tag}{i}", grammar=JSON)
+           for i, p in enumerate(prompts)]
+    out.append(GenerationRequest(chat(tokenizer, "List twenty-four digits."), params,
+                                 request_id=f"{tag}long", grammar=LONG_JSON))
+    return out
+
+
+def test_constrained_rows_draft_what_the_grammar_forces_with_identical_output(make_engine, tokenizer):
+    """A JSON row's keys and punctuation are forced by its grammar: they are drafted and
+    accepted, and the output is token-identical to decoding one token a step (each verify row
+    masked by the grammar's state after the drafts before it), valid, next to a free row."""
+    def requests(tag):
+        return [*_constrained(tokenizer, tag), GenerationRequest(chat(tokenizer, REPEAT), greedy(24),
+                                                                 request_id=f"{tag}free")]
+    plain = run(make_engine(num_pages=128, num_speculative_tokens=0), requests("p"))
+    spec = make_engine(num_pages=128, num_speculative_tokens=4)
+    got = run(spec, requests("s"))
+    for rid, deltas in plain.items():
+        assert tokens(got["s" + rid[1:]]) == tokens(deltas), rid
+    for i in range(3):
+        valid(got[f"s{i}"])
+    drafter = spec.scheduler.drafter
+    print(spec.spec_stats())
+    assert drafter.num_accepted > 0 and spec.spec_tokens_accepted == drafter.num_accepted
+    spec.cache.check_integrity()
+    assert spec.cache.stats().pages_used == 0
+
+
+def test_seeded_constrained_speculation_reproduces_plain_decoding(make_engine, tokenizer):
+    """Sampled constrained rows (alone: no free row drafts here): rejection sampling over the
+    masked distribution; seeded, the output is the one a plain decode gives, and valid."""
+    plain = run(make_engine(num_pages=128, num_speculative_tokens=0),
+                _constrained(tokenizer, "p", temperature=0.9, seed=11))
+    spec_engine = make_engine(num_pages=128, num_speculative_tokens=4)
+    spec = run(spec_engine, _constrained(tokenizer, "s", temperature=0.9, seed=11))
+    assert spec_engine.scheduler.drafter.num_accepted > 0
+    for rid, deltas in plain.items():
+        assert tokens(spec["s" + rid[1:]]) == tokens(deltas), rid
+    for i in range(3):
+        if finish(spec[f"s{i}"]) == "stop":
+            valid(spec[f"s{i}"])
 
 
 def _echo(tokenizer) -> tuple[int, ...]:
@@ -165,8 +217,8 @@ def test_a_verification_fault_fails_its_request_alone(make_engine, tokenizer, mo
     real = llm_engine.verify
     calls = {"raised": 0}
 
-    def verify(logits, rows, drafts):
-        result = real(logits, rows, drafts)
+    def verify(logits, rows, drafts, token_bitmask=None):
+        result = real(logits, rows, drafts, token_bitmask)
         if any(r.params.seed == 666 for r in rows):
             calls["raised"] += 1
             raise RuntimeError("injected verification fault")
