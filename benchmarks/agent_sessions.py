@@ -49,7 +49,9 @@ done, pauses included; p50/p90), prefill tokens computed (``prefill``: sum of pr
 cached_tokens from usage.prompt_tokens_details, and the server's prefill_tokens_computed delta),
 of which ``floor`` = what a pool that never evicts would still compute (each turn's new tool
 result, chiefly; see ``prefill_floor``) and ``recomputed`` = prefill - floor: tokens the
-session had already computed once and a cache could have served, computed again), TTFT of
+session had already computed once and a cache could have served, computed again; the floor
+counts every earlier call as unservable, so where calls re-tokenize as generated, a cache
+that serves them goes below it and recomputed is negative: none), TTFT of
 returning turns (turns >= 2; p50/p90) and of first turns, pool hit rate (/v1/cache/stats
 global hit_rate over the run: hit tokens / query tokens), tier hit rate and retention counters
 when the server reports them (any ``*tier*`` field of /v1/cache/stats and ``prefixgate:*tier*``
