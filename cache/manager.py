@@ -465,12 +465,21 @@ class KVCacheManager:
         return block_hash in self._evicted_hashes
 
     def take_evicted(self) -> list[tuple[int, HashedBlock]]:
-        """Pages evicted since the last call, in eviction order; also ends the step's install
-        window (its loads are written now)."""
+        """Pages evicted since the last call, in eviction order."""
         evicted, self._evicted = self._evicted, []
         self._evicted_hashes.clear()
-        self._unwritten.clear()
         return evicted
+
+    def loads_written(self) -> None:
+        """The step's tier loads are in their pages: its install window ends."""
+        self._unwritten.clear()
+
+    def forget_unwritten(self) -> set[Hashable]:
+        """Un-cache pages installed from the tier whose load was never written (a step that
+        failed in between): their hashes would serve whatever K/V the pages held. Returns
+        the live sequences holding any of them (see :meth:`forget_pages`)."""
+        unwritten, self._unwritten = self._unwritten, set()
+        return self.forget_pages(sorted(unwritten)) if unwritten else set()
 
     def forget_pages(self, page_ids: Sequence[int]) -> set[Hashable]:
         """Drop the hashes of ``page_ids`` (their K/V is not what the hash says); returns the
@@ -488,7 +497,8 @@ class KVCacheManager:
         under their hashes, free-but-cached (refcount 0) so the request's lookup hits them.
 
         NOTE: the pages hold their K/V only once the runner writes the load, which the engine
-        does before the step's forward (the first read); :meth:`take_evicted` closes the window.
+        does before the step's forward (the first read), then calls :meth:`loads_written`; a
+        step that fails before that calls :meth:`forget_unwritten`.
 
         Args:
             blocks: consecutive blocks continuing a cached prefix (block i's parent is i-1's).

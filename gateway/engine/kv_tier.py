@@ -43,7 +43,7 @@ class TierLoad(NamedTuple):
 
     start_block: int
     blocks: tuple[HashedBlock, ...]
-    payload: Any  # torch.Tensor [L, 2, n, page_size, Hkv, D] on the pool's device
+    payload: Any  # torch.Tensor [L, 2, n, page_size, Hkv, D] on the host (pinned on GPU)
 
 
 @dataclass(slots=True)
@@ -110,11 +110,9 @@ class KVTier:
         self._spiller = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-spill")
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-load")
         self._backlog = 0
-        # NOTE: a load must see every spill queued before it (a request returning right after
-        # its pages were evicted): spills are numbered as queued, a fetch waits for those
-        # before its ticket, and blocks still queued count as held by may_contain
-        self._spills_queued = 0
-        self._spills_written = 0
+        # NOTE: a load must see the spills of its blocks queued before it (a request returning
+        # right after its pages were evicted): blocks still queued count as held by
+        # may_contain, and a fetch waits (within its deadline) until none of its own is queued
         self._spill_written = threading.Condition(threading.Lock())
         self._spilling: dict[bytes, int] = {}  # block hash -> queued spills holding it
         self._loads: dict[Hashable, tuple[float, int, Future[TierLoad]]] = {}
@@ -139,10 +137,14 @@ class KVTier:
         index = torch.tensor([pid for pid, _ in todo], dtype=torch.int64, device=self.kv_pool.device)
         snapshot = self.kv_pool.index_select(2, index)  # [L, 2, n, ps, Hkv, D], a copy
         with self._spill_written:
-            self._spills_queued += 1
             for _, block in todo:
                 self._spilling[block.block_hash] = self._spilling.get(block.block_hash, 0) + 1
         self._spiller.submit(self._write, [block for _, block in todo], snapshot)
+
+    def count_dropped(self, num_pages: int) -> None:
+        """``num_pages`` evicted pages were never spilled (the caller's copy failed)."""
+        with self._lock:
+            self._stats.spills_dropped += num_pages
 
     def _write(self, blocks: list[HashedBlock], snapshot: torch.Tensor) -> None:
         written = nbytes = dropped = 0
@@ -164,7 +166,6 @@ class KVTier:
                     dropped += 1
         finally:
             with self._spill_written:
-                self._spills_written += 1
                 for block in blocks:
                     left = self._spilling.pop(block.block_hash) - 1
                     if left:
@@ -189,7 +190,8 @@ class KVTier:
         self.cancel(key)
         with self._lock:
             self._stats.probes += 1
-        future = self._loader.submit(self._fetch, start_block, tuple(blocks), self._spills_queued)
+        deadline = time.monotonic() + self.load_timeout_s
+        future = self._loader.submit(self._fetch, start_block, tuple(blocks), deadline)
         future.add_done_callback(lambda _: self.load_done.set())
         self._loads[key] = (time.monotonic(), start_block, future)
 
@@ -217,11 +219,12 @@ class KVTier:
         if held is not None:
             held[2].cancel()
 
-    def _fetch(self, start_block: int, blocks: tuple[HashedBlock, ...], after_spills: int) -> TierLoad:
+    def _fetch(self, start_block: int, blocks: tuple[HashedBlock, ...], deadline: float) -> TierLoad:
         began = time.perf_counter()
-        with self._spill_written:  # what was evicted before the request is in the store first
-            self._spill_written.wait_for(lambda: self._spills_written >= after_spills,
-                                         timeout=self.load_timeout_s)
+        wanted = [b.block_hash for b in blocks]
+        with self._spill_written:  # a block of ours still on its way to the store: wait for it
+            self._spill_written.wait_for(lambda: not any(h in self._spilling for h in wanted),
+                                         timeout=max(0.0, deadline - time.monotonic()))
         try:
             blobs = self.store.get_many([b.block_hash for b in blocks])
         except Exception:  # noqa: BLE001 - e.g. Redis went away: recompute, keep serving
@@ -253,10 +256,8 @@ class KVTier:
                 flat[i * self.page_bytes : (i + 1) * self.page_bytes] = memoryview(data)
             pages = staging.view(self.kv_pool.dtype)
             payload = pages.view(len(good), *self.page_shape).permute(1, 2, 0, 3, 4, 5)
-            if cuda:
-                payload = payload.to(self.kv_pool.device, non_blocking=True)
-                # the pinned buffer must outlive the copy: done before this worker returns it
-                torch.cuda.current_stream(self.kv_pool.device).synchronize()
+            # NOTE: on GPU the payload stays in pinned host memory until it is written: a load
+            # may be held while its request waits for room, and device memory is the pool's
         with self._lock:
             s = self._stats
             s.corrupt += corrupt
@@ -273,7 +274,8 @@ class KVTier:
         """Copy loaded blocks ``offset .. offset + len(page_ids)`` of ``payload`` into their
         pages (before any forward reads them)."""
         index = torch.tensor(list(page_ids), dtype=torch.int64, device=self.kv_pool.device)
-        self.kv_pool.index_copy_(2, index, payload[:, :, offset : offset + len(page_ids)])
+        part = payload[:, :, offset : offset + len(page_ids)].to(self.kv_pool.device)  # DMA on GPU
+        self.kv_pool.index_copy_(2, index, part)
 
     def load_seconds_per_token(self, page_size: int) -> float | None:
         """Worker seconds per loaded token so far (None before the first hit); lock-free read."""

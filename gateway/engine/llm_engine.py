@@ -445,6 +445,9 @@ class LLMEngine:
             if c.draft_ids and c.seq.seq_id not in failed and c.seq.status is SeqStatus.RUNNING:
                 spans.append((c, row))
             row += 1 + len(c.draft_ids)
+        bitmask = None
+        if any(c.seq.state.matcher is not None for c, _ in spans):
+            spans, bitmask = self._draft_masks(spans)
         if not spans:
             return {}
         index = torch.tensor([r + i for c, r in spans for i in range(1 + len(c.draft_ids))],
@@ -457,15 +460,8 @@ class LLMEngine:
                 # penalties count the tokens before each position: the drafts ahead of it too
                 tokens = [*seq.token_ids, *c.draft_ids[:i]] if penalised and i else seq.token_ids
                 rows.append(SampleRow(seq.sampling, tokens, seq.num_prompt_tokens, seq.state.generator))
-        bitmask = None
-        if any(c.seq.state.matcher is not None for c, _ in spans):
-            # per draft position: what the grammar allows once the drafts before it are in
-            words = self._mask_filler().num_words
-            bitmask = torch.cat([
-                draft_bitmask(c.seq.state.matcher, c.draft_ids, words)
-                if c.seq.state.matcher is not None
-                else torch.full((1 + len(c.draft_ids), words), -1, dtype=torch.int32)
-                for c, _ in spans]).to(logits.device)
+        if bitmask is not None:
+            bitmask = bitmask.to(logits.device)
         results = self._verify(logits.index_select(0, index).float(), rows,
                                [c.draft_ids for c, _ in spans], bitmask)
         verified: dict[int, tuple[Sequence, Verified]] = {}
@@ -478,6 +474,28 @@ class LLMEngine:
             verified[c.seq.seq_id] = (c.seq, result)
             self.scheduler.drafter.record(c.seq.draft, len(c.draft_ids), result.num_accepted)
         return verified
+
+    def _draft_masks(self, spans: list[tuple[ScheduledChunk, int]]
+                     ) -> tuple[list[tuple[ScheduledChunk, int]], torch.Tensor | None]:
+        """The verify rows' grammar masks, per draft position what the grammar allows once the
+        drafts before it are in (all ones for a free row). A row whose grammar fails to give
+        them fails its request alone and leaves the spans (as TokenMasker does for plain rows)."""
+        words = self._mask_filler().num_words
+        kept: list[tuple[ScheduledChunk, int]] = []
+        masks: list[torch.Tensor] = []
+        for c, row in spans:
+            matcher = c.seq.state.matcher
+            try:
+                masks.append(draft_bitmask(matcher, c.draft_ids, words) if matcher is not None
+                             else torch.full((1 + len(c.draft_ids), words), -1, dtype=torch.int32))
+            except Exception:  # noqa: BLE001 - this row's grammar alone
+                logger.exception("masking the drafts of request %s failed", c.seq.request_id)
+                self._fail(c.seq.request_id, EngineError(
+                    "the output grammar failed on this request's draft tokens; it was stopped "
+                    "(other requests in the step were not affected)", code="request_failed"))
+                continue
+            kept.append((c, row))
+        return kept, torch.cat(masks) if masks else None
 
     @staticmethod
     def _verify(logits: torch.Tensor, rows: list[SampleRow], drafts: list[tuple[int, ...]],
@@ -532,7 +550,11 @@ class LLMEngine:
         assert self.tier is not None
         evicted = self.cache.take_evicted()
         if evicted:
-            self.tier.spill(evicted)
+            try:
+                self.tier.spill(evicted)
+            except Exception:  # noqa: BLE001 - a lost spill costs a recompute later, nothing else
+                logger.exception("spilling %d evicted pages to the kv tier failed; dropped", len(evicted))
+                self.tier.count_dropped(len(evicted))
         for load in out.page_loads:
             try:
                 self.tier.write(load.page_ids, load.payload, load.offset)
@@ -546,6 +568,7 @@ class LLMEngine:
                             code="request_failed"))
             else:
                 self.tier_tokens_loaded += len(load.page_ids) * self.page_size
+        self.cache.loads_written()
 
     # ------------------------------------------------------------------ fault isolation
 
@@ -782,6 +805,8 @@ class LLMEngine:
         (nothing doubtful is served; pinned pages stay).
         """
         self.fail_all(error)
+        # pages a tier load was installed in, if the step failed before writing it
+        self.cache.forget_unwritten()
         for seq in list(self.scheduler.iter_live()):  # sequences of no known request
             self.scheduler.remove_request(seq.request_id)
         # NOTE: a step that raised between the manager's allocate and the scheduler's bookkeeping

@@ -211,3 +211,143 @@ def test_known_poisons_are_rejected_at_admission(small_engine, field, value):
     inside = {"top_k": vocab, "stop_token_ids": (vocab - 1,), "seed": 2**63 - 1, "temperature": 2.0,
               "repetition_penalty": 10.0, "presence_penalty": -2.0}[field]
     engine.validate(GenerationRequest((1, 2, 3), SamplingParams(**{field: inside})))
+
+
+@pytest.mark.parametrize("where", ["masks", "drafting"])
+def test_a_grammar_fault_in_drafts_harms_no_other_request(make_engine, tokenizer, where):
+    """xgrammar raising on one constrained row's drafts: while masking them for verification
+    (after the forward) that request fails alone; while proposing them (in schedule) the row
+    just drafts nothing and decodes one token a step, its output unchanged. Every other row's
+    output is the one a clean run gives."""
+    from tests.engine.test_engine import tokens
+    from tests.engine.test_speculative import _constrained
+
+    clean = run(make_engine(num_pages=128, num_speculative_tokens=4), _constrained(tokenizer, "c"))
+    engine = make_engine(num_pages=128, num_speculative_tokens=4)
+    requests = _constrained(tokenizer, "s")
+    out = {r.request_id: [] for r in requests}
+    for r in requests:
+        engine.add_request(r, out[r.request_id].append)
+    poison = engine._requests["s0"].seqs[0].state.matcher  # noqa: SLF001
+    raised = {"n": 0}
+    method = "fill_next_token_bitmask" if where == "masks" else "find_jump_forward_tokens"
+    real = getattr(poison, method)
+
+    def broken(*args, **kwargs):
+        # masks: only the verification's walk (the plain mask filler never sees a drafted row)
+        if where == "drafting" or engine.scheduler.running and any(
+                s.draft is not None and s.state.matcher is poison for s in engine.scheduler.running):
+            raised["n"] += 1
+            raise RuntimeError("injected xgrammar fault")
+        return real(*args, **kwargs)
+
+    setattr(poison, method, broken)
+    while engine.has_work():
+        engine.step()
+    assert raised["n"] >= 1
+    if where == "masks":
+        assert isinstance(out["s0"][-1], EngineError) and out["s0"][-1].code == "request_failed"
+    else:
+        assert tokens(out["s0"]) == tokens(clean["c0"])
+    for rid in ("s1", "s2", "slong"):
+        assert tokens(out[rid]) == tokens(clean["c" + rid[1:]]), rid
+    engine.cache.check_integrity()
+
+
+def _paused_session_with_tier(make_engine, tokenizer):
+    """An engine with a host tier whose turn-1 pages were evicted into it by other traffic:
+    (engine, turn 1's prompt). Its turn 2 loads them back."""
+    from prefixgate.cache.tier import HostTier, entry_slot_bytes
+    from prefixgate.gateway.engine.kv_tier import KVTier
+    from tests.engine.test_engine import greedy
+    from tests.engine.test_kv_tier import PROMPT
+
+    engine = make_engine(num_pages=24, watermark=0.0)
+    pool = engine.runner.kv_pool
+    page_bytes = pool[:, :, 0].numel() * pool.element_size()
+    store = HostTier(64 * entry_slot_bytes(page_bytes), entry_slot_bytes(page_bytes))
+    engine.tier = engine.scheduler.tier = KVTier(store, pool, load_timeout_s=30.0)
+    engine.cache.capture_evictions()
+    paused = chat(tokenizer, PROMPT)
+    run(engine, [GenerationRequest(paused, greedy(4), request_id="turn1")])
+    others = [chat(tokenizer, f"{i}: {TASKS[i]} " * 14) for i in range(3)]
+    run(engine, [GenerationRequest(p, greedy(2), request_id=f"o{i}") for i, p in enumerate(others)])
+    engine.tier.flush()
+    return engine, paused
+
+
+def _loads_of_next_step(engine) -> dict:
+    """Record each step's scheduler output (``last["out"]``)."""
+    last: dict = {}
+    real_schedule = engine.scheduler.schedule
+
+    def schedule():
+        last["out"] = real_schedule()
+        return last["out"]
+
+    engine.scheduler.schedule = schedule
+    return last
+
+
+def test_a_spill_failure_loses_the_spill_only(make_engine, tokenizer):
+    """Copying the evicted pages out fails in a step that also installed a tier load: those
+    spills are dropped (counted), the load is still written and the returning turn's output
+    is the one a plain recompute gives."""
+    from tests.engine.test_engine import greedy, tokens
+
+    plain = make_engine(num_pages=24, watermark=0.0)
+    from tests.engine.test_kv_tier import PROMPT
+
+    want = tokens(run(plain, [GenerationRequest(chat(tokenizer, PROMPT), greedy(8), request_id="p")])["p"])
+    engine, paused = _paused_session_with_tier(make_engine, tokenizer)
+    last = _loads_of_next_step(engine)
+    real_spill = engine.tier.spill
+    injected = {}
+
+    def spill(evicted):
+        if last["out"].page_loads and not injected:
+            injected["pages"] = len(evicted)
+            raise RuntimeError("injected: snapshot of evicted pages failed (e.g. device OOM)")
+        return real_spill(evicted)
+
+    engine.tier.spill = spill
+    got = run(engine, [GenerationRequest(paused, greedy(8), request_id="turn2")])["turn2"]
+    assert injected, "no step both installed a load and spilled (test inconclusive)"
+    assert tokens(got) == want and got[-1].usage.cached_tokens > 0
+    assert engine.tier.stats().spills_dropped >= injected["pages"]
+    engine.cache.check_integrity()
+
+
+def test_a_step_failing_before_its_loads_are_written_leaves_them_unhittable(make_engine, tokenizer):
+    """A step that fails after schedule() installed a tier load and before the load was
+    written (invariant 8): after recover, none of the load's pages is hittable, and the next
+    turn recomputes."""
+    from tests.engine.test_engine import greedy
+
+    engine, paused = _paused_session_with_tier(make_engine, tokenizer)
+    last = _loads_of_next_step(engine)
+    real_move = engine._move_tier_pages  # noqa: SLF001
+    injected = {}
+
+    def move(out):
+        if out.page_loads and not injected:
+            injected["loads"] = out.page_loads
+            raise RuntimeError("injected: the step failed before writing its loads")
+        return real_move(out)
+
+    engine._move_tier_pages = move  # noqa: SLF001
+    sink = []
+    engine.add_request(GenerationRequest(paused, greedy(8), request_id="turn2"), sink.append)
+    for _ in range(200):
+        if not engine.has_work():
+            break
+        try:
+            engine.step()
+        except RuntimeError:
+            engine.recover(EngineError("internal error in the engine step"))
+    assert injected and last, "no step installed a load (test inconclusive)"
+    assert isinstance(sink[-1], EngineError)
+    unwritten = [pid for load in injected["loads"] for pid in load.page_ids]
+    still_cached = [pid for pid in unwritten if engine.cache.pool.pages[pid].block_hash is not None]
+    assert still_cached == [], f"pages {still_cached} hold no loaded K/V but are still hittable"
+    engine.cache.check_integrity()

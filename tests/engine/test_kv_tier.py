@@ -128,3 +128,72 @@ def test_an_entry_of_another_pool_dtype_is_never_loaded():
     assert load.blocks == () and writer.stats().rejected == 1
     writer.close()
     reader.close()
+
+
+def _slow_host_tier(delay_s: float, pages: int, page_bytes: int):
+    import threading
+
+    from prefixgate.cache.tier import HostTier, entry_slot_bytes
+
+    store = HostTier(pages * entry_slot_bytes(page_bytes), entry_slot_bytes(page_bytes))
+    gate = threading.Event()
+    real_put = store.put
+
+    def put(key, blob):
+        gate.wait(delay_s)
+        return real_put(key, blob)
+
+    store.put = put
+    return store, gate
+
+
+def test_a_load_right_after_an_eviction_waits_for_its_spill():
+    import time
+
+    import torch
+
+    from prefixgate.cache.hashing import HashedBlock
+    from prefixgate.gateway.engine.kv_tier import KVTier
+
+    pool = torch.randn(2, 2, 8, 4, 2, 8)
+    page_bytes = pool[:, :, 0].numel() * pool.element_size()
+    store, gate = _slow_host_tier(5.0, 8, page_bytes)
+    tier = KVTier(store, pool, load_timeout_s=5.0)
+    blocks = [HashedBlock(bytes([i]) * 16, bytes([i + 1]) * 16, bytes(16), b"t") for i in range(3)]
+    tier.spill([(i, b) for i, b in enumerate(blocks)])
+    assert tier.may_contain(blocks[0]) is True and not store.may_contain(blocks[0].block_hash)
+    tier.request("k", 0, blocks)
+    time.sleep(0.05)
+    assert tier.poll("k") is None  # waiting on the spill
+    gate.set()
+    began = time.monotonic()
+    while (load := tier.poll("k")) is None:
+        time.sleep(0.001)
+    assert time.monotonic() - began < 2
+    assert len(load.blocks) == 3 and torch.equal(load.payload, pool[:, :, :3])
+    assert tier._spilling == {}  # noqa: SLF001
+    tier.close()
+
+
+def test_a_failed_spill_write_releases_its_blocks():
+    import torch
+
+    from prefixgate.cache.hashing import HashedBlock
+    from prefixgate.cache.tier import HostTier, entry_slot_bytes
+    from prefixgate.gateway.engine.kv_tier import KVTier
+
+    pool = torch.randn(2, 2, 8, 4, 2, 8)
+    page_bytes = pool[:, :, 0].numel() * pool.element_size()
+    store = HostTier(8 * entry_slot_bytes(page_bytes), entry_slot_bytes(page_bytes))
+
+    def put(key, blob):
+        raise ConnectionError("store down")
+
+    store.put = put
+    tier = KVTier(store, pool, load_timeout_s=5.0)
+    block = HashedBlock(b"a" * 16, b"b" * 16, bytes(16), b"t")
+    tier.spill([(0, block), (1, block)])  # the same block twice in one spill
+    tier.flush()
+    assert tier._spilling == {}  # noqa: SLF001
+    assert tier.stats().spills_dropped == 2
+    tier.close()

@@ -15,10 +15,13 @@ forward through the tokens the sequence emits.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
 import xgrammar as xgr
+
+logger = logging.getLogger("prefixgate.engine")
 
 
 class GrammarDrafts:
@@ -38,11 +41,15 @@ class GrammarDrafts:
         else ``proposal`` cut at the first token it rejects. Never a token that would end the
         grammar (a stop token ends the request: it is sampled, not drafted). The matcher is
         left where it was."""
-        if limit < 1 or self.matcher.is_terminated():
+        try:
+            if limit < 1 or self.matcher.is_terminated():
+                return []
+            forced = self.matcher.find_jump_forward_tokens()
+            candidates = forced if forced else proposal
+            return walk(self.matcher, candidates[:limit])
+        except Exception:  # noqa: BLE001 - no draft; a broken matcher fails the row when it masks
+            logger.warning("drafting from a grammar failed; decoding without drafts", exc_info=True)
             return []
-        forced = self.matcher.find_jump_forward_tokens()
-        candidates = forced if forced else proposal
-        return walk(self.matcher, candidates[:limit])
 
 
 def walk(matcher: xgr.GrammarMatcher, tokens: Sequence[int],
