@@ -539,6 +539,11 @@ class LLMEngine:
                                         result.top_logprobs[i][: sp.top_logprobs])
             if i == result.num_accepted:  # the drafts are the sequence's tokens now
                 self.scheduler.accept_drafts(seq, result.num_accepted)
+                if result.dead_end:
+                    self._fail(seq.request_id, EngineError(
+                        "the output grammar allows no next token (a dead end); the request "
+                        "was stopped", code="grammar_dead_end"))
+                    return
             self._on_token(seq, token_id, logprob)
             self.spec_tokens_accepted += i < result.num_accepted
             if seq.status is not SeqStatus.RUNNING:

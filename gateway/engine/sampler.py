@@ -67,6 +67,8 @@ class Verified:
     logprobs: list[float] | None  # per emitted token (raw model distribution), as in SampleResult
     top_ids: list[list[int]] | None
     top_logprobs: list[list[float]] | None
+    # the token after the drafts has no allowed choice: its grammar masked every token there
+    dead_end: bool = False
 
 
 def make_generator(seed: int | None, choice: int) -> torch.Generator | None:
@@ -280,14 +282,20 @@ def verify(logits: torch.Tensor, rows: Sequence[SampleRow], drafts: Sequence[Seq
                     break
                 n += 1
         results.append(([*draft[:n], token], n, at))
+    dead = [False] * len(results)
+    if token_bitmask is not None:  # accepted drafts are allowed; the token after them may not be
+        last = torch.tensor([at + n for _, n, at in results], device=logits.device)
+        chosen = torch.tensor([tokens[-1] for tokens, _, _ in results], device=logits.device)
+        dead = (target.logits[last, chosen] == float("-inf")).tolist()
     if raw_logprobs is None:
-        return [Verified(tokens, n, None, None, None) for tokens, n, _ in results]
+        return [Verified(tokens, n, None, None, None, d)
+                for (tokens, n, _), d in zip(results, dead, strict=True)]
     positions = [first + j for tokens, _, first in results for j in range(len(tokens))]
     emitted = torch.tensor([t for tokens, _, _ in results for t in tokens], device=logits.device)
     lps, top_ids, top_lps = _logprob_fields(raw_logprobs[positions], emitted, [rows[p] for p in positions])
     out, start = [], 0
-    for tokens, n, _ in results:
+    for (tokens, n, _), d in zip(results, dead, strict=True):
         end = start + len(tokens)
-        out.append(Verified(tokens, n, lps[start:end], top_ids[start:end], top_lps[start:end]))
+        out.append(Verified(tokens, n, lps[start:end], top_ids[start:end], top_lps[start:end], d))
         start = end
     return out

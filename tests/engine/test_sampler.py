@@ -156,6 +156,19 @@ def test_verify_greedy_accepts_the_argmax_prefix():
     assert (short.token_ids, short.num_accepted) == ([1, 0], 1)  # 2 rejected: replaced by the argmax
 
 
+def test_verify_masks_each_position_and_flags_a_dead_end():
+    """Row i of a constrained sequence is masked by the grammar after drafts 0..i-1: greedy
+    picks the best allowed token, and a row that allows nothing is a dead end (not token 0)."""
+    lg = torch.tensor([[0.0, 5.0, 1.0], [4.0, 0.0, 1.0], [0.0, 1.0, 3.0]])
+    rows = [SampleRow(SamplingParams(temperature=0), [], 0, None) for _ in range(6)]
+    allow = lambda *ids: sum(1 << i for i in ids)  # noqa: E731 - one 32-bit word of a bitmask
+    masks = torch.tensor([[allow(1)], [allow(2)], [allow(0, 1)],   # the 2nd row forbids 0
+                          [allow(1)], [allow(0)], [0]], dtype=torch.int32)  # the last allows nothing
+    masked, dead = verify(torch.cat([lg, lg]), rows, [(1, 0), (1, 0)], masks)
+    assert (masked.token_ids, masked.num_accepted, masked.dead_end) == ([1, 2], 1, False)
+    assert (dead.token_ids[:2], dead.num_accepted, dead.dead_end) == ([1, 0], 2, True)
+
+
 def test_verify_with_a_seed_emits_what_plain_sampling_would():
     """Each emitted token takes the draw a plain decode of its position would: a seeded request
     gives the same tokens whether it drafted or not, and leaves its generator in the same state."""
