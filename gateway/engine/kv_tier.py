@@ -190,10 +190,11 @@ class KVTier:
         self.cancel(key)
         with self._lock:
             self._stats.probes += 1
-        deadline = time.monotonic() + self.load_timeout_s
-        future = self._loader.submit(self._fetch, start_block, tuple(blocks), deadline)
+        started = time.monotonic()  # poll() drops the load past the same deadline
+        future = self._loader.submit(self._fetch, start_block, tuple(blocks),
+                                     started + self.load_timeout_s)
         future.add_done_callback(lambda _: self.load_done.set())
-        self._loads[key] = (time.monotonic(), start_block, future)
+        self._loads[key] = (started, start_block, future)
 
     def poll(self, key: Hashable) -> TierLoad | None:
         """The finished load of ``key`` (possibly empty: recompute), or None while in flight."""
@@ -226,7 +227,7 @@ class KVTier:
             self._spill_written.wait_for(lambda: not any(h in self._spilling for h in wanted),
                                          timeout=max(0.0, deadline - time.monotonic()))
         try:
-            blobs = self.store.get_many([b.block_hash for b in blocks])
+            blobs = self.store.get_many(wanted)
         except Exception:  # noqa: BLE001 - e.g. Redis went away: recompute, keep serving
             logger.warning("kv tier %s: load failed", self.store.name, exc_info=True)
             with self._lock:
