@@ -2,7 +2,7 @@
 when a request's verified prefix continues into the store.
 
 Threads. Evicted pages are copied out of the pool on the engine thread in one gather (before
-this step's writes can reuse them; a memcpy, ~0.1 ms a page here); converting, checksumming
+this step's writes can reuse them; a memcpy per page); converting, checksumming
 and writing them to the store runs on a spill worker. Loads run on a load worker (fetch,
 checksum, verify, one staging tensor) while the request waits in the queue and the steps go
 on; the engine thread only copies a finished load into its pages (``index_copy_``). A load
