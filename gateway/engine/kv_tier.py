@@ -9,7 +9,7 @@ on; the engine thread only copies a finished load into its pages (``index_copy_`
 that takes longer than ``load_timeout_s`` is dropped: the request recomputes. On GPU both
 directions go through pinned host memory (DMA copies; never run on a GPU yet).
 
-Trust (guide invariant 8): an entry is used only when its checksum holds and its block hash,
+Trust (invariant 8, docs/design.md): an entry is used only when its checksum holds and its block hash,
 parent hash, token ids, extra keys (model, tenant salt, cache_salt) and pool layout equal the
 request's (``cache.tier.verify_entry``). The first doubtful block ends the load; everything
 after it is recomputed.
