@@ -29,7 +29,7 @@ Workload (deterministic given the flags; defaults in brackets, --quick in braces
   pool of 23,296 tokens (fp32 SmolLM2-135M), floor 94 s.
 
 Servers, each fresh (empty cache), one after the other, each warmed by one short request:
-  * prefixgate: `prefixgate serve --kv-memory GB` [1] {0.25} plus --prefixgate-args (e.g.
+  * prefixgate: `prefixgate serve --kv-memory GB` [1] plus --prefixgate-args (e.g.
     "--max-num-batched-tokens 2048"); PREFIXGATE_* variables are removed from its environment.
   * --peer vllm: DIR/vllm/serve.sh PORT under --peers-dir with VLLM_CPU_KVCACHE_SPACE = the same
     GiB (vLLM takes whole GiB: --kv-memory must then be an integer), started from its own
@@ -88,7 +88,8 @@ from benchmarks.trace_workload import (
 from prefixgate.agents.report import percentile
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
-QUICK = {"sessions": 8, "max_turns": 3, "max_output": 32, "time_scale": 0.02, "kv_memory": 0.25}
+DEFAULT_KV_MEMORY_GB = 1.0  # = 23,296 tokens of fp32 SmolLM2-135M KV: the issue's pool
+QUICK = {"sessions": 8, "max_turns": 3, "max_output": 32, "time_scale": 0.02}
 WARMUP_PROMPT = tuple(range(500, 508))  # below the blocks' token ids: it hits nothing
 
 
@@ -268,7 +269,7 @@ def ratios(ours: dict[str, Any], theirs: dict[str, Any] | None) -> dict[str, flo
 class Servers:
     """Which servers to run and how (see the module docstring)."""
 
-    kv_memory: float = 1.0
+    kv_memory: float = DEFAULT_KV_MEMORY_GB
     prefixgate_args: tuple[str, ...] = ()
     peer: str | None = None  # "vllm" (started here from its serve.sh)
     peer_url: str | None = None  # or a running server
@@ -473,8 +474,8 @@ def build_from_args(args: argparse.Namespace) -> tuple[list[ReplayRequest], dict
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kv-memory", type=float, default=None, metavar="GB",
-                        help="KV memory of every server, GiB (default 1; --quick 0.25)")
+    parser.add_argument("--kv-memory", type=float, default=DEFAULT_KV_MEMORY_GB, metavar="GB",
+                        help="KV memory of every server, GiB (default 1)")
     parser.add_argument("--prefixgate-args", default="",
                         help="extra `prefixgate serve` flags, e.g. '--max-num-batched-tokens 2048'")
     peer = parser.add_mutually_exclusive_group()
@@ -488,8 +489,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def servers_from_args(args: argparse.Namespace) -> Servers:
-    kv_memory = args.kv_memory or (QUICK["kv_memory"] if args.quick else Servers.kv_memory)
-    return Servers(kv_memory, tuple(shlex.split(args.prefixgate_args)), args.peer, args.peer_url,
+    return Servers(args.kv_memory, tuple(shlex.split(args.prefixgate_args)), args.peer, args.peer_url,
                    args.peer_name, args.peer_model, args.peers_dir, args.timeout,
                    args.start_timeout)
 

@@ -164,10 +164,11 @@ def block_token_ids(hash_id: int, block_tokens: int, token_seed: int = 0) -> lis
 
 def prompt_token_ids(request: TraceRequest, scaling: Scaling) -> list[int]:
     """The request's prompt: its blocks' token ids, the last block cut to the scaled length
-    (at least one token of it, so every hash id shows)."""
+    (at least one token of it, so every hash id shows). NOTE: rounded down, so a partial trace
+    block never becomes a full replay block that its continuation would not repeat."""
     size = scaling.block_tokens
     blocks = len(request.hash_ids)
-    length = min(max(round(request.input_length / scaling.scale), (blocks - 1) * size + 1),
+    length = min(max(request.input_length // scaling.scale, (blocks - 1) * size + 1),
                  blocks * size)
     ids: list[int] = []
     for hash_id in request.hash_ids:
