@@ -171,3 +171,41 @@ def test_model_config_rejects_bad_shapes():
         dataclasses.replace(BASE, num_kv_heads=3)
     with pytest.raises(UnsupportedModelError, match="hidden_size must be positive"):
         dataclasses.replace(BASE, hidden_size=0)
+
+
+def test_shared_linear_builds_once_per_sources_and_flags_and_forgets_freed_sources():
+    import gc
+
+    from prefixgate.gateway.engine.models import linear as linear_module
+
+    sources = [torch.randn(8, 16), torch.randn(8, 16)]  # the layers never hold their sources
+    built: list[Linear] = []
+
+    def build() -> Linear:
+        built.append(Linear(torch.randn(8, 16), pack=False))
+        return built[-1]
+
+    def shared(parts, dtype=torch.float32) -> Linear:
+        return linear_module.shared_linear(parts, (torch.device("cpu"), dtype), build)
+
+    first = shared(sources[:1])
+    assert shared(sources[:1]) is first and len(built) == 1
+    assert shared(sources[:1], torch.bfloat16) is not first
+    assert shared(sources) is not first and len(built) == 3
+    keys = [key for key in linear_module._SHARED if id(sources[0]) in key]
+    assert len(keys) == 3
+    del sources[0], first, built[:]
+    gc.collect()
+    assert not any(key in linear_module._SHARED for key in keys)
+
+
+def test_models_over_one_loaded_model_share_their_quantized_layers(loaded_model):
+    """The quantized blocks are packed once per loaded model: a second runner reuses them."""
+    from prefixgate.gateway.engine.runner import ModelRunner
+
+    runners = [ModelRunner.from_loaded(loaded_model, num_pages=4) for _ in range(2)]
+    first, second = (r.model for r in runners)
+    if first.layers[0].qkv.quant is None:
+        pytest.skip(f"quantized native kernel not available here: {native_status()}")
+    assert first.layers[0].qkv is second.layers[0].qkv and first.lm_head is second.lm_head
+    assert first.layers[-1].down is second.layers[-1].down

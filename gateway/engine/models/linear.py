@@ -18,6 +18,8 @@ otherwise it is dequantized once, exactly, and takes the paths above.
 from __future__ import annotations
 
 import functools
+import weakref
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +37,34 @@ from prefixgate.kernels.quant import QuantizedTensor
 # oneDNN picks its blocked layout for this many rows; the choice barely matters between 16 and
 # 128 rows, and this one also serves 1-row decode and 2048-row prefill best (docs/benchmarks.md)
 _PACK_BATCH_HINT = 64
+
+
+# Layers built over the same source tensors with the same flags, shared by every model built
+# over them: packing the quantized blocks is seconds of CPU per model, and a process may build
+# several models over one loaded model (benchmarks compare two runners; the test suite builds
+# dozens). A packed layer is never written after it is built. Keyed by the sources' ids; an
+# entry goes as soon as any of its sources is freed, before its id can be reused.
+_SHARED: dict[tuple[Hashable, ...], Linear] = {}
+
+
+def shared_linear(
+    sources: Sequence[object], flags: tuple[Hashable, ...], build: Callable[[], Linear]
+) -> Linear:
+    """``build()``, or the layer an earlier call built from the same ``sources`` (tensors or
+    :class:`QuantizedTensor`, compared by identity) and ``flags``. CPU layers only: a device
+    layer is not kept past its model."""
+    tensors = [s.data if isinstance(s, QuantizedTensor) else s for s in sources]
+    if not tensors or any(not isinstance(t, torch.Tensor) or t.device.type != "cpu" for t in tensors):
+        return build()
+    if any(isinstance(f, torch.device) and f.type != "cpu" for f in flags):
+        return build()
+    key = (*map(id, tensors), *flags)
+    layer = _SHARED.get(key)
+    if layer is None:
+        layer = _SHARED[key] = build()
+        for tensor in tensors:
+            weakref.finalize(tensor, _SHARED.pop, key, None)
+    return layer
 
 
 @functools.cache

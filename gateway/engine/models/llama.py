@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from prefixgate import kernels
 from prefixgate.gateway.engine.model_config import ModelConfig, check_weights
 from prefixgate.gateway.engine.models.forward_batch import ForwardBatch
-from prefixgate.gateway.engine.models.linear import Linear
+from prefixgate.gateway.engine.models.linear import Linear, shared_linear
 from prefixgate.gateway.engine.models.rope import RotaryEmbedding
 from prefixgate.kernels.cpu.host_memory import HugePageArena
 from prefixgate.kernels.cpu.ops import (
@@ -117,39 +117,47 @@ class LlamaModel:
         arena = HugePageArena() if native_ops and self.device.type == "cpu" else None
 
         def linear(
-            weight: torch.Tensor | QuantizedTensor, bias: torch.Tensor | None = None
+            parts: list[torch.Tensor | QuantizedTensor], bias_parts: Sequence[torch.Tensor] = ()
         ) -> Linear:
-            return Linear(weight, bias, native=native_ops, arena=arena)
+            def build() -> Linear:
+                bias = put(torch.cat(list(bias_parts))) if bias_parts else None
+                return Linear(matrix(parts), bias, native=native_ops, arena=arena)
+
+            if not quantized:  # fp32 layers are not shared: hundreds of MB each, kept alive
+                return build()
+            return shared_linear([*parts, *bias_parts], (self.device, dtype, native_ops), build)
 
         embed = matrix([weights["model.embed_tokens.weight"]])
         self.lm_head = linear(
-            embed if config.tie_word_embeddings else matrix([weights["lm_head.weight"]])
+            [weights["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]]
         )
         # [V, H], or None: rows gathered from the blocks of embed_rows (the tied LM head's when
         # tied), so no fp32 table (113 MB for SmolLM2) is kept
         self.embed: torch.Tensor | None = embed if isinstance(embed, torch.Tensor) else None
         self.embed_rows: Linear | None = None
         if self.embed is None:
-            self.embed_rows = self.lm_head if config.tie_word_embeddings else linear(embed)
+            self.embed_rows = (
+                self.lm_head
+                if config.tie_word_embeddings
+                else linear([weights["model.embed_tokens.weight"]])
+            )
         self.final_norm = put(weights["model.norm.weight"])
         self.layers: list[_Layer] = []
         for layer in range(config.num_layers):
             p = f"model.layers.{layer}."
             attn, mlp = p + "self_attn.", p + "mlp."
-            bias = None
-            if config.attention_bias:
-                bias = put(torch.cat([weights[attn + f"{n}_proj.bias"] for n in "qkv"]))
-            o_bias = put(weights[attn + "o_proj.bias"]) if config.attention_out_bias else None
-            qkv = matrix([weights[attn + f"{n}_proj.weight"] for n in "qkv"])
-            gate_up = matrix([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]])
+            bias = [weights[attn + f"{n}_proj.bias"] for n in "qkv"] if config.attention_bias else []
+            o_bias = [weights[attn + "o_proj.bias"]] if config.attention_out_bias else []
+            qkv = [weights[attn + f"{n}_proj.weight"] for n in "qkv"]
+            gate_up = [weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]]
             self.layers.append(
                 _Layer(
                     input_norm=put(weights[p + "input_layernorm.weight"]),
                     qkv=linear(qkv, bias),
-                    o=linear(matrix([weights[attn + "o_proj.weight"]]), o_bias),
+                    o=linear([weights[attn + "o_proj.weight"]], o_bias),
                     post_norm=put(weights[p + "post_attention_layernorm.weight"]),
                     gate_up=linear(gate_up),
-                    down=linear(matrix([weights[mlp + "down_proj.weight"]])),
+                    down=linear([weights[mlp + "down_proj.weight"]]),
                 )
             )
         self.max_positions = max_positions or config.max_position_embeddings
