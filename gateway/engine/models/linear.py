@@ -48,13 +48,15 @@ _SHARED: dict[tuple[Hashable, ...], Linear] = {}
 
 
 def shared_linear(
-    sources: Sequence[object], flags: tuple[Hashable, ...], build: Callable[[], Linear]
+    sources: Sequence[object], flags: tuple[Hashable, ...] | None, build: Callable[[], Linear]
 ) -> Linear:
     """``build()``, or the layer an earlier call built from the same ``sources`` (tensors or
-    :class:`QuantizedTensor`, compared by identity) and ``flags``. CPU layers only: a device
-    layer is not kept past its model."""
+    :class:`QuantizedTensor`, compared by identity) and ``flags``; ``flags`` None: never
+    shared. CPU layers only: a device layer is not kept past its model."""
     tensors = [s.data if isinstance(s, QuantizedTensor) else s for s in sources]
-    if not tensors or any(not isinstance(t, torch.Tensor) or t.device.type != "cpu" for t in tensors):
+    if flags is None or not tensors:
+        return build()
+    if any(not isinstance(t, torch.Tensor) or t.device.type != "cpu" for t in tensors):
         return build()
     if any(isinstance(f, torch.device) and f.type != "cpu" for f in flags):
         return build()

@@ -123,24 +123,19 @@ class LlamaModel:
                 bias = put(torch.cat(list(bias_parts))) if bias_parts else None
                 return Linear(matrix(parts), bias, native=native_ops, arena=arena)
 
-            if not quantized:  # fp32 layers are not shared: hundreds of MB each, kept alive
-                return build()
-            return shared_linear([*parts, *bias_parts], (self.device, dtype, native_ops), build)
+            # fp32 layers are not shared (None): hundreds of MB each would stay alive
+            flags = (self.device, dtype, native_ops) if quantized else None
+            return shared_linear([*parts, *bias_parts], flags, build)
 
-        embed = matrix([weights["model.embed_tokens.weight"]])
-        self.lm_head = linear(
-            [weights["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]]
-        )
+        embed_name = "model.embed_tokens.weight"
+        embed = matrix([weights[embed_name]])
+        self.lm_head = linear([weights[embed_name if config.tie_word_embeddings else "lm_head.weight"]])
         # [V, H], or None: rows gathered from the blocks of embed_rows (the tied LM head's when
         # tied), so no fp32 table (113 MB for SmolLM2) is kept
         self.embed: torch.Tensor | None = embed if isinstance(embed, torch.Tensor) else None
         self.embed_rows: Linear | None = None
         if self.embed is None:
-            self.embed_rows = (
-                self.lm_head
-                if config.tie_word_embeddings
-                else linear([weights["model.embed_tokens.weight"]])
-            )
+            self.embed_rows = linear([weights[embed_name]])  # the LM head itself when tied
         self.final_norm = put(weights["model.norm.weight"])
         self.layers: list[_Layer] = []
         for layer in range(config.num_layers):
