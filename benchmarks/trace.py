@@ -309,6 +309,9 @@ def run_server(name: str, base_url: str, model: str | None, replay: list[ReplayR
                              for o in outcomes])
     print(f"[{name}] wall {wall_s:.1f} s, {summary['ok']}/{summary['requests']} ok"
           + (f", first error: {summary['first_error']}" if summary["errors"] else ""), flush=True)
+    # the figures now, before the next server runs (a long run cut short keeps them)
+    print(f"[{name}] " + ", ".join(f"{key}={shown(summary.get(key))}" for key in RATIO_KEYS),
+          flush=True)
     return summary
 
 
