@@ -127,7 +127,7 @@ HEADLINES: dict[str, Callable[[dict[str, Any]], list[tuple]]] = {
 
 def print_summary(results: dict[str, Any]) -> None:
     """One table: part, figure, prefixgate, the other column (peer, or LRU), ratio, target."""
-    lines = [["part", "figure", "prefixgate", "peer | LRU", "ratio", "target"]]
+    lines = [["part", "figure", "prefixgate", "peer | LRU", "ratio", "ratio target"]]
     for part, data in results["parts"].items():
         if "error" in data:
             lines.append([part, data["error"], "", "", "", ""])
