@@ -30,8 +30,9 @@ Workload (deterministic given --seed [0]; defaults in brackets):
 
 Servers, each fresh (started by this run, empty cache) and stopped by PID with SIGTERM, then
 its process group (SIGKILL after 30 s):
-  * prefixgate: `prefixgate serve --host 127.0.0.1 --port <free>` with default flags (PREFIXGATE_*
-    variables are removed from its environment); the model id is read from /v1/models.
+  * prefixgate: `prefixgate serve --host 127.0.0.1 --port <free>` with default flags plus
+    --prefixgate-args [none] (PREFIXGATE_* variables are removed from its environment); the
+    model id is read from /v1/models.
   * --peer vllm|llama-server: DIR/vllm/serve.sh PORT or DIR/llama-server/serve.sh PORT SLOTS
     (SLOTS = --agents) under --peers-dir [~/.cache/prefixgate-peers], model id ``default``; if the
     peer is not installed there, the benchmark prints the setup command and exits 2.
@@ -69,6 +70,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -434,7 +436,8 @@ def run_prefixgate(settings: Settings, args: Any) -> dict[str, Any]:
     if removed:
         print(f"[prefixgate] removed from its environment (default flags): {', '.join(removed)}")
     port = free_port()
-    process = ServerProcess("prefixgate", prefixgate_command(port), port, env)
+    command = [*prefixgate_command(port), *shlex.split(getattr(args, "prefixgate_args", ""))]
+    process = ServerProcess("prefixgate", command, port, env)
     try:
         startup_s, ids = process.wait_ready(args.start_timeout)
         summary = run_server("prefixgate", process.base_url, ids[0] if ids else None, settings,
@@ -529,6 +532,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-ignore-eos", action="store_true",
                         help="do not send ignore_eos (servers that reject unknown fields)")
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--prefixgate-args", default="",
+                        help="extra `prefixgate serve` flags (default: none, its defaults)")
     peer = parser.add_mutually_exclusive_group()
     peer.add_argument("--peer", choices=sorted(PEERS), help="start this peer from its serve.sh")
     peer.add_argument("--peer-url", help="an OpenAI-compatible server that is already running")

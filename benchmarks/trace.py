@@ -57,6 +57,7 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -308,38 +309,43 @@ def run_server(name: str, base_url: str, model: str | None, replay: list[ReplayR
                              for o in outcomes])
     print(f"[{name}] wall {wall_s:.1f} s, {summary['ok']}/{summary['requests']} ok"
           + (f", first error: {summary['first_error']}" if summary["errors"] else ""), flush=True)
+    # the figures now, before the next server runs (a long run cut short keeps them)
+    print(f"[{name}] " + ", ".join(f"{key}={shown(summary.get(key))}" for key in RATIO_KEYS),
+          flush=True)
     return summary
 
 
-def _run_process(process: ServerProcess, model: str | None, replay: list[ReplayRequest],
-                 mode: str, servers: Servers) -> dict[str, Any]:
+Work = Callable[[str, str, "str | None"], dict[str, Any]]  # (name, base URL, model) -> figures
+
+
+def _run_process(process: ServerProcess, model: str | None, servers: Servers,
+                 work: Work) -> dict[str, Any]:
     try:
         startup_s, ids = process.wait_ready(servers.start_timeout_s)
-        summary = run_server(process.name, process.base_url, model or (ids[0] if ids else None),
-                             replay, mode, servers.timeout_s)
+        summary = work(process.name, process.base_url, model or (ids[0] if ids else None))
         summary.update(startup_s=startup_s, command=" ".join(process.command))
         return summary
     finally:
         process.stop()
 
 
-def run_prefixgate(replay: list[ReplayRequest], mode: str, servers: Servers) -> dict[str, Any]:
+def with_prefixgate(servers: Servers, work: Work) -> dict[str, Any]:
+    """Start `prefixgate serve --kv-memory GB` (+ --prefixgate-args), run ``work``, stop it."""
     env, removed = clean_env()
     if removed:
         print(f"[prefixgate] removed from its environment: {', '.join(removed)}")
     port = free_port()
     command = [*prefixgate_command(port), "--kv-memory", f"{servers.kv_memory:g}",
                *servers.prefixgate_args]
-    return _run_process(ServerProcess("prefixgate", command, port, env), None, replay, mode,
-                        servers)
+    return _run_process(ServerProcess("prefixgate", command, port, env), None, servers, work)
 
 
-def run_peer(replay: list[ReplayRequest], mode: str, servers: Servers) -> dict[str, Any]:
-    """The peer: a running --peer-url, or --peer started from its own folder at the same KV."""
+def with_peer(servers: Servers, work: Work) -> dict[str, Any]:
+    """Run ``work`` on the peer: a running --peer-url, or --peer started from its own folder
+    at the same KV memory, stopped after."""
     name = servers.name_of_peer or "peer"
     if servers.peer_url:
-        base = servers.peer_url.rstrip("/").removesuffix("/v1")
-        summary = run_server(name, base, servers.peer_model, replay, mode, servers.timeout_s)
+        summary = work(name, servers.peer_url.rstrip("/").removesuffix("/v1"), servers.peer_model)
         summary.update(startup_s=None, command=None)
         return summary
     port = free_port()
@@ -351,7 +357,7 @@ def run_peer(replay: list[ReplayRequest], mode: str, servers: Servers) -> dict[s
     # NOTE: started in its own folder: from the checkout, vLLM's model-inspection subprocess
     # imports this repository's kernels/ package and the peer fails to start
     process = ServerProcess(name, command, port, env, cwd=Path(command[0]).parent)
-    return _run_process(process, servers.peer_model or "default", replay, mode, servers)
+    return _run_process(process, servers.peer_model or "default", servers, work)
 
 
 def check_servers(servers: Servers) -> str | None:
@@ -372,8 +378,11 @@ def check_servers(servers: Servers) -> str | None:
 
 def compare(replay: list[ReplayRequest], mode: str, servers: Servers) -> dict[str, Any]:
     """prefixgate, then the peer if any, on the same replay; their figures and the ratios."""
-    ours = run_prefixgate(replay, mode, servers)
-    theirs = run_peer(replay, mode, servers) if servers.name_of_peer else None
+    def work(name: str, base_url: str, model: str | None) -> dict[str, Any]:
+        return run_server(name, base_url, model, replay, mode, servers.timeout_s)
+
+    ours = with_prefixgate(servers, work)
+    theirs = with_peer(servers, work) if servers.name_of_peer else None
     return {"peer": servers.name_of_peer, **ratios(ours, theirs),
             "servers": {s["name"]: s for s in (ours, theirs) if s is not None}}
 
@@ -473,9 +482,11 @@ def build_from_args(args: argparse.Namespace) -> tuple[list[ReplayRequest], dict
     return replay, workload
 
 
-def add_server_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kv-memory", type=float, default=DEFAULT_KV_MEMORY_GB, metavar="GB",
-                        help="KV memory of every server, GiB (default 1)")
+def add_server_arguments(parser: argparse.ArgumentParser,
+                         default_kv_memory: float = DEFAULT_KV_MEMORY_GB) -> None:
+    """The servers' flags (shared with benchmarks.burst and benchmarks.suite)."""
+    parser.add_argument("--kv-memory", type=float, default=default_kv_memory, metavar="GB",
+                        help=f"KV memory of every server, GiB (default {default_kv_memory:g})")
     parser.add_argument("--prefixgate-args", default="",
                         help="extra `prefixgate serve` flags, e.g. '--max-num-batched-tokens 2048'")
     peer = parser.add_mutually_exclusive_group()
