@@ -92,6 +92,7 @@ class KVCacheManager:
         self._evicted: list[tuple[int, HashedBlock]] = []  # see capture_evictions()
         self._evicted_hashes: set[BlockHash] = set()  # the same blocks, by hash
         self._unwritten: set[int] = set()  # installed from the tier, load not written yet
+        self._holds: dict[Hashable, tuple[BlockHash, ...]] = {}  # waiting request -> its hashes
 
     # ------------------------------------------------------------------ queries
 
@@ -200,7 +201,8 @@ class KVCacheManager:
         if count_query and self.pool.retained:
             now = self.pool.clock()
             for index, page in enumerate(pages):
-                if page.ref_count == 0 and page.retain_until > now and page in self.pool.retained:
+                # NOTE: free with an unexpired deadline = retained (or protected on top of it)
+                if page.ref_count == 0 and page.retain_until > now:
                     retention_hit += max(0, min(self.page_size,
                                                 match.num_cached_tokens - index * self.page_size))
         self.pool.touch(pages)
@@ -443,6 +445,45 @@ class KVCacheManager:
         """Drop every unreferenced cached page's hash (pinned and in-use pages stay)."""
         return self.pool.reset()
 
+    # ------------------------------------------------------------------ waiting requests
+
+    def hold_prefix(self, key: Hashable, blocks: Sequence[HashedBlock]) -> None:
+        """A waiting request keeps its hit: the free pages caching any of ``blocks`` are
+        evicted only after every other free page, until :meth:`release_hold` (soft: they stay
+        allocatable, see ``BlockPool.hold``). Holding again under ``key`` replaces the hold.
+
+        Args:
+            key: the waiting request (its sequence id); not a live sequence of this manager.
+            blocks: its full-block hash chain (blocks not cached yet protect the page that
+                caches them later: another request may be computing them).
+        """
+        if not self.enable_caching:
+            return
+        self.release_hold(key)
+        hashes = tuple(b.block_hash for b in blocks)
+        self._holds[key] = hashes
+        self.pool.hold(hashes)
+
+    def release_hold(self, key: Hashable) -> None:
+        """End ``key``'s :meth:`hold_prefix` (admitted, aborted or failed); no-op without one."""
+        hashes = self._holds.pop(key, None)
+        if hashes is not None:
+            self.pool.unhold(hashes)
+
+    def count_cached_blocks(self, blocks: Sequence[HashedBlock], hint: int = 0) -> int:
+        """Leading ``blocks`` cached in the pool (verified), for ordering waiting requests.
+
+        Args:
+            hint: a previous count for the same chain; when its last block is still cached the
+                walk resumes there (a held prefix rarely shrinks), else it starts over.
+        """
+        if not self.enable_caching:
+            return 0
+        start = hint if 0 < hint <= len(blocks) and self.pool.lookup(blocks[hint - 1]) else 0
+        while start < len(blocks) and self.pool.lookup(blocks[start]) is not None:
+            start += 1
+        return start
+
     # ------------------------------------------------------------------ second tier
 
     def capture_evictions(self) -> None:
@@ -488,7 +529,7 @@ class KVCacheManager:
         for page_id in doomed:
             page = self.pool.pages[page_id]
             if page.block_hash is not None:
-                self.pool._drop_hash(page)
+                self.pool.drop_hash(page)
         return {s.seq_id for s in self._seqs.values() if doomed.intersection(s.block_table)}
 
     def install_blocks(self, blocks: Sequence[HashedBlock], max_pages: int,
@@ -568,6 +609,8 @@ class KVCacheManager:
             retention_expiries=self.pool.num_retention_expiries,
             retention_reclaimed=self.pool.num_retention_reclaimed,
             retained_per_tenant=retained_per_tenant,
+            pages_protected=self.pool.num_protected_pages,
+            protected_evicted=self.pool.num_protected_evicted,
         )
 
     # ------------------------------------------------------------------ integrity
@@ -580,6 +623,7 @@ class KVCacheManager:
             raise IntegrityError("free queue length/uniqueness broken")
         if any(p.retain_until <= 0 or p.block_hash is None for p in pool.retained):
             raise IntegrityError("a retained free page without a deadline or a hash")
+        self._check_holds()
         for page in pool.pages:
             # a retention always names whose budget pays for it, and only a retention does
             if (page.retain_until > 0) != (page.retain_tenant is not None):
@@ -620,6 +664,21 @@ class KVCacheManager:
                 page = pool.pages[seq.block_table[b]]
                 if page.block_hash is not None and page.block_hash != seq.hashed[b].block_hash:
                     raise IntegrityError(f"{seq.seq_id!r}: block {b} maps to a page of another hash")
+
+    def _check_holds(self) -> None:
+        """Protected pages = free pages whose hash some waiting request holds."""
+        counts: dict[BlockHash, int] = {}
+        for hashes in self._holds.values():
+            for block_hash in hashes:
+                counts[block_hash] = counts.get(block_hash, 0) + 1
+        if counts != self.pool.held_counts():
+            raise IntegrityError("hold counts disagree with the waiting requests' holds")
+        for page in self.pool.pages:
+            held = page.ref_count == 0 and page.block_hash is not None and page.block_hash in counts
+            if page.protected != held:
+                raise IntegrityError(f"{page}: protected={page.protected} but held free={held}")
+        if sum(1 for _ in self.pool.protected) != self.pool.num_protected_pages:
+            raise IntegrityError("protected queue length broken")
 
     # ------------------------------------------------------------------ internals
 
