@@ -29,6 +29,10 @@ DEFAULTS: dict[str, Any] = {
     "num_pages": None,
     "max_model_len": None,
     "max_num_batched_tokens": None,
+    "decode_step_budget": None,
+    "protect_waiting": "on",
+    "admission_order": "fcfs",
+    "max_admission_wait": 5.0,
     "max_num_seqs": 64,
     "max_waiting": 256,
     "watermark": 0.10,
@@ -169,7 +173,34 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     sched.add_argument(
         "--max-num-batched-tokens",
         type=_positive_int,
-        help="token budget of one step (default 256 on CPU, 2048 on GPU)",
+        help="token budget of a step in which no stream decodes (default 2048; "
+        "docs/scheduling.md)",
+    )
+    sched.add_argument(
+        "--decode-step-budget",
+        type=_positive_int,
+        help="token budget of a step while any stream decodes: bounds the inter-token latency "
+        "(default 192 on CPU; on GPU the same as --max-num-batched-tokens)",
+    )
+    sched.add_argument(
+        "--protect-waiting",
+        type=_on_off,
+        metavar="on|off",
+        help="keep a waiting request's cached prefix ahead of eviction until it is admitted "
+        "(soft: never blocks an allocation; default on)",
+    )
+    sched.add_argument(
+        "--admission-order",
+        choices=("fcfs", "lpm"),
+        help="admit waiting requests in arrival order (fcfs) or longest cached prefix first "
+        "(lpm), bounded by --max-admission-wait (default fcfs)",
+    )
+    sched.add_argument(
+        "--max-admission-wait",
+        type=float,
+        metavar="SECONDS",
+        help="with --admission-order lpm, a request waiting this long is admitted first "
+        "(no starvation; default 5)",
     )
     sched.add_argument(
         "--max-num-seqs", type=_positive_int, help="running sequences at once (default 64)"
@@ -384,6 +415,10 @@ def configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerSettings]:
         num_pages=values["num_pages"],
         max_model_len=values["max_model_len"],
         max_num_batched_tokens=values["max_num_batched_tokens"],
+        decode_step_budget=values["decode_step_budget"],
+        protect_waiting=values["protect_waiting"] == "on",
+        admission_order=values["admission_order"],
+        max_admission_wait_s=values["max_admission_wait"],
         max_num_seqs=values["max_num_seqs"],
         max_waiting=values["max_waiting"],
         watermark=values["watermark"],

@@ -30,7 +30,7 @@ from prefixgate.gateway.engine.api import (
     TopLogprob,
     Usage,
 )
-from prefixgate.gateway.engine.config import EngineConfig, step_token_budget
+from prefixgate.gateway.engine.config import EngineConfig, decode_token_budget, step_token_budget
 from prefixgate.gateway.engine.drafter import DraftState, NgramDrafter
 from prefixgate.gateway.engine.grammar import (
     CompiledGrammar,
@@ -151,6 +151,10 @@ class LLMEngine:
             drafter=(NgramDrafter(config.num_speculative_tokens, self.max_model_len)
                      if config.num_speculative_tokens else None),
             max_spec_rows=config.speculative_max_rows,
+            decode_step_budget=decode_token_budget(config, device_type),
+            protect_waiting=config.protect_waiting,
+            admission_order=config.admission_order,
+            max_admission_wait_s=config.max_admission_wait_s,
         )
         if chunk_factory is None:
             from prefixgate.gateway.engine.runner import SeqChunk

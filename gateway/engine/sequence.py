@@ -40,6 +40,8 @@ class Sequence:
     num_computed: int = 0
     num_cached_tokens: int | None = None  # prefix hit at first admission (usage.cached_tokens)
     admitted_order: int = -1  # admission counter: preemption takes the latest first
+    arrival_time: float = 0.0  # the scheduler's clock when queued (admission's age bound)
+    cached_blocks: int = 0  # leading blocks cached at the last look while waiting (a hint)
     num_choices_to_fork: int = 0  # n - 1 children forked once the prompt is computed
     finish_reason: FinishReason | None = None
     # Chained hashes of the full blocks of token_ids, filled by the scheduler on first lookup.
