@@ -616,7 +616,7 @@ class KVCacheManager:
     # ------------------------------------------------------------------ integrity
 
     def check_integrity(self) -> None:
-        """Verify every invariant of the guide; raises IntegrityError naming the broken one."""
+        """Verify every invariant of docs/design.md; raises IntegrityError naming the broken one."""
         pool = self.pool
         queued = pool.free_pages()
         if len(queued) != pool.num_free_pages or len({p.page_id for p in queued}) != len(queued):

@@ -3,7 +3,7 @@
 An entry is one full block's K/V (every layer, K and V) plus everything a pool hit is verified
 against: its block hash, parent hash, token ids and extra keys (model, tenant salt,
 cache_salt), the pool layout it was written with, and a checksum over all of it. A load is
-trusted only when every one of those equals the request's (guide invariant 8): a missing,
+trusted only when every one of those equals the request's (invariant 8, docs/design.md): a missing,
 corrupt, foreign or late entry means the block is recomputed, never served.
 
 Stores are byte stores keyed by block hash (pure Python, no torch): :class:`HostTier` here (a

@@ -8,63 +8,87 @@ which wins over the defaults.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from prefixgate.gateway.engine.config import KV_DTYPES, EngineConfig
+from prefixgate.cache.ttl_policy import TTLPolicy
+from prefixgate.gateway.engine.config import (
+    ADMISSION_ORDERS,
+    DECODE_STEP_BUDGET,
+    KV_DTYPES,
+    STEP_TOKEN_BUDGET,
+    EngineConfig,
+)
 from prefixgate.gateway.router.cli import ROUTE_DEFAULTS, add_route_parser, route_settings
-from prefixgate.gateway.server.limits import LIMIT_DEFAULTS, add_limit_flags, limits_from_values
+from prefixgate.gateway.server.limits import (
+    LIMIT_DEFAULTS,
+    add_limit_flags,
+    format_byte_size,
+    limits_from_values,
+)
 from prefixgate.gateway.server.settings import ServerSettings, env_var, merge_api_keys
 
+_ENGINE, _SERVER = EngineConfig(), ServerSettings()
+# pauses an agent must show before its own learned TTL replaces --retention
+_MIN_PAUSES = next(f.default for f in dataclasses.fields(TTLPolicy) if f.name == "min_observations")
+
+
+def _switch(on: bool) -> str:
+    return "on" if on else "off"
+
+
+# The values an absent flag (and its absent PREFIXGATE_* twin) takes, read from the typed
+# configs so that the help text (see _fill_defaults) and the configs cannot disagree.
 DEFAULTS: dict[str, Any] = {
-    "model": None,
-    "host": "127.0.0.1",
-    "port": 8000,
-    "served_model_name": None,
-    "page_size": 16,
-    "kv_memory": None,
-    "num_pages": None,
-    "max_model_len": None,
-    "max_num_batched_tokens": None,
-    "decode_step_budget": None,
-    "protect_waiting": "on",
-    "admission_order": "fcfs",
-    "max_admission_wait": 5.0,
-    "max_num_seqs": 64,
-    "max_waiting": 256,
-    "watermark": 0.10,
-    "prefix_caching": "on",
-    "hash_seed": 0,
-    "device": None,
-    "dtype": None,
-    "kv_dtype": "auto",
-    "kernel_backend": None,
-    "native_kernels": "on",
-    "quantized_weights": "on",
+    "model": _ENGINE.model,
+    "host": _SERVER.host,
+    "port": _SERVER.port,
+    "served_model_name": _ENGINE.served_model_name,
+    "page_size": _ENGINE.page_size,
+    "kv_memory": _ENGINE.kv_memory_gb,
+    "num_pages": _ENGINE.num_pages,
+    "max_model_len": _ENGINE.max_model_len,
+    "max_num_batched_tokens": _ENGINE.max_num_batched_tokens,
+    "decode_step_budget": _ENGINE.decode_step_budget,
+    "protect_waiting": _switch(_ENGINE.protect_waiting),
+    "admission_order": _ENGINE.admission_order,
+    "max_admission_wait": _ENGINE.max_admission_wait_s,
+    "max_num_seqs": _ENGINE.max_num_seqs,
+    "max_waiting": _ENGINE.max_waiting,
+    "watermark": _ENGINE.watermark,
+    "prefix_caching": _switch(_ENGINE.enable_prefix_caching),
+    "hash_seed": _ENGINE.hash_seed,
+    "device": _ENGINE.device,
+    "dtype": _ENGINE.dtype,
+    "kv_dtype": _ENGINE.kv_dtype or "auto",
+    "kernel_backend": _ENGINE.kernel_backend,
+    "native_kernels": _switch(_ENGINE.native_kernels),
+    "quantized_weights": _switch(_ENGINE.quantized_weights),
     "api_key": [],
     "api_keys_file": None,
-    "admin_key": None,
-    "allowed_origin": [],
-    "max_agent_labels": 32,
-    "stats_previews": "on",
-    "metrics_public": "off",
-    "log_level": "info",
-    "redis_url": None,
-    "replica_id": None,
-    "advertise_url": None,
-    "heartbeat_ttl": 3.0,
-    "response_ttl": 3600.0,
-    "max_stored_responses": 10_000,
-    "retention": 30.0,
-    "speculative_tokens": 4,
-    "kv_tier": "off",
-    "kv_tier_size": 4.0,
-    "kv_tier_path": None,
-    "retention_learn": "on",
-    "retention_tenant_budget": 0.25,
+    "admin_key": _SERVER.admin_key,
+    "allowed_origin": list(_SERVER.allowed_origins),
+    "max_agent_labels": _SERVER.max_agent_labels,
+    "stats_previews": _switch(_SERVER.stats_previews),
+    "metrics_public": _switch(_SERVER.metrics_public),
+    "log_level": _SERVER.log_level,
+    "redis_url": _SERVER.redis_url,
+    "replica_id": _SERVER.replica_id,
+    "advertise_url": _SERVER.advertise_url,
+    "heartbeat_ttl": _SERVER.heartbeat_ttl_s,
+    "response_ttl": _SERVER.response_ttl_s,
+    "max_stored_responses": _SERVER.max_stored_responses,
+    "retention": _SERVER.retention_s,
+    "speculative_tokens": _ENGINE.num_speculative_tokens,
+    "kv_tier": _ENGINE.kv_tier or "off",
+    "kv_tier_size": _ENGINE.kv_tier_size_gb,
+    "kv_tier_path": _ENGINE.kv_tier_path,
+    "retention_learn": _switch(_SERVER.retention_learn),
+    "retention_tenant_budget": _ENGINE.retention_tenant_budget,
     **LIMIT_DEFAULTS,
 }
 
@@ -120,7 +144,7 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     model.add_argument(
         "--served-model-name", help="the name clients put in 'model' (default: the model's own)"
     )
-    model.add_argument("--page-size", type=_positive_int, help="tokens per KV page (default 16)")
+    model.add_argument("--page-size", type=_positive_int, help="tokens per KV page (default {default})")
     pool = model.add_mutually_exclusive_group()
     pool.add_argument(
         "--kv-memory", type=_positive_float, metavar="GB", help="KV pool budget in GiB"
@@ -134,7 +158,7 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     model.add_argument(
         "--hash-seed",
         type=int,
-        help="block-hash seed; every replica of a fleet must agree (default 0)",
+        help="block-hash seed; every replica of a fleet must agree (default {default})",
     )
     model.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda if available)")
     model.add_argument(
@@ -147,7 +171,7 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         choices=KV_DTYPES,
         help="KV cache precision: bf16 halves the KV bytes (twice the pages in --kv-memory; "
         "K/V rounded to bf16 when stored, attention still in fp32); auto = the model's dtype "
-        "(default auto)",
+        "(default {default})",
     )
     model.add_argument(
         "--kernel-backend",
@@ -159,65 +183,66 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         type=_on_off,
         metavar="on|off",
         help="CPU fp32: native C kernels (decode attention, linear layers, fused layer ops), "
-        "built on first use with cc (default on)",
+        "built on first use with cc (default {default})",
     )
     model.add_argument(
         "--quantized-weights",
         type=_on_off,
         metavar="on|off",
         help="with the native kernels, run a GGUF's Q4_0/Q4_1/Q8_0 weights in their blocks "
-        "(decode at batch 1 ~2x faster, less than half the memory; ~10%% slower at batch 16) "
-        "instead of dequantizing them to fp32 (default on)",
+        "(less than half the memory, faster small-batch decode; docs/benchmarks.md) instead of "
+        "dequantizing them to fp32 (default {default})",
     )
     sched = p.add_argument_group("scheduling")
     sched.add_argument(
         "--max-num-batched-tokens",
         type=_positive_int,
-        help="token budget of a step in which no stream decodes (default 2048; "
-        "docs/scheduling.md)",
+        help=f"token budget of a step in which no stream decodes (default "
+        f"{STEP_TOKEN_BUDGET['cpu']} on CPU, {STEP_TOKEN_BUDGET['cuda']} on GPU; docs/scheduling.md)",
     )
     sched.add_argument(
         "--decode-step-budget",
         type=_positive_int,
         help="token budget of a step while any stream decodes: bounds the inter-token latency "
-        "(default 192 on CPU; on GPU the same as --max-num-batched-tokens)",
+        f"(default {DECODE_STEP_BUDGET['cpu']} on CPU; on GPU the same as "
+        "--max-num-batched-tokens)",
     )
     sched.add_argument(
         "--protect-waiting",
         type=_on_off,
         metavar="on|off",
         help="keep a waiting request's cached prefix ahead of eviction until it is admitted "
-        "(soft: never blocks an allocation; default on)",
+        "(soft: never blocks an allocation; default {default})",
     )
     sched.add_argument(
         "--admission-order",
-        choices=("fcfs", "lpm"),
+        choices=ADMISSION_ORDERS,
         help="admit waiting requests in arrival order (fcfs) or longest cached prefix first "
-        "(lpm), bounded by --max-admission-wait (default fcfs)",
+        "(lpm), bounded by --max-admission-wait (default {default})",
     )
     sched.add_argument(
         "--max-admission-wait",
         type=float,
         metavar="SECONDS",
         help="with --admission-order lpm, a request waiting this long is admitted first "
-        "(no starvation; default 5)",
+        "(no starvation; default {default})",
     )
     sched.add_argument(
-        "--max-num-seqs", type=_positive_int, help="running sequences at once (default 64)"
+        "--max-num-seqs", type=_positive_int, help="running sequences at once (default {default})"
     )
     sched.add_argument(
-        "--max-waiting", type=int, help="waiting-queue bound, then HTTP 429 (default 256)"
+        "--max-waiting", type=int, help="waiting-queue bound, then HTTP 429 (default {default})"
     )
     sched.add_argument(
         "--watermark",
         type=_fraction,
-        help="admit new requests only while this fraction of KV pages stays free (default 0.1)",
+        help="admit new requests only while this fraction of KV pages stays free (default {default})",
     )
     sched.add_argument(
         "--prefix-caching",
         type=_on_off,
         metavar="on|off",
-        help="share cached prefix pages between requests (default on; off = baseline)",
+        help="share cached prefix pages between requests (default {default}; off = baseline)",
     )
     model.add_argument(
         "--speculative-tokens",
@@ -226,28 +251,28 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         metavar="N",
         help="speculative decoding: up to N draft tokens a step, looked up in the request's "
         "own context and verified in one forward (exact: greedy output is the same token for "
-        "token, sampled output has the same distribution, by rejection sampling); default 4, "
-        "0 = off",
+        "token, sampled output has the same distribution, by rejection sampling); default "
+        "{default}, 0 = off",
     )
     model.add_argument(
         "--kv-tier",
         choices=["off", "host", "redis"],
         help="a second KV tier for evicted cached pages, loaded back instead of recomputed: "
         "host = host memory (a memory-mapped file with --kv-tier-path), redis = the fleet's "
-        "Redis at --redis-url, shared by every replica (default off)",
+        "Redis at --redis-url, shared by every replica (default {default})",
     )
     model.add_argument(
         "--kv-tier-size",
         type=_positive_float,
         metavar="GB",
-        help="the host tier's size in GiB (default 4; Redis is bounded by its own maxmemory)",
+        help="the host tier's size in GiB (default {default}; Redis is bounded by its own maxmemory)",
     )
     model.add_argument(
         "--kv-tier-path", metavar="FILE", help="back the host tier by this file on local disk"
     )
     http = p.add_argument_group("HTTP and auth")
-    http.add_argument("--host", help="bind address (default 127.0.0.1)")
-    http.add_argument("--port", type=int, help="port (default 8000; 0 = any free port)")
+    http.add_argument("--host", help="bind address (default {default})")
+    http.add_argument("--port", type=int, help="port (default {default}; 0 = any free port)")
     http.add_argument(
         "--api-key",
         action="append",
@@ -269,24 +294,24 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     http.add_argument(
         "--max-agent-labels",
         type=int,
-        help="distinct agent labels in /metrics before '__other__' (default 32)",
+        help="distinct agent labels in /metrics before '__other__' (default {default})",
     )
     http.add_argument(
         "--stats-previews",
         type=_on_off,
         metavar="on|off",
         help="prompt-text previews of the top shared prefixes in /v1/cache/stats and the "
-        "dashboard, shown to the admin key only (default on; off = shown to no one)",
+        "dashboard, shown to the admin key only (default {default}; off = shown to no one)",
     )
     http.add_argument(
         "--metrics-public",
         type=_on_off,
         metavar="on|off",
         help="serve /metrics without the admin key even with auth on, e.g. to a Prometheus "
-        "scraper on a private network (default off: it lists every tenant and agent label)",
+        "scraper on a private network (default {default}: it lists every tenant and agent label)",
     )
     http.add_argument(
-        "--log-level", choices=["debug", "info", "warning", "error"], help="default info"
+        "--log-level", choices=["debug", "info", "warning", "error"], help="default {default}"
     )
     add_limit_flags(p)
     fleet = p.add_argument_group("scale-out (behind `prefixgate route`)")
@@ -303,14 +328,14 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         "--heartbeat-ttl",
         type=_positive_float,
         metavar="S",
-        help="routers drop this replica when no heartbeat came for S seconds (default 3)",
+        help="routers drop this replica when no heartbeat came for S seconds (default {default})",
     )
     fleet.add_argument(
         "--retention",
         type=float,
         metavar="S",
         help="a response that ends in tool calls keeps its pages ahead of LRU eviction for S "
-        "seconds, until the agent returns with the result (default 30; 0 = off; requests may "
+        "seconds, until the agent returns with the result (default {default}; 0 = off; requests may "
         "hint it: retention_seconds, X-Retention-Seconds, Anthropic cache_control.ttl)",
     )
     fleet.add_argument(
@@ -318,15 +343,16 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         type=_on_off,
         metavar="on|off",
         help="learn each agent's tool pauses and derive the default TTL from them: margin x "
-        "their p90, capped by the prefix's recompute cost; --retention until 8 pauses are "
-        "seen (default on; off = always --retention)",
+        "their p90, capped by the prefix's recompute cost; --retention until "
+        f"{_MIN_PAUSES} pauses are seen (default {{default}}; off = always --retention)",
     )
     fleet.add_argument(
         "--retention-tenant-budget",
         type=_fraction,
         metavar="F",
         help="each tenant's guaranteed share of retained KV pages, as a fraction of the pool "
-        "(default 0.25): past it only while the pool's retention budget (0.5) has room, and "
+        "(default {default}): past it only while the pool's retention budget "
+        f"({_ENGINE.retention_budget:g}) has room, and "
         "given back to a tenant below its share when it is full; pins are not counted",
     )
     fleet.add_argument(
@@ -334,22 +360,39 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         type=_positive_float,
         metavar="S",
         help="Responses API: stored responses (previous_response_id) expire after S seconds "
-        "(default 3600; in Redis with --redis-url, else in memory)",
+        "(default {default}; in Redis with --redis-url, else in memory)",
     )
     fleet.add_argument(
         "--max-stored-responses",
         type=_positive_int,
         metavar="N",
-        help="Responses API: at most N stored responses in memory (default 10000)",
+        help="Responses API: at most N stored responses in memory (default {default})",
     )
     return p
+
+
+def _show_default(dest: str, value: Any) -> str:
+    if dest in ("max_body_size", "max_header_size"):
+        return format_byte_size(value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def _fill_defaults(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) -> None:
+    """Write each flag's default into its help text where it says ``{default}``: the help is
+    read from the same values ``resolve`` falls back to, never restated by hand."""
+    for action in parser._actions:
+        if action.help and "{default}" in action.help:
+            shown = _show_default(action.dest, defaults[action.dest])
+            action.help = action.help.replace("{default}", shown)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prefixgate", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,route}")
-    _serve_parser(sub)
-    add_route_parser(sub, _positive_int, _positive_float)
+    _fill_defaults(_serve_parser(sub), DEFAULTS)
+    _fill_defaults(add_route_parser(sub, _positive_int, _positive_float), ROUTE_DEFAULTS)
     return parser
 
 

@@ -31,8 +31,8 @@ import torch
 # gather buffers (kernels/workspace.py) stay modest (16 Mi elements = 64 MB in fp32).
 DECODE_GATHER_BUDGET = 1 << 24
 
-# A shared run is worth a separate pass (one extra SDPA call and a merge per layer, ~0.1 ms)
-# when it saves re-reading at least this many tokens of K/V: (members - 1) * shared tokens.
+# A shared run is worth a separate pass (one extra SDPA call and a merge per layer, a fixed
+# cost) when it saves re-reading at least this many tokens of K/V: (members - 1) * shared tokens.
 MIN_SHARED_SAVING_TOKENS = 512
 
 

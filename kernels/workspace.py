@@ -1,8 +1,8 @@
 """Reusable per-thread buffers the torch reference gathers pages into.
 
 Why: on CPU a fresh multi-MB tensor per call is mmap'ed and page-faulted in again every time
-(glibc hands big blocks straight back to the OS), which made the gather ~5x slower than the
-copy itself. Reusing one buffer per (thread, device, dtype, K/V role) keeps it at copy speed.
+(glibc hands big blocks straight back to the OS), which made the gather several times slower
+than the copy itself. Reusing one buffer per (thread, device, dtype, K/V role) keeps it at copy speed.
 Buffers only grow; they hold at most one call's gathered context.
 """
 

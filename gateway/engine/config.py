@@ -20,10 +20,8 @@ class EngineConfig:
     # always was, and what the fidelity bounds are measured with). "bf16" under the fp32 model
     # on CPU halves the KV bytes (2x the pages for the same kv_memory_gb); K/V are rounded to
     # bf16 as they are written and attention widens them back and computes in fp32. NOT
-    # token-identical to the fp32 pool: measured on SmolLM2-135M (benchmarks.kv_dtype, 32
-    # prompts incl. the fidelity suite's 7, 64 greedy tokens) 26/32 continuations identical
-    # (all 7 fidelity prompts), the others first differ at tokens 11-38; decode steps at batch
-    # 16 1.21-1.29x faster (512-2,048 context, 1 thread), prefill unchanged
+    # token-identical to the fp32 pool (a near-tie can flip a greedy token); faster long-context
+    # decode, prefill unchanged (benchmarks.kv_dtype; figures in docs/benchmarks.md)
     kv_dtype: str | None = None
     page_size: int = 16
     kv_memory_gb: float | None = None  # KV pool budget; ignored when num_pages is set
@@ -62,16 +60,16 @@ class EngineConfig:
     # speculative decoding (greedy and sampled requests): at most this many draft tokens a
     # step, looked up in the sequence's own context (gateway/engine/drafter.py); 0 = off
     num_speculative_tokens: int = 4
-    # ... and only while a step's decode rows (decodes + drafts) stay within this. Measured
-    # (benchmarks.speculative, quiet machine, quantized weights): without the cap b1 1.19x but
-    # b16 0.77x (80-row verify steps are FMA-bound); a 4-bit linear costs 12.5 ms at 1 row,
-    # 16 at 4, 30 at 8, ~58 at 16 rows
+    # ... and only while a step's decode rows (decodes + drafts) stay within this: below it a
+    # CPU decode step streams the weights and extra rows are nearly free, above it the FMAs
+    # bind and verify rows cost what they save (benchmarks.speculative; docs/benchmarks.md)
     speculative_max_rows: int = 8
     kernel_backend: str | None = None  # None = triton on CUDA, torch on CPU
     native_kernels: bool = True  # CPU fp32: the native C kernels (kernels/cpu/csrc) when they build here
-    # with the native kernels: run a GGUF's Q4_0/Q4_1/Q8_0 matrices in their blocks (decode b1
-    # ~2x, prefill ~1.1x, RSS 1,670 -> 654 MB on the default model; b16 decode ~0.9x: from 16
-    # rows the FMAs, not memory, bound it); False = dequantize to fp32 as before
+    # with the native kernels: run a GGUF's Q4_0/Q4_1/Q8_0 matrices in their blocks (a decode
+    # step streams the blocks, not fp32, and the process holds under half the memory; from
+    # ~16 rows the FMAs, not memory, bound it: benchmarks.model, docs/benchmarks.md);
+    # False = dequantize to fp32 as before
     quantized_weights: bool = True
 
     def __post_init__(self) -> None:

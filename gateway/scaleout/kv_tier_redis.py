@@ -15,8 +15,8 @@ Called from the engine's tier workers (blocking client, short timeouts) and, for
 network. It answers from local knowledge (what this replica wrote, what recent loads found
 missing, whether Redis failed in the last few seconds) and otherwise says "unknown", and the
 load worker finds out with its one ``MGET`` while the request waits a step. (A synchronous
-``EXISTS`` with a 50 ms timeout was the first version: on a busy 2-core box the first probe's
-connect alone timed out, marking Redis down and losing the hit.)
+``EXISTS`` with a short timeout was the first version: on a busy machine the first probe's
+connect alone could time out, marking Redis down and losing the hit.)
 """
 
 from __future__ import annotations

@@ -67,6 +67,14 @@ def byte_size(text: str) -> int:
     return int(match.group(1)) * _UNITS[(match.group(2) or "")[:1].lower()]
 
 
+def format_byte_size(size: int) -> str:
+    """Bytes as :func:`byte_size` reads them back: ``33554432`` → ``32MiB``."""
+    for unit, scale in (("GiB", 1024 * MIB), ("MiB", MIB), ("KiB", 1024)):
+        if size % scale == 0:
+            return f"{size // scale}{unit}"
+    return str(size)
+
+
 def _seconds(text: str) -> float:
     value = float(text)
     if not 0 < value <= 86_400:
@@ -91,35 +99,35 @@ def add_limit_flags(parser: argparse.ArgumentParser) -> None:
         "--header-timeout", type=_seconds, metavar="S",
         help="a connection must send a request's complete headers within S seconds of opening "
         "(or of its next request's first byte), else it is closed (408 if it sent part) "
-        "(default 15)",
+        "(default {default})",
     )
     group.add_argument(
         "--body-timeout", type=_seconds, metavar="S",
         help="the whole request body must arrive within S seconds of its headers, else 408 "
-        "(default 60)",
+        "(default {default})",
     )
     group.add_argument(
         "--keep-alive-timeout", type=_seconds, metavar="S",
-        help="close a kept-alive connection idle for S seconds (default 5)",
+        help="close a kept-alive connection idle for S seconds (default {default})",
     )
     group.add_argument(
         "--max-connections", type=_count, metavar="N",
         help="at most N open connections and N requests in flight; a request over the cap gets "
-        "503 with Retry-After (default 1024; 0 = no cap). Idle sockets count until "
+        "503 with Retry-After (default {default}; 0 = no cap). Idle sockets count until "
         "--header-timeout closes them",
     )
     group.add_argument(
         "--max-body-size", type=byte_size, metavar="SIZE",
         help="request bodies over SIZE get 413, by Content-Length before reading or counted "
-        "for chunked bodies (default 32MiB; units k, M, G, binary)",
+        "for chunked bodies (default {default}; units k, M, G, binary)",
     )
     group.add_argument(
         "--max-header-size", type=byte_size, metavar="SIZE",
-        help="request line plus headers over SIZE get 400 (default 64KiB)",
+        help="request line plus headers over SIZE get 400 (default {default})",
     )
     group.add_argument(
         "--backlog", type=_positive, metavar="N",
-        help="connections the kernel queues before they are accepted (default 2048)",
+        help="connections the kernel queues before they are accepted (default {default})",
     )
 
 

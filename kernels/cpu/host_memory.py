@@ -2,9 +2,8 @@
 
 Why: a CPU decode step streams every weight and the whole K/V context from DRAM, through
 pages scattered over hundreds of MB. With 4 KB pages that is a TLB miss every 4 KB; with 2 MB
-pages, almost none. Measured on the default model's shapes (2 cores, AVX-512, THP in
-``madvise`` mode): the 121 linear matrices of a 16-sequence decode step 22.7-25.5 -> 20.3 ms,
-and 16 x 512-token paged decode attention over 30 layers 15.2-15.6 -> 14.2 ms.
+pages, almost none (the linears and the paged decode attention of a decode step both gained:
+docs/benchmarks.md).
 
 Linux only, and only when ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or
 ``madvise``: the memory is a fresh anonymous ``mmap`` (never reused heap, whatever the malloc)

@@ -2,8 +2,8 @@
 attend causally to its context, K/V read in place from the pages.
 
 Why: the torch path gathers the context into a dense buffer and runs SDPA's CPU flash kernel,
-whose GEMM blocks are thin at small head dims (~120 GFLOPS at 2,048 tokens, head dim 64, on
-the 2-core dev box); the C kernel tiles the G query heads of a KV head together and scores 16
+whose GEMM blocks are thin at small head dims (64 here: docs/benchmarks.md); the C kernel
+tiles the G query heads of a KV head together and scores 16
 keys per vector. Same switch, fallbacks and page dtypes (fp32 or bf16, widened exactly on
 load) as the native decode kernel (kernels/cpu/decode.py).
 """

@@ -1,6 +1,6 @@
 """The second KV tier on the real engine: evicted pages spill to the tier and a returning
 session loads them back instead of recomputing; greedy output is identical with a tier hit,
-a corrupt entry, a hash collision and a plain recompute (guide invariants 8 and 9)."""
+a corrupt entry, a hash collision and a plain recompute (invariants 8 and 9, docs/design.md)."""
 
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from prefixgate.gateway import cli
+from prefixgate.gateway.engine.config import STEP_TOKEN_BUDGET, EngineConfig
 from prefixgate.gateway.server.settings import (
     ServerSettings,
     env_var,
@@ -131,6 +132,32 @@ def test_every_serve_flag_has_a_default_entry():
     parser = cli.build_parser()
     dests = {a.dest for a in cli._serve_actions(parser)}
     assert dests == set(cli.DEFAULTS)
+
+
+def test_no_flag_means_the_configs_own_defaults():
+    engine, settings = resolve(["serve"], {})
+    assert engine == EngineConfig() and settings == ServerSettings()
+
+
+def _help(parser, command: str) -> str:
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return " ".join(sub.choices[command].format_help().split())
+
+
+def test_help_reads_its_defaults_from_the_configs():
+    """The help once said the CPU step budget defaults to 256 where the config said 192: every
+    default in the help is now filled in from the values ``resolve`` falls back to."""
+    parser = cli.build_parser()
+    serve, route = _help(parser, "serve"), _help(parser, "route")
+    assert "{default}" not in serve and "{default}" not in route
+    assert (
+        f"(default {STEP_TOKEN_BUDGET['cpu']} on CPU, {STEP_TOKEN_BUDGET['cuda']} on GPU)" in serve
+    )
+    assert f"running sequences at once (default {EngineConfig().max_num_seqs})" in serve
+    assert f"then HTTP 429 (default {EngineConfig().max_waiting})" in serve
+    assert "get 413, by Content-Length before reading or counted for chunked bodies (default 32MiB;" in serve
+    assert "plus headers over SIZE get 400 (default 64KiB)" in route
+    assert "times its load (default 1.5)" in route
 
 
 def test_bad_env_value_names_the_variable(capsys):

@@ -1,10 +1,10 @@
 """Grammar specs → compiled xgrammar grammars, once per distinct spec (an LRU cache).
 
-Why xgrammar (measured on this 2-core Zen 5 CPU, SmolLM2's 49,152-token vocabulary, a 4-field
-tool schema, ``/tmp`` script in the tool-calling issue's closing note): filling one row's
-bitmask takes a median 2 us with xgrammar vs 25 us with llguidance; 16 rows 14 us (its batch
-matcher) vs 369 us. llguidance compiles lazily (1 ms to a first mask vs 9 ms), but a swarm
-repeats a handful of schemas, which the cache below makes free after the first request.
+Why xgrammar: its per-step bitmask fill (one row, and a batch through its batch matcher) was
+an order of magnitude cheaper than llguidance's on SmolLM2's 49,152-token vocabulary, and the
+mask is paid every constrained step; llguidance compiles lazily (a quicker first mask), but a
+swarm repeats a handful of schemas, which the cache below makes free after the first request
+(figures: docs/benchmarks.md, "Measurements behind code choices").
 xgrammar also brings structural tags (free text, then a triggered tool-call tag), which is
 exactly ``tool_choice="auto"``.
 

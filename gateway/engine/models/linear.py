@@ -3,9 +3,9 @@
 With the native CPU kernels on (fp32), the weight is packed for kernels/cpu/csrc/linear.c (16-column
 blocks streamed k-major; faster than oneDNN for decode-sized batches, equal for prefill; see
 there). Otherwise, on x86 CPUs the weight is reordered into oneDNN's blocked format
-(``torch.ops.mkldnn._reorder_linear_weight``) and applied with ``_linear_pointwise``: on the
-AMD EPYC these benchmarks run on, that is ~1.8x faster than MKL's sgemm for decode-sized
-batches (M = 1..32) and ~1.2x for prefill, and it fuses the residual add. Elsewhere (GPU, a
+(``torch.ops.mkldnn._reorder_linear_weight``) and applied with ``_linear_pointwise``: faster
+than MKL's sgemm for decode-sized batches (M = 1..32) and for prefill (docs/benchmarks.md),
+and it fuses the residual add. Elsewhere (GPU, a
 torch without oneDNN, non-fp32) it is plain ``F.linear`` / ``addmm``. Both compute in the
 weight's dtype with fp32 accumulation; results differ only in summation order.
 
@@ -32,8 +32,8 @@ from prefixgate.kernels.cpu.ops import (
 )
 from prefixgate.kernels.quant import QuantizedTensor
 
-# oneDNN picks its blocked layout for this many rows; measured flat from 16 to 128 rows, and
-# still the fastest choice for 1-row decode and 2048-row prefill
+# oneDNN picks its blocked layout for this many rows; the choice barely matters between 16 and
+# 128 rows, and this one also serves 1-row decode and 2048-row prefill best (docs/benchmarks.md)
 _PACK_BATCH_HINT = 64
 
 

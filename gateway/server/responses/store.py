@@ -102,14 +102,3 @@ class RedisResponseStore:
             return False
         return bool(await self._call(self.redis.delete(REDIS_KEY_PREFIX + response_id)))
 
-
-async def replica_of(redis: Any, response_id: str) -> str | None:
-    """The replica that served a stored response (the router's lookup; tenant-blind, since it
-    only picks where to send a request that the replica then authorises)."""
-    raw = await redis.get(REDIS_KEY_PREFIX + response_id)
-    if raw is None:
-        return None
-    try:
-        return json.loads(raw).get("replica_id")
-    except (ValueError, AttributeError):
-        return None

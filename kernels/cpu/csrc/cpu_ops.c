@@ -3,8 +3,8 @@
  * to nearest even).
  *
  * Why: each is 3-8 small torch ops per layer (a temporary and a dispatch each); at decode
- * batch sizes the dispatches, not the arithmetic, cost ~10 ms of a ~60 ms 16-sequence step of
- * the default model. One pass over the rows here, no temporaries.
+ * batch sizes the dispatches, not the arithmetic, cost a sizeable share of a step
+ * (docs/benchmarks.md). One pass over the rows here, no temporaries.
  *
  * Rows are spread over OpenMP threads only when there is enough work to pay for waking them
  * (prefill); decode-sized calls run on the calling thread. Built together with

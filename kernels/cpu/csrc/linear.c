@@ -1,14 +1,12 @@
 /* fp32 linear layer on CPU: y = x . W^T (+ bias) (+ residual), W packed for streaming.
  *
  * Why: a decode step multiplies a few rows by every weight of the model, so the weights stream
- * from DRAM once per step and the GEMM must compute while they arrive. In a 16-sequence decode
- * step of SmolLM2 (121 matrices, 540 MB of fp32 weights) oneDNN's packed sgemm took 35.9 ms;
- * this kernel, 16 rows x 16 columns of accumulators in vector registers fed by one contiguous
- * weight stream with a software prefetch (see PREFETCH_STEPS), 30.6 ms at first and ~22 ms
- * with the L2 prefetch distance below (without any prefetch it was slower than oneDNN
- * there, 38 ms, though faster in isolation). With the weights in cache it
- * matches oneDNN from 64 to 2,048 rows (219-225 GFLOPS) and beats it below (M = 1: 50 vs 36),
- * so it replaces oneDNN for every fp32 CPU linear instead of keeping a second weight copy.
+ * from DRAM once per step and the GEMM must compute while they arrive. This kernel keeps
+ * 16 rows x 16 columns of accumulators in vector registers fed by one contiguous weight
+ * stream with a software prefetch (see PREFETCH_STEPS); streamed from DRAM it beats oneDNN's
+ * packed sgemm on a decode step (without the prefetch it did not), and with the weights in
+ * cache it matches oneDNN for prefill and beats it for few rows (docs/benchmarks.md), so it
+ * replaces oneDNN for every fp32 CPU linear instead of keeping a second weight copy.
  *
  * Packed layout: W [N, K] becomes [ceil(N / 16)][K][16]: block b holds output columns
  * 16b..16b+15, k-major, zero-padded past N (kernels/cpu/ops.py packs it).
@@ -25,11 +23,9 @@
  * stream prefetcher alone leaves the FMAs waiting. Past a block's end it runs into the next
  * block, usually this thread's next one (static schedule); at the end of a thread's range or
  * of the buffer, and when more row tiles re-read the block, those requests are wasted (a
- * prefetch never faults; the address is formed as an integer, see ahead()). Measured on the
- * 121 matrices of a 16-row decode step from DRAM (C harness, medians of 9, 3 rounds): 1 KB
- * ahead into L1 (prefetchnta, the first version) 27.1-28.1 ms; 8 KB into L2 21.8-23.4 ms;
- * 2 KB 23.9-25.9; 4-64 KB 21.7-24.8; none 31-34. 8 rows: 17.7-19.9 -> 14.5-15.0 ms;
- * 32 rows: 45-47.5 -> 41 ms; 1 row (DRAM-bound): 17-17.8 -> 14.4-18.3 ms (noise). */
+ * prefetch never faults; the address is formed as an integer, see ahead()). 8 KB into L2 was
+ * the best of the distances tried (1 KB into L1 with prefetchnta was the first version; the
+ * sweep is in docs/benchmarks.md). */
 #define PREFETCH_STEPS 128
 
 /* The weight row PREFETCH_STEPS k-steps after row k, possibly past the end of the buffer:
@@ -136,7 +132,7 @@ void pg_linear_f32(const float *x, int64_t ldx, const float *packed, const float
         for (int m0 = 0; m0 < M; m0 += 16) {
             const int nrows = M - m0 < 16 ? M - m0 : 16;
             /* NOTE: full tiles inline, with named accumulators: through the row-count switch
-             * (even its 16-row case) prefill 2,048 ran 529-538 instead of 569-570 tok/s */
+             * (even its 16-row case) prefill ran measurably slower (docs/benchmarks.md) */
             if (nrows == 16)
                 tile_16_rows(x + m0 * ldx, ldx, wp, K, acc);
             else

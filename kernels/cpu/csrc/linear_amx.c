@@ -24,46 +24,19 @@
  * TDPBF16PS flushes denormals: a part below 2^-126 (x below ~2^-110) is lost, an absolute error
  * under 1e-33 per product; an inf activation gives NaN (inf - inf in the split).
  *
- * Structure (each choice measured, M = 16, per group of one column block, L2-resident weights,
- * 1 thread, CPU time, on the 2-core Sapphire Rapids box this was written on, whose other jobs
- * make every figure +-30%): the tile work alone (zero, B load, 3 products, store) is 22-29 ns
- * and the vector work alone (B build, fold) 44-56 ns, yet together they overlapped little:
- *   * a B tile built and loaded in the same group, one block's B tiles at a time: 115 ns;
- *   * B tiles a whole block ahead, the fold a whole block behind (nothing read that was just
- *     written): no better (a tile load or store right after the vector stores / loads of the
- *     same lines does wait, but removing those dependences changed nothing);
- *   * the A tiles (three parts: 3 KB per group at 16 rows) loaded once for CHUNK = 3 blocks,
- *     the B tiles AHEAD groups ahead in a ring that stays in L1: 85-90 ns (chunks of 2: 91, of
- *     4: 84; the 48 accumulators of 3 x 16 rows spill, and still win over reloading A);
- *   * K panels whose A tiles stay in L1 for 16 blocks, one block at a time: 100 ns;
- *   * the nibble index as one vpmaddwd (byte * 0x1001) instead of a shift and an or: -10%.
- * The fp32 kernel (linear.c) takes 180-190 ns for the same work; the FMA peak of this core is
- * 135-150 GFLOPS (a tight loop of independent FMAs) and its AMX-BF16 peak 1.8-2.5 TFLOPS.
- *
- * Measured (benchmarks/linear.py: the 121 matrices of one SmolLM2 decode step, each its own
- * weights; ms for fp32 linear.c | linear_quant.c | this), 2 threads on a quiet moment (load
- * 0.4-0.7):
- *   M = 1: 43.1 | 14.9 | 27.2;  M = 4: 52.8 | 21.7 | 22.9;  M = 6: 53.4 | 26.0 | 26.4;
- *   M = 8: 52.6 | 31.2 | 26.5;  M = 16: 62.1 | 60.4 | 35.4 (1.76x fp32, 1.71x linear_quant);
- *   M = 32: 107 | 108 | 70.9;  M = 64: 198 | 202 | 141 (1.40x);
- * 1 thread, CPU time (--threads 1 --clock cpu, loaded machine): M = 1: 69.0 | 22.8 | 35.4;
- * M = 6: 70.2 | 37.7 | 37.0; M = 8: 75.0 | 55.4 | 41.8; M = 16: 93.5 | 104 | 51.9 (1.80x);
- * M = 64: 367 | 376 | 191. With 2 threads this kernel varies more from run to run than the
- * others: M = 16 was 1.28x, 1.76x, 1.39x and 1.33x fp32 in four quiet runs, and the same
- * runs' torch bf16 GEMM (oneDNN, on AMX) ran at 279-662 GFLOPS while the fp32 one held at
- * 184-207: the tile unit, unlike the FMAs, seems shared with another guest on the host core.
+ * Structure: the tile work (zero, B load, 3 products, store) and the vector work (B build,
+ * fold) overlap little, so the kernel loads the A tiles (three parts) once for CHUNK column
+ * blocks and builds the B tiles AHEAD groups ahead in a ring that stays in L1 (the
+ * accumulators of CHUNK x 16 rows spill, and still win over reloading A); the nibble index is
+ * one vpmaddwd (byte * 0x1001) instead of a shift and an or. Each alternative tried, and the
+ * kernel's speed against linear.c and linear_quant.c per row count, is in docs/benchmarks.md
+ * (benchmarks/linear.py, benchmarks/model.py --fp32-baseline).
  * Few rows cost this kernel about what 12 cost it (the tiles' work hardly depends on the rows;
  * the weights' stream from DRAM bounds the register kernel there), so kernels/cpu/ops.py takes
- * it from QUANT_AMX_MIN_ROWS (12) rows: at 8 rows it was 0.83-1.18x the register kernel with
- * 2 threads (1.32x with 1), at 12 1.06x, at 16 1.33-1.71x.
- * At 2,048 rows (prefill) it is 2.5x linear_quant.c's fp32 scratch path (one matrix, L2).
- * Whole model (python -m benchmarks.model --fp32-baseline --no-transformers --prefill 2048
- * --batches 1 16 --repeats 5), quantized / fp32 runner, 2 threads: prefill 2,048 1.37x (was
- * 1.10x), decode b1 2.10x (the register kernel, as before), b16 1.12x (was 0.89x); 1 thread:
- * 1.57-1.62x, 2.28-2.42x, 1.22-1.25x. A b16 step over 512-token contexts is then 31 ms of
- * linear layers and 36 ms of everything else (attention over the fp32 K/V, 377 MB a step),
- * so the linear layers alone cannot double it. No weight is copied: RSS is unchanged, plus
- * a transient 6 bytes per activation during a call (19 MB for 2,048 x 1,536).
+ * it from QUANT_AMX_MIN_ROWS (12) rows, where it starts to beat the register kernel. Prefill
+ * is faster too; decode at 16 rows is then bound by the rest of the step (attention over the
+ * K/V), so the linear layers alone cannot double it. No weight is copied: RSS is unchanged,
+ * plus a transient 6 bytes per activation during a call.
  *
  * Linux hands out the 8 KB tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, once per
  * process); pg_amx_available() asks once and returns 0 when the CPU, the build or the kernel
@@ -431,7 +404,7 @@ int pg_linear_quant_amx_f32(int qtype, const float *x, int64_t ldx, const uint8_
     const int gb = pg_quant_group_bytes(qtype);
     const int64_t block_bytes = (int64_t)groups * gb;
     /* tiles of 4, 8, 12 or 16 rows, the last padded with zero rows: four compiled variants
-     * (sixteen took 4x the compile time, for a few percent at odd row counts) */
+     * (sixteen cost several times the compile time, for little at odd row counts) */
     const int tile_rows = M <= TILE_ROWS ? (M + TILE_STEP - 1) / TILE_STEP * TILE_STEP : TILE_ROWS;
     const int padded = (M + tile_rows - 1) / tile_rows * tile_rows;
     if (num_threads < 1) num_threads = 1;

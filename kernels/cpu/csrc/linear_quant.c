@@ -30,36 +30,25 @@
  *     linear.c's pg_linear_f32 over it for all row tiles: prefill is compute-bound, the
  *     dequantization is paid once per block, and no second fp32 copy of W is ever kept.
  *
- * Measured: the 121 matrices of one SmolLM2 decode step, each its own weights (30 x Q4_1
- * q|k|v, o, gate|up, down + the Q8_0 LM head), vs linear.c over the same values in fp32,
- * medians of 7 alternating samples, 2 threads, on a quiet moment of the 2-core Xeon (AVX-512)
- * this was developed on:
- *   M = 1: 12.5 vs 35.8 ms (2.9x);  M = 4: 16.3 vs 35.5 (2.2x);  M = 8: 30.4 vs 39.0 (1.3x);
- *   M = 16: 55-62 vs 49-51 ms (0.82-0.89x);  M = 32: 109-113 vs 91-97 (0.86x);
- *   M = 64: 219 (scratch path 229) vs 210 ms (0.96x);  M = 2048, 4 MLP matrices: scratch 422,
- *   registers 470, fp32 420 ms (1 thread: 806 / 818 / 840).
- * Few rows are DRAM-bound and gain the 5x smaller stream; from 16 rows the step is FMA-bound
+ * Few rows are DRAM-bound and gain the ~5x smaller stream; from 16 rows the step is FMA-bound
  * and the expansion costs 7 vector ops per 32 weights (zero-extend, and, shift, 2 converts,
  * 2 FMAs for d * q + m) beside the 32 FMAs of a 16-row tile: ~20% more work on ports 0 and 5,
- * which the FMAs use too on this Intel core (cores with separate integer/convert pipes should
+ * which the FMAs use too on Intel cores (cores with separate integer/convert pipes should
  * hide more of it). The FMAs themselves (fp32 activations, exact fp32 weights) cannot be
  * fewer, and the scratch path is no faster there (it pays the expansion plus a store and a
- * reload per 16 weights), so rows 17-64 run ~5-15% behind fp32; from a few hundred rows the
- * expansion, once per block, vanishes.
- * Whole model (python -m benchmarks.model --fp32-baseline --no-transformers --prefill 2048
- * --batches 1 16 --repeats 7), quantized / fp32 runner, 2 threads: decode b1 1.96x, b16
- * 0.89x, prefill 2,048 1.10x (noisier runs under other jobs' load: b1 1.65-2.18x, b16
- * 0.90-1.37x, prefill 0.72-1.08x).
- * The prefetch distance (1 KB into L2, ~3 groups ahead) was tried while other jobs loaded the
- * machine and could not be told apart from none (1 thread, M = 1: 15-34 vs 25-33 ms); it is
- * kept as linear.c's measurements favour one, and is worth re-measuring on a quiet machine.
+ * reload per 16 weights), so rows 17-64 run somewhat behind fp32; from a few hundred rows the
+ * expansion, once per block, vanishes. The figures per row count and for the whole model are
+ * in docs/benchmarks.md (benchmarks/linear.py, benchmarks/model.py --fp32-baseline).
+ * The prefetch distance (1 KB into L2, ~3 groups ahead) could not be told apart from none on a
+ * loaded machine; it is kept as linear.c's measurements favour one, and is worth re-measuring
+ * on a quiet machine.
  * Not used: torch's _weight_int4pack_mm_for_cpu takes fp32 scale/zero per group for fp32
  * inputs but computes (q - 8) * s + z with its own rounding (off by up to 1 ulp of the weight
  * on an identity input), and a Q4_1 zero would be m + 8d, itself rounded: not the dequantized
  * values. _weight_int8pack_mm has one scale per output channel, not per 32 weights.
  *
  * Where the CPU has AMX-BF16, kernels/cpu/ops.py runs linear_amx.c instead from
- * QUANT_AMX_MIN_ROWS (12) rows: as accurate, not bit-identical, 1.3-1.7x faster at 16 rows.
+ * QUANT_AMX_MIN_ROWS (12) rows: as accurate, not bit-identical, and faster from there on.
  *
  * Built with the other sources into one library by kernels/cpu/library.py.
  */

@@ -6,8 +6,8 @@
  *
  * Why: per KV head the shared run is one K/V matrix seen by R = B * G query rows, i.e. a small
  * GEMM, not B GEMVs. The torch path (SDPA's CPU flash kernel on a strided view, bf16 pages
- * upcast by a copy first) measured ~0.84 ms per layer for SmolLM2's 3 KV heads x 48 rows x
- * 2,048 keys, plus ~10 small merge ops.
+ * upcast by a copy first) pays that GEMM plus ~10 small merge ops per layer (figures:
+ * docs/benchmarks.md, benchmarks/cascade.py).
  *
  * Work item: (KV head, split of the keys). Every item keeps all R rows of its head together,
  * so each K/V row it loads serves all R rows (the point of the cascade); the keys are split so
@@ -56,9 +56,9 @@ int pg_cascade_limits(int *max_rows, int *max_head_dim) {
  * Two passes, like paged_decode.c (the item's keys are few enough that the score matrix stays
  * in L2): S = Q K^T, each row's softmax numerators, then O = P V. Without an online softmax the
  * GEMM loops are pure FMAs, the softmax runs over long vectorised rows, and each row tile keeps
- * its outputs in registers over a whole key block (measured on 1 thread, fp32 pages, 48 rows x
- * 2,048 keys x 3 heads: paged_prefill.c's online softmax over 16-key blocks 2.76 ms vs SDPA's
- * 2.04 ms; these two passes 1.68 ms vs 1.73 ms, benchmarks/cascade.py). Leaves the unnormalised partial in o [rows][D], m [rows], l [rows].
+ * its outputs in registers over a whole key block (paged_prefill.c's online softmax was
+ * slower than SDPA here, these two passes are not: docs/benchmarks.md, benchmarks/cascade.py).
+ * Leaves the unnormalised partial in o [rows][D], m [rows], l [rows].
  * head_dim and bf16 are compile-time constants where inlined. Returns 1 when scratch could not
  * be allocated. */
 static inline __attribute__((always_inline)) int cascade_item(

@@ -11,7 +11,7 @@
  * V rows; the G = Hq / Hkv query heads of a KV head share every K/V row load. Work is spread
  * over the OpenMP threads of the process (the same libgomp torch loaded, so one pool):
  *   - many sequences: one item per sequence, all heads per token, so each page is read as
- *     one contiguous stream (measured 1.4-1.7x faster than per-head items from DRAM);
+ *     one contiguous stream (faster than per-head items from DRAM: docs/benchmarks.md);
  *   - few sequences (fewer than 2 per thread): one item per (sequence, KV head), so a single
  *     long sequence still uses every thread.
  *
@@ -38,8 +38,8 @@ int pg_limits(int *max_group, int *max_head_dim) {
  * scattered page. So while token j of a page is read, token j of the next page is requested
  * (into L2), keeping one page of requests in flight, unless the next page directly follows
  * this one in memory (then the hardware stream already covers it, and extra requests cost:
- * always prefetching measured 14.3 -> 19.3 ms per 16 x 512-token step on contiguous pages,
- * and 26.6 -> 23 ms on shuffled ones; skipping adjacent pages: 16.7 ms on shuffled ones).
+ * always prefetching slowed contiguous pages and helped shuffled ones; skipping adjacent
+ * pages kept the help without the cost: docs/benchmarks.md).
  *
  * A page_walk visits a sequence's token rows in order (one head's slice at `offset`, or the
  * whole row), issuing those requests as it goes. */

@@ -4,7 +4,7 @@
  * after earlier chunks and a suffix after a cached prefix alike.
  *
  * Why: the torch path gathers the context into a dense buffer and runs SDPA's CPU flash
- * kernel, ~120 GFLOPS at 2,048 tokens with head dim 64 (its GEMM blocks are thin there); this
+ * kernel, whose GEMM blocks are thin at head dim 64 (docs/benchmarks.md); this
  * kernel keeps the G query heads of a KV head together as the rows of one tile, so each K/V
  * row loaded serves G x 16 query rows, and computes 16 keys per vector.
  *
@@ -19,8 +19,8 @@
  * or bf16 (kv_bf16): a key block's bf16 K and V rows are widened exactly (zero-extend, shift
  * left 16) once per block, K while it is transposed, V into an fp32 block buffer, so the tiles
  * below run the fp32 code unchanged and the conversion is amortised over all the item's rows
- * (measured at 2,048 tokens, SmolLM2's heads, 1 thread: widening each V vector as the tiles
- * load it ran at 0.85-0.92x the fp32 pages' speed, the block buffer at 0.99-1.03x).
+ * (widening each V vector as the tiles load it instead was measurably slower than fp32 pages;
+ * the block buffer is not: docs/benchmarks.md).
  * Built with the other kernels/cpu/csrc files into one library by kernels/cpu/library.py; the torch
  * path (SDPA) is the oracle in the tests.
  */
