@@ -50,20 +50,20 @@ from prefixgate.gateway.engine.sequence import SeqStatus, Sequence
 STEP_BASE_S, STEP_UNIT_S, CONTEXT_SCALE, PAGE = 0.012, 0.0015, 3072, 16
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 ARMS: dict[str, dict[str, Any]] = {
-    "old": dict(max_num_batched_tokens=192, decode_step_budget=192, protect_waiting=False),
-    "fixed2048": dict(max_num_batched_tokens=2048, decode_step_budget=2048, protect_waiting=False),
-    "adaptive": dict(max_num_batched_tokens=2048, decode_step_budget=192, protect_waiting=False),
-    "default": dict(max_num_batched_tokens=2048, decode_step_budget=192),
-    "lpm": dict(max_num_batched_tokens=2048, decode_step_budget=192, admission_order="lpm"),
+    # the old defaults: one 192 budget, no protection, arrival order
+    "old": dict(max_num_batched_tokens=192, decode_step_budget=192, protect_waiting=False,
+                admission_order="fcfs"),
+    "fixed2048": dict(max_num_batched_tokens=2048, decode_step_budget=2048, protect_waiting=False,
+                      admission_order="fcfs"),  # the workaround
+    "adaptive": dict(max_num_batched_tokens=2048, decode_step_budget=192, protect_waiting=False,
+                     admission_order="fcfs"),
+    "protect": dict(max_num_batched_tokens=2048, decode_step_budget=192, admission_order="fcfs"),
+    "default": dict(max_num_batched_tokens=2048, decode_step_budget=192),  # + lpm
     **{f"decode{b}": dict(max_num_batched_tokens=2048, decode_step_budget=b) for b in (64, 96, 128, 256, 384)},
-    **{f"lpm_decode{b}": dict(max_num_batched_tokens=2048, decode_step_budget=b, admission_order="lpm")
-       for b in (64, 96, 128, 256, 384)},
-    "max1024": dict(max_num_batched_tokens=1024, decode_step_budget=192),
-    "max512": dict(max_num_batched_tokens=512, decode_step_budget=192),
-    "lpm_max1024_decode128": dict(max_num_batched_tokens=1024, decode_step_budget=128,
-                                  admission_order="lpm"),
-    "max1024_decode128": dict(max_num_batched_tokens=1024, decode_step_budget=128),
-    "max4096": dict(max_num_batched_tokens=4096, decode_step_budget=192),
+    **{f"max{b}": dict(max_num_batched_tokens=b, decode_step_budget=192) for b in (512, 1024, 4096)},
+    "unprotected": dict(max_num_batched_tokens=2048, decode_step_budget=192, protect_waiting=False),
+    **{f"wait{w:g}s": dict(max_num_batched_tokens=2048, decode_step_budget=192, max_admission_wait_s=w)
+       for w in (1.0, 10.0, 20.0, 30.0, 60.0, 1e9)},
 }
 
 
@@ -198,7 +198,7 @@ def summarise(sim: Sim) -> dict[str, Any]:
     itl = [b - a for r in done for a, b in zip(r["tokens"], r["tokens"][1:], strict=False)]
     stats = sim.s.cache.stats()
     return {"wall_s": sim.now, "e2e_p50_s": statistics.median(e2e), "e2e_sum_s": sum(e2e),
-            "ttft_p50_s": statistics.median(ttft), "ttft_p90_s": pct(ttft, 0.9),
+            "ttft_p50_s": statistics.median(ttft), "ttft_p90_s": pct(ttft, 0.9), "ttft_max_s": max(ttft),
             "returning_ttft_p90_s": pct(returning, 0.9), "itl_p90_s": pct(itl, 0.9),
             "hit_rate": sum(r["cached"] for r in done) / sum(r["prompt"] for r in done),
             "prefill_computed": sim.prefill, "preemptions": sim.s.num_preemptions,
@@ -251,7 +251,7 @@ def run(workload: str, arm: dict[str, Any], args: Any) -> dict[str, Any]:
 
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--arms", default="old,fixed2048,adaptive,default,lpm")
+    parser.add_argument("--arms", default="old,fixed2048,adaptive,protect,default")
     parser.add_argument("--workloads", default="trace,agents,burst,swarm")
     parser.add_argument("--sessions", type=int, default=48)
     parser.add_argument("--trace-pages", type=int, default=1456)

@@ -35,12 +35,15 @@ from prefixgate.gateway.engine.loader import load_model
 
 # the old defaults (one 192 budget, no protection), the workaround, and the new parts
 ARMS: dict[str, dict[str, Any]] = {
-    "old": dict(max_num_batched_tokens=192, decode_step_budget=192, protect_waiting=False),
-    "fixed2048": dict(max_num_batched_tokens=2048, decode_step_budget=2048, protect_waiting=False),
-    "adaptive": dict(max_num_batched_tokens=2048, decode_step_budget=192, protect_waiting=False),
-    "default": dict(),  # adaptive + protection: the engine's defaults
-    "lpm": dict(admission_order="lpm"),
-    "decode384": dict(decode_step_budget=384),
+    "old": dict(max_num_batched_tokens=192, decode_step_budget=192, protect_waiting=False,
+                admission_order="fcfs"),
+    "fixed2048": dict(max_num_batched_tokens=2048, decode_step_budget=2048, protect_waiting=False,
+                      admission_order="fcfs"),
+    "adaptive": dict(max_num_batched_tokens=2048, decode_step_budget=192, protect_waiting=False,
+                     admission_order="fcfs"),
+    "protect": dict(admission_order="fcfs"),  # adaptive + protection
+    "default": dict(),  # the engine's defaults: adaptive + protection + lpm
+    "decode128": dict(decode_step_budget=128),
 }
 VOCAB = 40_000
 
@@ -141,7 +144,7 @@ def run_burst(engine, seed: int = 0) -> dict[str, Any]:
 
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--arms", default="old,fixed2048,adaptive,default,lpm")
+    parser.add_argument("--arms", default="old,fixed2048,adaptive,protect,default")
     parser.add_argument("--workloads", default="pressure,burst,swarm")
     parser.add_argument("--sessions", type=int, default=12)
     parser.add_argument("--turns", type=int, default=4)

@@ -197,8 +197,8 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     sched.add_argument(
         "--max-num-batched-tokens",
         type=_positive_int,
-        help=f"token budget of a step in which no stream decodes (default "
-        f"{STEP_TOKEN_BUDGET['cpu']} on CPU, {STEP_TOKEN_BUDGET['cuda']} on GPU; docs/scheduling.md)",
+        help="token budget of a step in which no stream decodes, see docs/scheduling.md "
+        f"(default {STEP_TOKEN_BUDGET['cpu']} on CPU, {STEP_TOKEN_BUDGET['cuda']} on GPU)",
     )
     sched.add_argument(
         "--decode-step-budget",

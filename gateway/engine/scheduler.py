@@ -126,8 +126,8 @@ class Scheduler:
             linear layers'). None = every token costs 1. A decode token always costs 1.
         protect_waiting: a waiting request's cached prefix is protected from eviction until
             it is admitted (soft: ``KVCacheManager.hold_prefix``).
-        admission_order: "fcfs" (arrival order) or "lpm" (longest cached prefix first, with
-            ``max_admission_wait_s`` as the age bound: :meth:`_order_waiting`).
+        admission_order: "lpm" (longest cached prefix first, with ``max_admission_wait_s``
+            as the age bound: :meth:`_order_waiting`) or "fcfs" (arrival order).
         clock: seconds, monotonic (the age bound's clock).
 
     Two rules keep time-to-first-token low without giving up throughput:
@@ -153,8 +153,8 @@ class Scheduler:
         max_spec_rows: int = 8,
         decode_step_budget: int | None = None,
         protect_waiting: bool = True,
-        admission_order: str = "fcfs",
-        max_admission_wait_s: float = 5.0,
+        admission_order: str = "lpm",
+        max_admission_wait_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
     ):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:

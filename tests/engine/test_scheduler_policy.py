@@ -34,7 +34,7 @@ def evicting_scenario(protect: bool):
     6 hashless ones, then two cached ones. Which two: ``first``'s (that ``back`` would hit,
     and the LRU's oldest) or ``other``'s?"""
     s = Scheduler(KVCacheManager(12, 4, watermark=0), max_num_batched_tokens=16,
-                  protect_waiting=protect)
+                  protect_waiting=protect, admission_order="fcfs")
     for name, tokens in (("first", range(12)), ("other", range(500, 512))):
         done = seq(tokens, name)
         s.add(done)
@@ -120,7 +120,7 @@ def test_lpm_never_starves_a_request_past_the_age_bound():
 def test_fcfs_keeps_arrival_order():
     now = [0.0]
     s = lpm_scheduler(now)
-    s.admission_order = "fcfs"
+    s.admission_order = "fcfs"  # (the default is lpm)
     cold, full = seq(range(200, 206), "cold"), seq([*range(16), 80, 81], "full")
     s.add(cold)
     s.add(full)
