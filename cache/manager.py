@@ -470,6 +470,15 @@ class KVCacheManager:
         if hashes is not None:
             self.pool.unhold(hashes)
 
+    def release_all_holds(self) -> None:
+        """End every hold (recovery after a failed step: no request waits any more)."""
+        for key in list(self._holds):
+            self.release_hold(key)
+
+    def sequence_ids(self) -> list[Hashable]:
+        """The live sequences' ids, in allocation order."""
+        return list(self._seqs)
+
     def count_cached_blocks(self, blocks: Sequence[HashedBlock], hint: int = 0) -> int:
         """Leading ``blocks`` cached in the pool (verified), for ordering waiting requests.
 

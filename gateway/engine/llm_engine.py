@@ -820,8 +820,9 @@ class LLMEngine:
             self.scheduler.remove_request(seq.request_id)
         # NOTE: a step that raised between the manager's allocate and the scheduler's bookkeeping
         # can leave a sequence only the manager knows; it would hold its pages forever
-        for seq_id in list(self.cache._seqs):  # noqa: SLF001 (no public listing of sequences)
+        for seq_id in self.cache.sequence_ids():
             self.cache.free(seq_id)
+        self.cache.release_all_holds()
         try:
             self.cache.check_integrity()
         except Exception:

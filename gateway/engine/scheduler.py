@@ -20,7 +20,7 @@ from prefixgate.cache import HashedBlock, KVCacheManager
 from prefixgate.cache.manager import PrefixMatch
 from prefixgate.gateway.engine.config import ADMISSION_ORDERS
 from prefixgate.gateway.engine.drafter import NgramDrafter
-from prefixgate.gateway.engine.sequence import SeqStatus, Sequence
+from prefixgate.gateway.engine.sequence import SeqStatus, Sequence, TierProbe
 
 
 @dataclass(frozen=True, slots=True)
@@ -449,12 +449,12 @@ class Scheduler:
         """
         assert self.tier is not None
         first = len(match.page_ids)
-        if seq.tier_probe == "loading":
+        if seq.tier_probe is TierProbe.LOADING:
             load = self.tier.poll(seq.seq_id)
             if load is None:
                 return 0, True
-            seq.tier_probe, seq.tier_load = "held", load
-        if seq.tier_probe == "held":
+            seq.tier_probe, seq.tier_load = TierProbe.HELD, load
+        if seq.tier_probe is TierProbe.HELD:
             load = seq.tier_load
             skip = first - load.start_block
             if load.blocks and 0 <= skip < len(load.blocks):
@@ -463,23 +463,23 @@ class Scheduler:
             # before the load's start while it waited (those went to the tier: look again)
             lost = bool(load.blocks) and skip < 0
             self._drop_tier_load(seq)
-            seq.tier_probe, seq.tier_probe_blocks = "done", -1 if lost else first
-        if seq.tier_probe == "done" and seq.tier_probe_blocks == first:
+            seq.tier_probe, seq.tier_probe_blocks = TierProbe.DONE, -1 if lost else first
+        if seq.tier_probe is TierProbe.DONE and seq.tier_probe_blocks == first:
             return 0, False
         # a full hit stops one token short anyway: a last block alone is not worth a load
         wanted = blocks[first : (len(seq.token_ids) - 1) // self.cache.page_size]
         if any(self.cache.evicted_since_taken(b.block_hash) for b in wanted):
             # evicted by this very schedule(): spilled once it returns, looked up next step
-            seq.tier_probe, seq.tier_probe_blocks = "done", -1
+            seq.tier_probe, seq.tier_probe_blocks = TierProbe.DONE, -1
             return 0, True
-        seq.tier_probe, seq.tier_probe_blocks = "done", first
+        seq.tier_probe, seq.tier_probe_blocks = TierProbe.DONE, first
         if not wanted or self.tier.may_contain(wanted[0]) is False:
             return 0, False
         if sum(self._tier_load_pages.values()) + len(wanted) > self.cache.num_pages:
             return 0, False  # loads already hold a pool's worth of pages: recompute this one
         self.tier.request(seq.seq_id, first, wanted)
         self._tier_load_pages[seq.seq_id] = len(wanted)
-        seq.tier_probe = "loading"
+        seq.tier_probe = TierProbe.LOADING
         return 0, True
 
     def _install_tier_load(self, seq: Sequence, blocks: list[HashedBlock], match: PrefixMatch,
@@ -497,10 +497,10 @@ class Scheduler:
 
     def _drop_tier_load(self, seq: Sequence) -> None:
         """Forget ``seq``'s tier load: cancel it in flight, release a held one."""
-        if seq.tier_probe == "loading" and self.tier is not None:
+        if seq.tier_probe is TierProbe.LOADING and self.tier is not None:
             self.tier.cancel(seq.seq_id)
-        if seq.tier_probe in ("loading", "held"):
-            seq.tier_probe = "done"
+        if seq.tier_probe in (TierProbe.LOADING, TierProbe.HELD):
+            seq.tier_probe = TierProbe.DONE
         seq.tier_load = None
         self._tier_load_pages.pop(seq.seq_id, None)
 
@@ -573,7 +573,7 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         seq.num_computed = 0
         self._drop_tier_load(seq)
-        seq.tier_probe = ""  # its evicted pages may be in the tier by the time it returns
+        seq.tier_probe = TierProbe.NONE  # its evicted pages may be in the tier by the time it returns
         self._hold(seq)  # the pages it just freed are its own prefix when it returns
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

@@ -19,6 +19,15 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class TierProbe(enum.StrEnum):
+    """Where a waiting sequence stands with the second tier (equal to its value as a string)."""
+
+    NONE = ""  # not looked up yet (or looked up again after a preemption)
+    LOADING = "loading"  # a load is in flight
+    HELD = "held"  # a load finished; it waits in ``tier_load`` for the step that admits us
+    DONE = "done"  # looked up while the pool matched ``tier_probe_blocks`` blocks
+
+
 @dataclass(slots=True, eq=False)
 class Sequence:
     """Token state of one choice of one request.
@@ -48,10 +57,8 @@ class Sequence:
     hashed_blocks: list[HashedBlock] = field(default_factory=list)
     # Speculative decoding (gateway/engine/drafter.py): its DraftState, None = never drafts.
     draft: Any = None
-    # Second tier: "" = not looked up yet, "loading" = a load is in flight, "held" = a load
-    # finished and waits in ``tier_load`` for the step that admits the sequence, "done" = looked
-    # up while the pool matched ``tier_probe_blocks`` blocks (looked up again if that changes).
-    tier_probe: str = ""
+    # Second tier: the lookup's state (looked up again when the pool's hit changes).
+    tier_probe: TierProbe = TierProbe.NONE
     tier_load: Any = None
     tier_probe_blocks: int = -1
     # Engine-side per-sequence state (sampler generator, detokenizer, stop matcher).

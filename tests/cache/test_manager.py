@@ -314,3 +314,16 @@ def test_check_integrity_catches_a_protected_page_nobody_holds():
     m._holds.clear()  # noqa: SLF001 (break the bookkeeping on purpose)
     with pytest.raises(IntegrityError, match="hold counts"):
         m.check_integrity()
+
+
+def test_release_all_holds_and_sequence_ids_for_recovery():
+    m = KVCacheManager(8, 4, watermark=0)
+    run_prompt(m, "a", list(range(8)))
+    m.hold_prefix("w1", m.hasher.hash_blocks(list(range(8))))
+    m.hold_prefix("w2", m.hasher.hash_blocks(list(range(4))))
+    assert m.sequence_ids() == ["a"]
+    m.free("a")
+    assert m.stats().pages_protected == 2
+    m.release_all_holds()
+    assert m.stats().pages_protected == 0 and m.pool.held_counts() == {}
+    m.check_integrity()
