@@ -194,17 +194,8 @@ class KVCacheManager:
                                        f"{len(token_ids)} tokens")
         match = self._match(blocks, len(token_ids)) if self.enable_caching else PrefixMatch(0, (), 0, 0)
         pages = [self.pool.pages[i] for i in match.page_ids]
-        # Retention hits, counted before touch() takes the pages out of the retained set: hit
-        # pages that were free and under an unexpired retention (a returning turn whose prefix
-        # retention kept). NOTE: the hit stops one token short of a whole prompt (invariant 5).
-        retention_hit = 0
-        if count_query and self.pool.retained:
-            now = self.pool.clock()
-            for index, page in enumerate(pages):
-                # NOTE: free with an unexpired deadline = retained (or protected on top of it)
-                if page.ref_count == 0 and page.retain_until > now:
-                    retention_hit += max(0, min(self.page_size,
-                                                match.num_cached_tokens - index * self.page_size))
+        # counted before touch() takes the pages out of the retained set
+        retention_hit = self._retention_hit_tokens(pages, match.num_cached_tokens) if count_query else 0
         self.pool.touch(pages)
         seq = SequenceBlocks(
             seq_id=seq_id,
@@ -225,6 +216,17 @@ class KVCacheManager:
         if count_query:
             self._record_query(tenant, agent, len(token_ids), match.num_cached_tokens, retention_hit)
         return Allocation(match.num_cached_tokens, tuple(seq.block_table))
+
+    def _retention_hit_tokens(self, pages: list[Page], num_cached_tokens: int) -> int:
+        """Hit tokens on pages that were free and under an unexpired retention (a returning
+        turn whose prefix retention kept). NOTE: the hit stops one token short of a whole
+        prompt (invariant 5)."""
+        now, hit = self.pool.clock(), 0
+        for index, page in enumerate(pages):
+            # NOTE: free with an unexpired deadline = retained (or protected on top of it)
+            if page.ref_count == 0 and page.retain_until > now:
+                hit += max(0, min(self.page_size, num_cached_tokens - index * self.page_size))
+        return hit
 
     def append_tokens(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
         """Extend the sequence's known tokens (sampled ones); their K/V is not computed yet."""
