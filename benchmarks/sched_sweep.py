@@ -152,6 +152,10 @@ def main() -> None:
     parser.add_argument("--num-pages", type=int, default=768, help="pool pages (16 tokens each) "
                         "for pressure; swarm and burst get 4096")
     args = parser.parse_args()
+    longest = 512 + args.turns * (768 + 16)  # a session's last prompt at most
+    if "pressure" in args.workloads and args.num_pages * 16 < longest:
+        parser.error(f"--num-pages {args.num_pages} holds {args.num_pages * 16} tokens: a session "
+                     f"can reach {longest}")
     loaded = load_model(None)
     results: dict[str, dict[str, Any]] = {}
     for workload in args.workloads.split(","):
