@@ -27,6 +27,7 @@ from prefixgate.cache.errors import (
 from prefixgate.cache.events import EventSink
 from prefixgate.cache.hashing import BlockHash, BlockHasher, HashedBlock, HashFn
 from prefixgate.cache.page import Page
+from prefixgate.cache.retention import TenantShareRetention
 from prefixgate.cache.sequence import SequenceBlocks
 from prefixgate.cache.stats import CacheStats, HitCounter, HitStats, SharedPrefix
 
@@ -93,6 +94,7 @@ class KVCacheManager:
         self._evicted_hashes: set[BlockHash] = set()  # the same blocks, by hash
         self._unwritten: set[int] = set()  # installed from the tier, load not written yet
         self._holds: dict[Hashable, tuple[BlockHash, ...]] = {}  # waiting request -> its hashes
+        self.retention = TenantShareRetention()  # which pages retain() may keep (the policy)
 
     # ------------------------------------------------------------------ queries
 
@@ -382,52 +384,7 @@ class KVCacheManager:
             How many pages are retained now for this prefix.
         """
         pages = self._cached_prefix_pages(token_ids, extra_keys)
-        held = self._retained_per_tenant()
-        total = sum(held.values())
-        lenders: list[Page] | None = None  # reclaim candidates, made on first need
-        retained = 0
-        for page in reversed(pages):
-            if page.ref_count > 0 and page.retain_until <= 0:
-                continue  # in use by another sequence: not at risk, not worth a budget slot
-            if page.retain_until <= 0:
-                mine = held.get(tenant, 0)
-                share_left = max_tenant_pages is None or mine < max_tenant_pages
-                if max_pages is not None and total >= max_pages:
-                    if max_tenant_pages is None or not share_left:
-                        break
-                    if lenders is None:
-                        lenders = sorted((p for p in self.pool.pages
-                                          if p.retain_until > 0 and p.retain_tenant != tenant),
-                                         key=lambda p: p.retain_until, reverse=True)
-                    if not self._reclaim_one(lenders, held, max_tenant_pages):
-                        break
-                    total -= 1
-                elif max_pages is None and not share_left:
-                    break
-                held[tenant] = mine + 1
-                total += 1
-            retained += self.pool.retain(page, ttl_s, tenant)
-        return retained
-
-    def _reclaim_one(self, lenders: list[Page], held: dict[str, int], share: int) -> bool:
-        """End the retention of the earliest-deadline page of a tenant past ``share`` (popped
-        from ``lenders``, sorted latest deadline first); False when no tenant is past it."""
-        while lenders:
-            page = lenders.pop()
-            owner = page.retain_tenant
-            if owner is None or page.retain_until <= 0 or held.get(owner, 0) <= share:
-                continue
-            self.pool.unretain(page)
-            held[owner] -= 1
-            return True
-        return False
-
-    def _retained_per_tenant(self) -> dict[str, int]:
-        held: dict[str, int] = {}
-        for page in self.pool.pages:
-            if page.retain_until > 0 and page.retain_tenant is not None:
-                held[page.retain_tenant] = held.get(page.retain_tenant, 0) + 1
-        return held
+        return self.retention.retain(self.pool, pages, ttl_s, tenant, max_pages, max_tenant_pages)
 
     def num_retained_pages(self, tenant: str | None = None) -> int:
         """Pages under retention: free retained ones plus referenced ones with a deadline.
@@ -595,10 +552,7 @@ class KVCacheManager:
                     filled[page_id] = n
         allocated = len(filled) * self.page_size
         fragmentation = (allocated - sum(filled.values())) / allocated if allocated else 0.0
-        retained_per_tenant: dict[str, int] = {}
-        for p in pages:
-            if p.retain_tenant is not None:
-                retained_per_tenant[p.retain_tenant] = retained_per_tenant.get(p.retain_tenant, 0) + 1
+        retained_per_tenant = self.retention.retained_per_tenant(pages)
         return CacheStats(
             num_pages=self.num_pages,
             page_size=self.page_size,
