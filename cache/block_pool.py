@@ -1,4 +1,12 @@
-"""The physical page pool: refcounts, LRU free queue, hash → page map, pins, lazy eviction."""
+"""The physical page pool: refcounts, LRU free queue, hash → page map, pins, lazy eviction.
+
+A free page (refcount 0) sits in exactly one of three places, taken by allocation in this order:
+  1. the LRU free queue (hashless pages at the front, cached ones from least recently used);
+  2. the retained pages (cache/retention.py), earliest deadline first;
+  3. the protected queue: cached pages a waiting request will hit (:meth:`BlockPool.hold`):
+     the latest request's first (its admission is the furthest away), tail before head.
+All three are soft: every free page stays allocatable, so neither ever blocks admission.
+"""
 
 from __future__ import annotations
 
@@ -50,6 +58,11 @@ class BlockPool:
         self.num_retained_evicted = 0  # retained pages reused before their deadline (pressure)
         self.num_retention_expiries = 0
         self.num_retention_reclaimed = 0  # retentions ended early to give a tenant its share
+        # waiting requests' prefixes: block hash -> how many waiting requests hold it. A free page
+        # under a held hash sits in ``protected``: a queued request keeps its hit while it waits
+        self._held: dict[BlockHash, int] = {}
+        self.protected = FreePageQueue()
+        self.num_protected_evicted = 0  # protected pages reused anyway (nothing else was free)
         # called with (page id, its block) when a cached page is evicted for reuse, before its
         # K/V is overwritten (the second tier copies it out: gateway/engine/kv_tier.py)
         self.evict_sink: Callable[[int, HashedBlock], None] | None = None
@@ -57,24 +70,67 @@ class BlockPool:
     @property
     def num_free_pages(self) -> int:
         """Pages with refcount 0 (free or free-but-cached, retained or not): what allocation
-        can take. NOTE: retention never makes a page unallocatable."""
-        return len(self.free_queue) + len(self.retained)
+        can take. NOTE: neither retention nor protection makes a page unallocatable."""
+        return len(self.free_queue) + len(self.retained) + len(self.protected)
 
     @property
     def num_retained_pages(self) -> int:
         """Free cached pages under retention right now (referenced pages are not counted)."""
         return len(self.retained)
 
+    @property
+    def num_protected_pages(self) -> int:
+        """Free cached pages a waiting request holds (:meth:`hold`)."""
+        return len(self.protected)
+
     def free_pages(self) -> list[Page]:
-        """Every free page: the LRU queue in order, then the retained ones."""
-        return [*self.free_queue, *self.retained]
+        """Every free page, in the order allocation takes them: the LRU queue, the retained
+        ones, the protected ones."""
+        return [*self.free_queue, *self.retained, *self.protected]
+
+    def is_held(self, block_hash: BlockHash) -> bool:
+        """Whether a waiting request holds ``block_hash`` (see :meth:`hold`)."""
+        return block_hash in self._held
+
+    def held_counts(self) -> dict[BlockHash, int]:
+        """Held hash -> how many waiting requests hold it (a copy, for integrity checks)."""
+        return dict(self._held)
 
     def _expire(self) -> None:
         for page in self.retained.pop_expired(self.clock()):
-            page.retain_until = page.retain_ttl = 0.0
-            page.retain_tenant = None
+            _clear_retention(page)
             self.num_retention_expiries += 1
             self.free_queue.append(page)  # back to the ordinary LRU, most recent end
+
+    def _enqueue_free(self, page: Page, newly_held: bool = False) -> None:
+        """Put a page that just became free (or changed protection) where it belongs.
+
+        ``newly_held``: :meth:`hold` walks a prefix head to tail, so each page goes to the
+        front (the tail, and the latest request, evicted first); a released page goes to the
+        back (``free`` releases tail first: its tail is evicted before its head)."""
+        if page.block_hash is None:
+            self.free_queue.appendleft(page)  # nobody can hit it: reused first
+        elif page.block_hash in self._held:
+            page.protected = True
+            if newly_held:
+                self.protected.appendleft(page)
+            else:
+                self.protected.append(page)
+        elif page.retain_until > self.clock():
+            self.retained.add(page)
+        else:
+            _clear_retention(page)
+            self.free_queue.append(page)
+
+    def _dequeue_free(self, page: Page) -> None:
+        """Take a free page out of whichever queue holds it."""
+        if page.protected:
+            page.protected = False
+            self.protected.remove(page)
+        elif page in self.retained:
+            self.retained.remove(page)
+        else:
+            self.free_queue.remove(page)
 
     def allocate(self, count: int) -> list[Page]:
         """Take ``count`` pages from the front of the free queue, each with refcount 1.
@@ -94,11 +150,14 @@ class BlockPool:
         for _ in range(count):
             if self.free_queue:
                 page = self.free_queue.popleft()
-            else:  # only retained pages are left: the earliest deadline goes first
+            elif self.retained:  # only retained or protected pages left: earliest deadline first
                 page = self.retained.pop_earliest()
-                page.retain_until = page.retain_ttl = 0.0
-                page.retain_tenant = None
+                _clear_retention(page)
                 self.num_retained_evicted += 1
+            else:  # NOTE: protection is soft: a waiting request's hit goes last, but it goes
+                page = self.protected.popleft()
+                page.protected = False
+                self.num_protected_evicted += 1
             if page.block_hash is not None:
                 self._evict(page)
             page.ref_count = 1
@@ -126,10 +185,7 @@ class BlockPool:
         """Add one reference to each page (a new block table holds it)."""
         for page in pages:
             if page.ref_count == 0:
-                if page in self.retained:
-                    self.retained.remove(page)
-                else:
-                    self.free_queue.remove(page)
+                self._dequeue_free(page)
             if page.retain_ttl:  # a hit on a retained prefix: its session is back, keep it longer
                 page.retain_until = max(page.retain_until, self.clock() + page.retain_ttl)
             page.ref_count += 1
@@ -138,21 +194,15 @@ class BlockPool:
         """Drop one reference from each page, in the given order.
 
         Pages reaching refcount 0 join the free queue in that order: cached pages at the back
-        (LRU), hashless pages at the front (reused first, no one can hit them).
+        (LRU), hashless pages at the front (reused first, no one can hit them); retained ones
+        join the retained pages, held ones the protected queue.
         """
         for page in pages:
             if page.ref_count <= 0:
                 raise InvalidArgumentError(f"release of page {page.page_id} with refcount {page.ref_count}")
             page.ref_count -= 1
             if page.ref_count == 0:
-                if page.block_hash is not None and page.retain_until > self.clock():
-                    self.retained.add(page)
-                elif page.block_hash is not None:
-                    page.retain_until = page.retain_ttl = 0.0
-                    page.retain_tenant = None
-                    self.free_queue.append(page)
-                else:
-                    self.free_queue.appendleft(page)
+                self._enqueue_free(page)
 
     def retain(self, page: Page, ttl_s: float, tenant: str = "default") -> bool:
         """Keep cached ``page`` ahead of LRU eviction for ``ttl_s`` seconds from now (a later
@@ -163,11 +213,8 @@ class BlockPool:
         page.retain_until = max(page.retain_until, self.clock() + ttl_s)
         page.retain_ttl = max(page.retain_ttl, ttl_s)
         page.retain_tenant = tenant
-        if page.ref_count == 0:
-            if page in self.retained:
-                self.retained.remove(page)  # re-queued under its new deadline
-            else:
-                self.free_queue.remove(page)
+        if page.ref_count == 0 and not page.protected:  # re-queued under its new deadline
+            self._dequeue_free(page)
             self.retained.add(page)
         return True
 
@@ -176,13 +223,42 @@ class BlockPool:
         the ordinary LRU, at its most recent end. False if it was not retained."""
         if page.retain_until <= 0:
             return False
-        if page.ref_count == 0:
+        _clear_retention(page)
+        if page.ref_count == 0 and not page.protected:
             self.retained.remove(page)
             self.free_queue.append(page)
-        page.retain_until = page.retain_ttl = 0.0
-        page.retain_tenant = None
         self.num_retention_reclaimed += 1
         return True
+
+    def hold(self, hashes: Iterable[BlockHash]) -> None:
+        """A waiting request will hit these blocks: protect their free pages from eviction
+        (after every other free page) until :meth:`unhold`. Counted: several requests may hold
+        one hash. A hash with no page yet protects the page that later caches it.
+
+        NOTE: soft, like retention: protected pages stay free and allocatable, so a hold can
+        never block an admission or deadlock the queue it protects.
+        """
+        for block_hash in hashes:
+            count = self._held.get(block_hash, 0)
+            self._held[block_hash] = count + 1
+            page = self.cached.get(block_hash) if count == 0 else None
+            if page is not None and page.ref_count == 0:
+                self._dequeue_free(page)
+                self._enqueue_free(page, newly_held=True)
+
+    def unhold(self, hashes: Iterable[BlockHash]) -> None:
+        """Undo one :meth:`hold` of each hash: an unprotected free page returns to the retained
+        pages or to the LRU's most recent end (a request just wanted it)."""
+        for block_hash in hashes:
+            count = self._held[block_hash] - 1
+            if count:
+                self._held[block_hash] = count
+                continue
+            del self._held[block_hash]
+            page = self.cached.get(block_hash)
+            if page is not None and page.protected:
+                self._dequeue_free(page)
+                self._enqueue_free(page)
 
     def register(self, page: Page, block: HashedBlock) -> bool:
         """Make ``page`` hittable under ``block``'s hash.
@@ -223,17 +299,20 @@ class BlockPool:
     def reset(self) -> int:
         """Drop the hash of every free-but-cached page; returns how many were dropped."""
         dropped = 0
-        for page in list(self.retained):
-            self.retained.remove(page)
-            self.free_queue.append(page)
-        for page in list(self.free_queue):
+        for page in [*self.free_queue, *self.retained, *self.protected]:
             if page.block_hash is not None:
-                self._drop_hash(page)
-                # Hashless now: move it to the front, where unhittable pages belong.
-                self.free_queue.remove(page)
-                self.free_queue.appendleft(page)
+                self.drop_hash(page)
                 dropped += 1
         return dropped
+
+    def drop_hash(self, page: Page) -> None:
+        """Make ``page`` unhittable now (its K/V is not what its hash says, or the cache is
+        reset); a free page moves to the front of the LRU, where hashless pages belong."""
+        if page.ref_count == 0:
+            self._dequeue_free(page)
+        self._drop_hash(page)
+        if page.ref_count == 0:
+            self.free_queue.appendleft(page)
 
     def cached_hashes(self) -> list[BlockHash]:
         """Every hittable hash (for a full resync of an external index)."""
@@ -253,7 +332,11 @@ class BlockPool:
         del self.cached[block_hash]
         page.block_hash = page.parent_hash = page.token_bytes = None
         page.extra_keys = b""
-        page.retain_until = page.retain_ttl = 0.0
-        page.retain_tenant = None
+        _clear_retention(page)
         if self.event_sink is not None:
             self.event_sink(BlockRemoved(block_hash))
+
+
+def _clear_retention(page: Page) -> None:
+    page.retain_until = page.retain_ttl = 0.0
+    page.retain_tenant = None

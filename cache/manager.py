@@ -27,6 +27,7 @@ from prefixgate.cache.errors import (
 from prefixgate.cache.events import EventSink
 from prefixgate.cache.hashing import BlockHash, BlockHasher, HashedBlock, HashFn
 from prefixgate.cache.page import Page
+from prefixgate.cache.retention import TenantShareRetention
 from prefixgate.cache.sequence import SequenceBlocks
 from prefixgate.cache.stats import CacheStats, HitCounter, HitStats, SharedPrefix
 
@@ -92,6 +93,8 @@ class KVCacheManager:
         self._evicted: list[tuple[int, HashedBlock]] = []  # see capture_evictions()
         self._evicted_hashes: set[BlockHash] = set()  # the same blocks, by hash
         self._unwritten: set[int] = set()  # installed from the tier, load not written yet
+        self._holds: dict[Hashable, tuple[BlockHash, ...]] = {}  # waiting request -> its hashes
+        self.retention = TenantShareRetention()  # which pages retain() may keep (the policy)
 
     # ------------------------------------------------------------------ queries
 
@@ -193,16 +196,8 @@ class KVCacheManager:
                                        f"{len(token_ids)} tokens")
         match = self._match(blocks, len(token_ids)) if self.enable_caching else PrefixMatch(0, (), 0, 0)
         pages = [self.pool.pages[i] for i in match.page_ids]
-        # Retention hits, counted before touch() takes the pages out of the retained set: hit
-        # pages that were free and under an unexpired retention (a returning turn whose prefix
-        # retention kept). NOTE: the hit stops one token short of a whole prompt (invariant 5).
-        retention_hit = 0
-        if count_query and self.pool.retained:
-            now = self.pool.clock()
-            for index, page in enumerate(pages):
-                if page.ref_count == 0 and page.retain_until > now and page in self.pool.retained:
-                    retention_hit += max(0, min(self.page_size,
-                                                match.num_cached_tokens - index * self.page_size))
+        # counted before touch() takes the pages out of the retained set
+        retention_hit = self._retention_hit_tokens(pages, match.num_cached_tokens) if count_query else 0
         self.pool.touch(pages)
         seq = SequenceBlocks(
             seq_id=seq_id,
@@ -223,6 +218,17 @@ class KVCacheManager:
         if count_query:
             self._record_query(tenant, agent, len(token_ids), match.num_cached_tokens, retention_hit)
         return Allocation(match.num_cached_tokens, tuple(seq.block_table))
+
+    def _retention_hit_tokens(self, pages: list[Page], num_cached_tokens: int) -> int:
+        """Hit tokens on pages that were free and under an unexpired retention (a returning
+        turn whose prefix retention kept). NOTE: the hit stops one token short of a whole
+        prompt (invariant 5)."""
+        now, hit = self.pool.clock(), 0
+        for index, page in enumerate(pages):
+            # NOTE: free with an unexpired deadline = retained (or protected on top of it)
+            if page.ref_count == 0 and page.retain_until > now:
+                hit += max(0, min(self.page_size, num_cached_tokens - index * self.page_size))
+        return hit
 
     def append_tokens(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
         """Extend the sequence's known tokens (sampled ones); their K/V is not computed yet."""
@@ -378,52 +384,7 @@ class KVCacheManager:
             How many pages are retained now for this prefix.
         """
         pages = self._cached_prefix_pages(token_ids, extra_keys)
-        held = self._retained_per_tenant()
-        total = sum(held.values())
-        lenders: list[Page] | None = None  # reclaim candidates, made on first need
-        retained = 0
-        for page in reversed(pages):
-            if page.ref_count > 0 and page.retain_until <= 0:
-                continue  # in use by another sequence: not at risk, not worth a budget slot
-            if page.retain_until <= 0:
-                mine = held.get(tenant, 0)
-                share_left = max_tenant_pages is None or mine < max_tenant_pages
-                if max_pages is not None and total >= max_pages:
-                    if max_tenant_pages is None or not share_left:
-                        break
-                    if lenders is None:
-                        lenders = sorted((p for p in self.pool.pages
-                                          if p.retain_until > 0 and p.retain_tenant != tenant),
-                                         key=lambda p: p.retain_until, reverse=True)
-                    if not self._reclaim_one(lenders, held, max_tenant_pages):
-                        break
-                    total -= 1
-                elif max_pages is None and not share_left:
-                    break
-                held[tenant] = mine + 1
-                total += 1
-            retained += self.pool.retain(page, ttl_s, tenant)
-        return retained
-
-    def _reclaim_one(self, lenders: list[Page], held: dict[str, int], share: int) -> bool:
-        """End the retention of the earliest-deadline page of a tenant past ``share`` (popped
-        from ``lenders``, sorted latest deadline first); False when no tenant is past it."""
-        while lenders:
-            page = lenders.pop()
-            owner = page.retain_tenant
-            if owner is None or page.retain_until <= 0 or held.get(owner, 0) <= share:
-                continue
-            self.pool.unretain(page)
-            held[owner] -= 1
-            return True
-        return False
-
-    def _retained_per_tenant(self) -> dict[str, int]:
-        held: dict[str, int] = {}
-        for page in self.pool.pages:
-            if page.retain_until > 0 and page.retain_tenant is not None:
-                held[page.retain_tenant] = held.get(page.retain_tenant, 0) + 1
-        return held
+        return self.retention.retain(self.pool, pages, ttl_s, tenant, max_pages, max_tenant_pages)
 
     def num_retained_pages(self, tenant: str | None = None) -> int:
         """Pages under retention: free retained ones plus referenced ones with a deadline.
@@ -442,6 +403,54 @@ class KVCacheManager:
     def reset_cache(self) -> int:
         """Drop every unreferenced cached page's hash (pinned and in-use pages stay)."""
         return self.pool.reset()
+
+    # ------------------------------------------------------------------ waiting requests
+
+    def hold_prefix(self, key: Hashable, blocks: Sequence[HashedBlock]) -> None:
+        """A waiting request keeps its hit: the free pages caching any of ``blocks`` are
+        evicted only after every other free page, until :meth:`release_hold` (soft: they stay
+        allocatable, see ``BlockPool.hold``). Holding again under ``key`` replaces the hold.
+
+        Args:
+            key: the waiting request (its sequence id); not a live sequence of this manager.
+            blocks: its full-block hash chain (blocks not cached yet protect the page that
+                caches them later: another request may be computing them).
+        """
+        if not self.enable_caching:
+            return
+        self.release_hold(key)
+        hashes = tuple(b.block_hash for b in blocks)
+        self._holds[key] = hashes
+        self.pool.hold(hashes)
+
+    def release_hold(self, key: Hashable) -> None:
+        """End ``key``'s :meth:`hold_prefix` (admitted, aborted or failed); no-op without one."""
+        hashes = self._holds.pop(key, None)
+        if hashes is not None:
+            self.pool.unhold(hashes)
+
+    def release_all_holds(self) -> None:
+        """End every hold (recovery after a failed step: no request waits any more)."""
+        for key in list(self._holds):
+            self.release_hold(key)
+
+    def sequence_ids(self) -> list[Hashable]:
+        """The live sequences' ids, in allocation order."""
+        return list(self._seqs)
+
+    def count_cached_blocks(self, blocks: Sequence[HashedBlock], hint: int = 0) -> int:
+        """Leading ``blocks`` cached in the pool (verified), for ordering waiting requests.
+
+        Args:
+            hint: a previous count for the same chain; when its last block is still cached the
+                walk resumes there (a held prefix rarely shrinks), else it starts over.
+        """
+        if not self.enable_caching:
+            return 0
+        start = hint if 0 < hint <= len(blocks) and self.pool.lookup(blocks[hint - 1]) else 0
+        while start < len(blocks) and self.pool.lookup(blocks[start]) is not None:
+            start += 1
+        return start
 
     # ------------------------------------------------------------------ second tier
 
@@ -488,7 +497,7 @@ class KVCacheManager:
         for page_id in doomed:
             page = self.pool.pages[page_id]
             if page.block_hash is not None:
-                self.pool._drop_hash(page)
+                self.pool.drop_hash(page)
         return {s.seq_id for s in self._seqs.values() if doomed.intersection(s.block_table)}
 
     def install_blocks(self, blocks: Sequence[HashedBlock], max_pages: int,
@@ -543,10 +552,7 @@ class KVCacheManager:
                     filled[page_id] = n
         allocated = len(filled) * self.page_size
         fragmentation = (allocated - sum(filled.values())) / allocated if allocated else 0.0
-        retained_per_tenant: dict[str, int] = {}
-        for p in pages:
-            if p.retain_tenant is not None:
-                retained_per_tenant[p.retain_tenant] = retained_per_tenant.get(p.retain_tenant, 0) + 1
+        retained_per_tenant = self.retention.retained_per_tenant(pages)
         return CacheStats(
             num_pages=self.num_pages,
             page_size=self.page_size,
@@ -568,6 +574,8 @@ class KVCacheManager:
             retention_expiries=self.pool.num_retention_expiries,
             retention_reclaimed=self.pool.num_retention_reclaimed,
             retained_per_tenant=retained_per_tenant,
+            pages_protected=self.pool.num_protected_pages,
+            protected_evicted=self.pool.num_protected_evicted,
         )
 
     # ------------------------------------------------------------------ integrity
@@ -580,6 +588,7 @@ class KVCacheManager:
             raise IntegrityError("free queue length/uniqueness broken")
         if any(p.retain_until <= 0 or p.block_hash is None for p in pool.retained):
             raise IntegrityError("a retained free page without a deadline or a hash")
+        self._check_holds()
         for page in pool.pages:
             # a retention always names whose budget pays for it, and only a retention does
             if (page.retain_until > 0) != (page.retain_tenant is not None):
@@ -620,6 +629,21 @@ class KVCacheManager:
                 page = pool.pages[seq.block_table[b]]
                 if page.block_hash is not None and page.block_hash != seq.hashed[b].block_hash:
                     raise IntegrityError(f"{seq.seq_id!r}: block {b} maps to a page of another hash")
+
+    def _check_holds(self) -> None:
+        """Protected pages = free pages whose hash some waiting request holds."""
+        counts: dict[BlockHash, int] = {}
+        for hashes in self._holds.values():
+            for block_hash in hashes:
+                counts[block_hash] = counts.get(block_hash, 0) + 1
+        if counts != self.pool.held_counts():
+            raise IntegrityError("hold counts disagree with the waiting requests' holds")
+        for page in self.pool.pages:
+            held = page.ref_count == 0 and page.block_hash is not None and page.block_hash in counts
+            if page.protected != held:
+                raise IntegrityError(f"{page}: protected={page.protected} but held free={held}")
+        if sum(1 for _ in self.pool.protected) != self.pool.num_protected_pages:
+            raise IntegrityError("protected queue length broken")
 
     # ------------------------------------------------------------------ internals
 

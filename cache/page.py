@@ -31,6 +31,9 @@ class Page:
     retain_until: float = 0.0
     retain_ttl: float = 0.0
     retain_tenant: str | None = None
+    # Free and held by a waiting request (BlockPool.hold): in the pool's protected queue, evicted
+    # only after every other free page.
+    protected: bool = False
     # Free-queue links (None when not queued, or at an end).
     prev: Page | None = None
     next: Page | None = None

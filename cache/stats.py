@@ -122,6 +122,10 @@ class CacheStats:
     # retentions ended early: a tenant below its share took budget back from one past its own
     retention_reclaimed: int = 0
     retained_per_tenant: dict[str, int] = field(default_factory=dict)  # pages_retained by tenant
+    # waiting requests' prefixes (BlockPool.hold): free cached pages protected for them now,
+    # and protected pages reused anyway (nothing else was free: the hold lost its hit)
+    pages_protected: int = 0
+    protected_evicted: int = 0
 
     @property
     def usage(self) -> float:

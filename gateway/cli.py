@@ -16,7 +16,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from prefixgate.cache.ttl_policy import TTLPolicy
-from prefixgate.gateway.engine.config import KV_DTYPES, STEP_TOKEN_BUDGET, EngineConfig
+from prefixgate.gateway.engine.config import (
+    ADMISSION_ORDERS,
+    DECODE_STEP_BUDGET,
+    KV_DTYPES,
+    STEP_TOKEN_BUDGET,
+    EngineConfig,
+)
 from prefixgate.gateway.router.cli import ROUTE_DEFAULTS, add_route_parser, route_settings
 from prefixgate.gateway.server.limits import (
     LIMIT_DEFAULTS,
@@ -47,6 +53,10 @@ DEFAULTS: dict[str, Any] = {
     "num_pages": _ENGINE.num_pages,
     "max_model_len": _ENGINE.max_model_len,
     "max_num_batched_tokens": _ENGINE.max_num_batched_tokens,
+    "decode_step_budget": _ENGINE.decode_step_budget,
+    "protect_waiting": _switch(_ENGINE.protect_waiting),
+    "admission_order": _ENGINE.admission_order,
+    "max_admission_wait": _ENGINE.max_admission_wait_s,
     "max_num_seqs": _ENGINE.max_num_seqs,
     "max_waiting": _ENGINE.max_waiting,
     "watermark": _ENGINE.watermark,
@@ -187,8 +197,35 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     sched.add_argument(
         "--max-num-batched-tokens",
         type=_positive_int,
-        help=f"token budget of one step (default {STEP_TOKEN_BUDGET['cpu']} on CPU, "
-        f"{STEP_TOKEN_BUDGET['cuda']} on GPU)",
+        help="token budget of a step in which no stream decodes, see docs/scheduling.md "
+        f"(default {STEP_TOKEN_BUDGET['cpu']} on CPU, {STEP_TOKEN_BUDGET['cuda']} on GPU)",
+    )
+    sched.add_argument(
+        "--decode-step-budget",
+        type=_positive_int,
+        help="token budget of a step while any stream decodes: bounds the inter-token latency "
+        f"(default {DECODE_STEP_BUDGET['cpu']} on CPU; on GPU the same as "
+        "--max-num-batched-tokens)",
+    )
+    sched.add_argument(
+        "--protect-waiting",
+        type=_on_off,
+        metavar="on|off",
+        help="keep a waiting request's cached prefix ahead of eviction until it is admitted "
+        "(soft: never blocks an allocation; default {default})",
+    )
+    sched.add_argument(
+        "--admission-order",
+        choices=ADMISSION_ORDERS,
+        help="admit waiting requests in arrival order (fcfs) or longest cached prefix first "
+        "(lpm), bounded by --max-admission-wait (default {default})",
+    )
+    sched.add_argument(
+        "--max-admission-wait",
+        type=float,
+        metavar="SECONDS",
+        help="with --admission-order lpm, a request waiting this long is admitted first "
+        "(no starvation; default {default})",
     )
     sched.add_argument(
         "--max-num-seqs", type=_positive_int, help="running sequences at once (default {default})"
@@ -421,6 +458,10 @@ def configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerSettings]:
         num_pages=values["num_pages"],
         max_model_len=values["max_model_len"],
         max_num_batched_tokens=values["max_num_batched_tokens"],
+        decode_step_budget=values["decode_step_budget"],
+        protect_waiting=values["protect_waiting"] == "on",
+        admission_order=values["admission_order"],
+        max_admission_wait_s=values["max_admission_wait"],
         max_num_seqs=values["max_num_seqs"],
         max_waiting=values["max_waiting"],
         watermark=values["watermark"],

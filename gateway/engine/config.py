@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 # KV pool precisions (--kv-dtype); "auto" (or None) = the model's dtype
 KV_DTYPES = ("auto", "fp32", "bf16", "fp16")
+# waiting-queue orders (--admission-order): arrival order, or longest cached prefix first
+ADMISSION_ORDERS = ("fcfs", "lpm")
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +27,18 @@ class EngineConfig:
     kv_memory_gb: float | None = None  # KV pool budget; ignored when num_pages is set
     num_pages: int | None = None
     max_model_len: int | None = None  # None = the model's context length
-    max_num_batched_tokens: int | None = None  # step token budget; None = step_token_budget()
+    # step budget when no stream decodes (a prefill backlog runs in chunks this big);
+    # None = step_token_budget(). docs/scheduling.md has the trade-offs of every knob here.
+    max_num_batched_tokens: int | None = None
+    # step budget while any stream decodes: every decode waits for the whole step, so this
+    # bounds the inter-token latency; None = decode_token_budget()
+    decode_step_budget: int | None = None
+    # a waiting request's cached prefix is evicted only after every other free page (soft)
+    protect_waiting: bool = True
+    # "lpm": the waiting request with the longest cached prefix is admitted first, except
+    # that one waiting max_admission_wait_s or longer goes first (no starvation)
+    admission_order: str = "lpm"
+    max_admission_wait_s: float = 60.0
     max_num_seqs: int = 64  # running sequences at once
     max_waiting: int = 256  # bounded waiting queue; beyond it: OverloadedError (HTTP 429)
     watermark: float = 0.10  # admit only while >= this fraction of pages stays free
@@ -74,6 +87,15 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if self.decode_step_budget is not None and self.decode_step_budget < self.max_num_seqs:
+            raise ValueError(
+                f"decode_step_budget ({self.decode_step_budget}) must be >= max_num_seqs ({self.max_num_seqs})"
+            )
+        if self.admission_order not in ADMISSION_ORDERS:
+            raise ValueError(f"admission_order must be one of {', '.join(ADMISSION_ORDERS)}, "
+                             f"got {self.admission_order!r}")
+        if self.max_admission_wait_s < 0:
+            raise ValueError(f"max_admission_wait_s must be >= 0, got {self.max_admission_wait_s}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
             # every running sequence needs one token of each step to keep decoding
             raise ValueError(
@@ -96,19 +118,32 @@ class EngineConfig:
             raise ValueError("retention_tenant_budget must be in [0, 1]")
 
 
-# Default step budget per device type, in context-free tokens (the scheduler counts a prefill
-# chunk's attention on top of its tokens: gateway/engine/scheduler.py). On CPU the GEMMs are
-# compute-bound from ~128 rows on, so a bigger step buys little prefill throughput while every
-# running decode and every new request waits for the whole step. 192 is about one warm agent
-# suffix (~60 tokens over a 2k cached prompt = ~100 units) plus the running decodes per step;
-# benchmarks.engine's agent swarm chose it over 256 (warm TTFT closer to its floor, wall time
-# about the same: docs/benchmarks.md). A GPU gains throughput from larger steps.
-STEP_TOKEN_BUDGET = {"cpu": 192, "cuda": 2048}
+# Default step budgets per device type, in context-free tokens (the scheduler counts a prefill
+# chunk's attention on top of its tokens: gateway/engine/scheduler.py). The step's budget adapts
+# to what runs (Scheduler.step_budget): while a stream decodes it is the decode budget, since
+# every decode waits for the whole step; on CPU the GEMMs are compute-bound from ~128 rows on, so
+# a step's time grows with its tokens, and 192 is about one warm agent suffix (~60 tokens over a
+# 2k cached prompt = ~100 units) plus the running decodes. When nothing decodes, no one waits
+# for a step but the prefills in it: a backlog runs in big chunks (fewer steps, and a request's
+# cached prefix is used before the traffic behind it can evict it). docs/scheduling.md has the
+# measurements behind both figures.
+STEP_TOKEN_BUDGET = {"cpu": 2048, "cuda": 2048}
+DECODE_STEP_BUDGET = {"cpu": 192}  # a GPU gains throughput from larger steps: no decode bound
 
 
 def step_token_budget(config: EngineConfig, device_type: str) -> int:
-    """The step token budget: the configured one, else the device's default (never below
-    ``max_num_seqs``, so every running sequence can decode each step)."""
+    """The step token budget when no stream decodes: the configured one, else the device's
+    default (never below ``max_num_seqs``, so every running sequence can decode each step)."""
     if config.max_num_batched_tokens is not None:
         return config.max_num_batched_tokens
     return max(STEP_TOKEN_BUDGET.get(device_type, 2048), config.max_num_seqs)
+
+
+def decode_token_budget(config: EngineConfig, device_type: str) -> int:
+    """The step budget while any stream decodes: the configured one, else the device's default,
+    never above :func:`step_token_budget` nor below ``max_num_seqs``."""
+    ceiling = step_token_budget(config, device_type)
+    if config.decode_step_budget is not None:
+        return min(config.decode_step_budget, ceiling)
+    default = DECODE_STEP_BUDGET.get(device_type, ceiling)
+    return min(max(default, config.max_num_seqs), ceiling)

@@ -30,7 +30,7 @@ from prefixgate.gateway.engine.api import (
     TopLogprob,
     Usage,
 )
-from prefixgate.gateway.engine.config import EngineConfig, step_token_budget
+from prefixgate.gateway.engine.config import EngineConfig, decode_token_budget, step_token_budget
 from prefixgate.gateway.engine.drafter import DraftState, NgramDrafter
 from prefixgate.gateway.engine.grammar import (
     CompiledGrammar,
@@ -151,6 +151,10 @@ class LLMEngine:
             drafter=(NgramDrafter(config.num_speculative_tokens, self.max_model_len)
                      if config.num_speculative_tokens else None),
             max_spec_rows=config.speculative_max_rows,
+            decode_step_budget=decode_token_budget(config, device_type),
+            protect_waiting=config.protect_waiting,
+            admission_order=config.admission_order,
+            max_admission_wait_s=config.max_admission_wait_s,
         )
         if chunk_factory is None:
             from prefixgate.gateway.engine.runner import SeqChunk
@@ -816,8 +820,9 @@ class LLMEngine:
             self.scheduler.remove_request(seq.request_id)
         # NOTE: a step that raised between the manager's allocate and the scheduler's bookkeeping
         # can leave a sequence only the manager knows; it would hold its pages forever
-        for seq_id in list(self.cache._seqs):  # noqa: SLF001 (no public listing of sequences)
+        for seq_id in self.cache.sequence_ids():
             self.cache.free(seq_id)
+        self.cache.release_all_holds()
         try:
             self.cache.check_integrity()
         except Exception:

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections import deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from prefixgate.cache import HashedBlock, KVCacheManager
 from prefixgate.cache.manager import PrefixMatch
+from prefixgate.gateway.engine.config import ADMISSION_ORDERS
 from prefixgate.gateway.engine.drafter import NgramDrafter
-from prefixgate.gateway.engine.sequence import SeqStatus, Sequence
+from prefixgate.gateway.engine.sequence import SeqStatus, Sequence, TierProbe
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,12 +81,41 @@ class SchedulerOutput:
         return not self.chunks
 
 
+# Cache-aware admission ranks at most this many waiting requests a step, from the queue's head:
+# a lookup per request per step stays cheap, and beyond it the queue is served in order
+# (SGLang falls back to first come first served past 128 waiting requests).
+ADMISSION_WINDOW = 64
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """One step being planned: what is scheduled so far and what budget is left."""
+
+    step_budget: int
+    budget: float = 0.0
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    pairs: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    unschedulable: list[Sequence] = field(default_factory=list)  # can never fit: failed
+    deferred: list[Sequence] = field(default_factory=list)  # dedup or tier waits: stay first
+    loads: list[PageLoad] = field(default_factory=list)
+    scheduled: set[int] = field(default_factory=set)
+    has_prefill: bool = False  # a prefill chunk is in this step already
+    num_decodes: int = 0
+
+    def __post_init__(self) -> None:
+        self.budget = self.step_budget
+
+
 class Scheduler:
     """Decides, every step, which tokens of which sequences the model computes.
 
     Args:
         cache: the KV cache manager (prefix hits, pages, copy-on-write).
-        max_num_batched_tokens: token budget of one step; prefills are chunked to fit it.
+        max_num_batched_tokens: token budget of a step in which no stream decodes; prefills
+            are chunked to fit it.
+        decode_step_budget: the budget while any running stream decodes (bounds the
+            inter-token latency); None = ``max_num_batched_tokens`` (one fixed budget).
         max_num_seqs: running sequences at most.
         enable_dedup: hold back a request whose next uncached blocks another running
             sequence is computing right now; it is admitted once they are cached (in-flight
@@ -93,6 +124,11 @@ class Scheduler:
             position ``s`` cost ``n * (1 + (s + n / 2) / context_scale)`` (the model's
             ``attention_context_scale``: the context at which attention FLOPs equal the
             linear layers'). None = every token costs 1. A decode token always costs 1.
+        protect_waiting: a waiting request's cached prefix is protected from eviction until
+            it is admitted (soft: ``KVCacheManager.hold_prefix``).
+        admission_order: "lpm" (longest cached prefix first, with ``max_admission_wait_s``
+            as the age bound: :meth:`_order_waiting`) or "fcfs" (arrival order).
+        clock: seconds, monotonic (the age bound's clock).
 
     Two rules keep time-to-first-token low without giving up throughput:
       * the budget bounds a step's compute, not its token count (``context_scale``): a chunk
@@ -115,11 +151,25 @@ class Scheduler:
         tier: TierLoader | None = None,
         drafter: NgramDrafter | None = None,
         max_spec_rows: int = 8,
+        decode_step_budget: int | None = None,
+        protect_waiting: bool = True,
+        admission_order: str = "lpm",
+        max_admission_wait_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
     ):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if decode_step_budget is not None and decode_step_budget < 1:
+            raise ValueError("decode_step_budget must be >= 1")
+        if admission_order not in ADMISSION_ORDERS:
+            raise ValueError(f"admission_order must be one of {ADMISSION_ORDERS}, got {admission_order!r}")
         self.cache = cache
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.decode_step_budget = min(decode_step_budget or max_num_batched_tokens, max_num_batched_tokens)
+        self.protect_waiting = protect_waiting
+        self.admission_order = admission_order
+        self.max_admission_wait_s = max_admission_wait_s
+        self.clock = clock
         self.max_num_seqs = max_num_seqs
         self.enable_dedup = enable_dedup
         if context_scale is not None and context_scale < 1:
@@ -156,6 +206,8 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
+        seq.arrival_time = self.clock()
+        self._hold(seq)
         self.waiting.append(seq)
 
     def remove_request(self, request_id: str) -> list[Sequence]:
@@ -163,6 +215,8 @@ class Scheduler:
         removed = [s for s in self.waiting if s.request_id == request_id]
         if removed:
             self.waiting = deque(s for s in self.waiting if s.request_id != request_id)
+            for seq in removed:
+                self.cache.release_hold(seq.seq_id)
         for seq in [s for s in self.running if s.request_id == request_id]:
             self._release(seq)
             removed.append(seq)
@@ -191,19 +245,34 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
 
-    def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
-        chunks: list[ScheduledChunk] = []
-        pairs: list[tuple[int, int]] = []
-        preempted: list[Sequence] = []
+    def step_budget(self) -> int:
+        """The coming step's budget: ``decode_step_budget`` while any running stream decodes
+        (a decode waits for the whole step: this bounds its inter-token latency), else
+        ``max_num_batched_tokens`` (nothing decodes: a prefill backlog runs in big chunks)."""
+        if any(s.num_uncomputed == 1 for s in self.running):
+            return self.decode_step_budget
+        return self.max_num_batched_tokens
 
-        # 1. Running sequences, oldest first: every decode (1 token) first, then unfinished
-        # prefill chunks in what is left of the budget. NOTE: decodes are never skipped for
-        # budget: n > 1 forks can put more sequences in `running` than the budget has tokens,
-        # and a skipped decode would wait until older ones finish.
-        scheduled: set[int] = set()
-        has_prefill = False  # a prefill chunk is in this step already
-        num_decodes = 0
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step: running sequences (every decode, then unfinished prefill chunks),
+        then admissions while free pages (above the watermark) and the budget allow."""
+        plan = _StepPlan(self.step_budget())
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._order_waiting()
+            self._admit(plan)
+        for seq in plan.unschedulable:
+            seq.status = SeqStatus.FINISHED
+        return SchedulerOutput(tuple(plan.chunks), tuple(plan.pairs), tuple(plan.preempted),
+                               tuple(plan.unschedulable), tuple(plan.loads))
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        """Running sequences, oldest first: every decode (1 token) first, then unfinished
+        prefill chunks in what is left of the budget.
+
+        NOTE: decodes are never skipped for budget: n > 1 forks can put more sequences in
+        `running` than the budget has tokens, and a skipped decode would wait until older ones
+        finish."""
         spec_rows = 0
         if self.drafter is not None:
             spec_rows = self.max_spec_rows - sum(1 for s in self.running if s.num_uncomputed == 1)
@@ -215,104 +284,133 @@ class Scheduler:
                 if decodes:
                     n = 1
                     if self.drafter is not None and seq.draft is not None and spec_rows > 0:
-                        drafts = self._draft(seq, min(spec_rows, budget - (len(self.running) - num_decodes)))
+                        spare = plan.budget - (len(self.running) - plan.num_decodes)
+                        drafts = self._draft(seq, min(spec_rows, spare))
                 else:
-                    n = self._fit(seq.num_computed, seq.num_uncomputed, budget, not has_prefill)
-                if n <= 0:
-                    continue
-                while self.cache.pages_needed(seq.seq_id, n) > self.cache.num_free_pages:
-                    # the latest admitted that is not in this step yet (at worst seq itself)
-                    victim = next(v for v in reversed(self.running) if v.seq_id not in scheduled)
-                    self._preempt(victim)
-                    preempted.append(victim)
-                    if victim is seq:
-                        break
-                if seq.status is not SeqStatus.RUNNING:
+                    n = self._fit(seq.num_computed, seq.num_uncomputed, plan.budget, not plan.has_prefill)
+                if n <= 0 or not self._make_room(plan, seq, n):
                     continue
                 if drafts and self.cache.pages_needed(seq.seq_id, n, len(drafts)) > self.cache.num_free_pages:
                     drafts = []  # a draft never takes a page someone needs
                 spec_rows -= len(drafts)
-                pairs += self.cache.prepare_write(seq.seq_id, n, len(drafts))
-                chunks.append(self._chunk(seq, n, drafts))
-                scheduled.add(seq.seq_id)
-                budget -= 1 + len(drafts) if decodes else self._cost(seq.num_computed, n)
-                num_decodes += decodes
-                has_prefill = has_prefill or not decodes
+                plan.pairs += self.cache.prepare_write(seq.seq_id, n, len(drafts))
+                plan.chunks.append(self._chunk(seq, n, drafts))
+                plan.scheduled.add(seq.seq_id)
+                plan.budget -= 1 + len(drafts) if decodes else self._cost(seq.num_computed, n)
+                plan.num_decodes += decodes
+                plan.has_prefill = plan.has_prefill or not decodes
 
-        # 2. Admit waiting sequences while pages (above the watermark) and budget allow.
-        unschedulable: list[Sequence] = []
-        deferred: list[Sequence] = []
-        loads: list[PageLoad] = []
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
-            seq = self.waiting.popleft()
-            blocks = self._hashed_blocks(seq)
-            match = self.cache.find_prefix(seq.token_ids, seq.extra_keys, blocks=blocks)
-            if self.enable_dedup and match.num_pending_tokens > 0:
-                # NOTE: another running sequence is computing our next blocks right now;
-                # admitting us would compute them twice. Wait a step, hit them after.
-                deferred.append(seq)
-                self.num_dedup_waits += 1
-                continue
-            tier_blocks = 0
-            if self.tier is not None:
-                tier_blocks, loading = self._tier_continuation(seq, blocks, match)
-                if loading:  # NOTE: the request waits for its load; the step does not
-                    deferred.append(seq)
-                    self.num_tier_waits += 1
-                    continue
-            start = match.num_cached_tokens
-            if tier_blocks:
-                start = min((len(match.page_ids) + tier_blocks) * self.cache.page_size,
-                            len(seq.token_ids) - 1)
-            remaining = len(seq.token_ids) - start
-            n = self._fit(start, remaining, budget, not has_prefill)
-            own_step = self.max_num_batched_tokens - num_decodes  # what a step would leave it
-            if n <= 0 or (n < remaining and has_prefill and self._cost(start, remaining) <= own_step):
-                # NOTE: nothing fits, or it would fit the next step whole: split here, its first
-                # token would wait a second step anyway. FIFO: nothing behind it goes first.
-                # A held tier load stays held (see _install_tier_load).
-                self.waiting.appendleft(seq)
+    def _make_room(self, plan: _StepPlan, seq: Sequence, n: int) -> bool:
+        """Preempt until ``seq``'s next ``n`` positions have pages; False if ``seq`` itself went."""
+        while self.cache.pages_needed(seq.seq_id, n) > self.cache.num_free_pages:
+            # the latest admitted that is not in this step yet (at worst seq itself)
+            victim = next(v for v in reversed(self.running) if v.seq_id not in plan.scheduled)
+            self._preempt(victim)
+            plan.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _order_waiting(self) -> None:
+        """Cache-aware admission (``admission_order="lpm"``, SGLang's longest prefix match):
+        among the first ADMISSION_WINDOW waiting requests, the longest cached prefix goes first
+        (its pages are used before they can be evicted, and it costs the least compute).
+
+        NOTE: nothing starves: a preempted request, and one waiting ``max_admission_wait_s``
+        or longer, go before every other, in arrival order; equal prefixes keep arrival order.
+        """
+        if self.admission_order != "lpm" or len(self.waiting) < 2:
+            return
+        now = self.clock()
+        window = [self.waiting.popleft() for _ in range(min(len(self.waiting), ADMISSION_WINDOW))]
+
+        def rank(item: tuple[int, Sequence]) -> tuple[int, int, int]:
+            index, seq = item
+            if seq.admitted_order >= 0 or now - seq.arrival_time >= self.max_admission_wait_s:
+                return (0, 0, index)
+            seq.cached_blocks = self.cache.count_cached_blocks(self._hashed_blocks(seq), seq.cached_blocks)
+            return (1, -seq.cached_blocks, index)
+
+        ordered = [seq for _, seq in sorted(enumerate(window), key=rank)]
+        self.waiting.extendleft(reversed(ordered))
+
+    def _admit(self, plan: _StepPlan) -> None:
+        """Admit waiting sequences in queue order while the step has budget and room."""
+        while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
+            if not self._try_admit(plan, self.waiting.popleft()):
                 break
-            # the same count with or without a held load: installed pages come out of the free
-            # ones and stay free (refcount 0) until this allocation takes them
-            needed = self.cache.pages_needed_for_prompt(len(seq.token_ids), match)
-            if not self.cache.can_allocate(needed):
-                idle = not self.running and not chunks
-                if idle and needed > self.cache.num_free_pages:
-                    self._drop_tier_load(seq)
-                    unschedulable.append(seq)  # even an empty engine cannot hold it
-                    continue
-                if not idle:
-                    self.waiting.appendleft(seq)
-                    break
-            if tier_blocks:
-                match = self._install_tier_load(seq, blocks, match, loads)
-            self.cache.allocate(
-                seq.seq_id,
-                seq.token_ids,
-                extra_keys=seq.extra_keys,
-                tenant=seq.tenant,
-                agent=seq.agent,
-                count_query=seq.num_cached_tokens is None,
-                blocks=blocks,
-            )
-            computed = self.cache.num_computed_tokens(seq.seq_id)
-            if seq.num_cached_tokens is None:
-                seq.num_cached_tokens = computed
-            seq.num_computed = computed
-            seq.status = SeqStatus.RUNNING
-            seq.admitted_order = next(self._admission)
-            self.running.append(seq)
-            n = self._fit(seq.num_computed, seq.num_uncomputed, budget, not has_prefill)
-            pairs += self.cache.prepare_write(seq.seq_id, n)
-            chunks.append(self._chunk(seq, n))
-            budget -= self._cost(seq.num_computed, n)
-            has_prefill = True
-        self.waiting.extendleft(reversed(deferred))
-        for seq in unschedulable:
-            seq.status = SeqStatus.FINISHED
-        return SchedulerOutput(tuple(chunks), tuple(pairs), tuple(preempted), tuple(unschedulable),
-                               tuple(loads))
+        self.waiting.extendleft(reversed(plan.deferred))
+
+    def _try_admit(self, plan: _StepPlan, seq: Sequence) -> bool:
+        """Admit ``seq`` into this step, defer it, or fail it; False = it goes back to the
+        head of the queue and admission stops (FIFO: nothing behind it goes first)."""
+        blocks = self._hashed_blocks(seq)
+        match = self.cache.find_prefix(seq.token_ids, seq.extra_keys, blocks=blocks)
+        if self.enable_dedup and match.num_pending_tokens > 0:
+            # NOTE: another running sequence is computing our next blocks right now;
+            # admitting us would compute them twice. Wait a step, hit them after.
+            plan.deferred.append(seq)
+            self.num_dedup_waits += 1
+            return True
+        tier_blocks = 0
+        if self.tier is not None:
+            tier_blocks, loading = self._tier_continuation(seq, blocks, match)
+            if loading:  # NOTE: the request waits for its load; the step does not
+                plan.deferred.append(seq)
+                self.num_tier_waits += 1
+                return True
+        start = match.num_cached_tokens
+        if tier_blocks:
+            start = min((len(match.page_ids) + tier_blocks) * self.cache.page_size, len(seq.token_ids) - 1)
+        remaining = len(seq.token_ids) - start
+        n = self._fit(start, remaining, plan.budget, not plan.has_prefill)
+        own_step = plan.step_budget - plan.num_decodes  # what a step would leave it
+        if n <= 0 or (n < remaining and plan.has_prefill and self._cost(start, remaining) <= own_step):
+            # NOTE: nothing fits, or it would fit the next step whole: split here, its first
+            # token would wait a second step anyway. A held tier load stays held.
+            self.waiting.appendleft(seq)
+            return False
+        # the same count with or without a held load: installed pages come out of the free
+        # ones and stay free (refcount 0) until this allocation takes them
+        needed = self.cache.pages_needed_for_prompt(len(seq.token_ids), match)
+        if not self.cache.can_allocate(needed):
+            idle = not self.running and not plan.chunks
+            if not idle:
+                self.waiting.appendleft(seq)
+                return False
+            if needed > self.cache.num_free_pages:
+                self._drop_tier_load(seq)
+                self.cache.release_hold(seq.seq_id)
+                plan.unschedulable.append(seq)  # even an empty engine cannot hold it
+                return True
+        if tier_blocks:
+            match = self._install_tier_load(seq, blocks, match, plan.loads)
+            if self.cache.pages_needed_for_prompt(len(seq.token_ids), match) > self.cache.num_free_pages:
+                # NOTE: the pool held blocks past the load (protected for us): the hit grew to
+                # the whole prompt, whose last block is copied on write, one page more than
+                # counted. The load is installed (and written this step); the next look counts it.
+                self.waiting.appendleft(seq)
+                return False
+        self._start(plan, seq, blocks)
+        return True
+
+    def _start(self, plan: _StepPlan, seq: Sequence, blocks: list[HashedBlock]) -> None:
+        """Allocate ``seq`` (sharing its cached prefix) and schedule its first chunk."""
+        self.cache.allocate(seq.seq_id, seq.token_ids, extra_keys=seq.extra_keys, tenant=seq.tenant,
+                            agent=seq.agent, count_query=seq.num_cached_tokens is None, blocks=blocks)
+        self.cache.release_hold(seq.seq_id)  # its hit is referenced now
+        computed = self.cache.num_computed_tokens(seq.seq_id)
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = computed
+        seq.num_computed = computed
+        seq.status = SeqStatus.RUNNING
+        seq.admitted_order = next(self._admission)
+        self.running.append(seq)
+        n = self._fit(seq.num_computed, seq.num_uncomputed, plan.budget, not plan.has_prefill)
+        plan.pairs += self.cache.prepare_write(seq.seq_id, n)
+        plan.chunks.append(self._chunk(seq, n))
+        plan.budget -= self._cost(seq.num_computed, n)
+        plan.has_prefill = True
 
     def commit(self, output: SchedulerOutput) -> None:
         """After the forward pass: the chunks' K/V is in the pages; full blocks become cached."""
@@ -351,12 +449,12 @@ class Scheduler:
         """
         assert self.tier is not None
         first = len(match.page_ids)
-        if seq.tier_probe == "loading":
+        if seq.tier_probe is TierProbe.LOADING:
             load = self.tier.poll(seq.seq_id)
             if load is None:
                 return 0, True
-            seq.tier_probe, seq.tier_load = "held", load
-        if seq.tier_probe == "held":
+            seq.tier_probe, seq.tier_load = TierProbe.HELD, load
+        if seq.tier_probe is TierProbe.HELD:
             load = seq.tier_load
             skip = first - load.start_block
             if load.blocks and 0 <= skip < len(load.blocks):
@@ -365,23 +463,23 @@ class Scheduler:
             # before the load's start while it waited (those went to the tier: look again)
             lost = bool(load.blocks) and skip < 0
             self._drop_tier_load(seq)
-            seq.tier_probe, seq.tier_probe_blocks = "done", -1 if lost else first
-        if seq.tier_probe == "done" and seq.tier_probe_blocks == first:
+            seq.tier_probe, seq.tier_probe_blocks = TierProbe.DONE, -1 if lost else first
+        if seq.tier_probe is TierProbe.DONE and seq.tier_probe_blocks == first:
             return 0, False
         # a full hit stops one token short anyway: a last block alone is not worth a load
         wanted = blocks[first : (len(seq.token_ids) - 1) // self.cache.page_size]
         if any(self.cache.evicted_since_taken(b.block_hash) for b in wanted):
             # evicted by this very schedule(): spilled once it returns, looked up next step
-            seq.tier_probe, seq.tier_probe_blocks = "done", -1
+            seq.tier_probe, seq.tier_probe_blocks = TierProbe.DONE, -1
             return 0, True
-        seq.tier_probe, seq.tier_probe_blocks = "done", first
+        seq.tier_probe, seq.tier_probe_blocks = TierProbe.DONE, first
         if not wanted or self.tier.may_contain(wanted[0]) is False:
             return 0, False
         if sum(self._tier_load_pages.values()) + len(wanted) > self.cache.num_pages:
             return 0, False  # loads already hold a pool's worth of pages: recompute this one
         self.tier.request(seq.seq_id, first, wanted)
         self._tier_load_pages[seq.seq_id] = len(wanted)
-        seq.tier_probe = "loading"
+        seq.tier_probe = TierProbe.LOADING
         return 0, True
 
     def _install_tier_load(self, seq: Sequence, blocks: list[HashedBlock], match: PrefixMatch,
@@ -399,10 +497,10 @@ class Scheduler:
 
     def _drop_tier_load(self, seq: Sequence) -> None:
         """Forget ``seq``'s tier load: cancel it in flight, release a held one."""
-        if seq.tier_probe == "loading" and self.tier is not None:
+        if seq.tier_probe is TierProbe.LOADING and self.tier is not None:
             self.tier.cancel(seq.seq_id)
-        if seq.tier_probe in ("loading", "held"):
-            seq.tier_probe = "done"
+        if seq.tier_probe in (TierProbe.LOADING, TierProbe.HELD):
+            seq.tier_probe = TierProbe.DONE
         seq.tier_load = None
         self._tier_load_pages.pop(seq.seq_id, None)
 
@@ -475,9 +573,15 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         seq.num_computed = 0
         self._drop_tier_load(seq)
-        seq.tier_probe = ""  # its evicted pages may be in the tier by the time it returns
+        seq.tier_probe = TierProbe.NONE  # its evicted pages may be in the tier by the time it returns
+        self._hold(seq)  # the pages it just freed are its own prefix when it returns
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def _hold(self, seq: Sequence) -> None:
+        """Protect ``seq``'s cached prefix while it waits (released by :meth:`_start`)."""
+        if self.protect_waiting:
+            self.cache.hold_prefix(seq.seq_id, self._hashed_blocks(seq))
 
     def _release(self, seq: Sequence) -> None:
         if seq in self.running:

@@ -19,6 +19,15 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class TierProbe(enum.StrEnum):
+    """Where a waiting sequence stands with the second tier (equal to its value as a string)."""
+
+    NONE = ""  # not looked up yet (or looked up again after a preemption)
+    LOADING = "loading"  # a load is in flight
+    HELD = "held"  # a load finished; it waits in ``tier_load`` for the step that admits us
+    DONE = "done"  # looked up while the pool matched ``tier_probe_blocks`` blocks
+
+
 @dataclass(slots=True, eq=False)
 class Sequence:
     """Token state of one choice of one request.
@@ -40,16 +49,16 @@ class Sequence:
     num_computed: int = 0
     num_cached_tokens: int | None = None  # prefix hit at first admission (usage.cached_tokens)
     admitted_order: int = -1  # admission counter: preemption takes the latest first
+    arrival_time: float = 0.0  # the scheduler's clock when queued (admission's age bound)
+    cached_blocks: int = 0  # leading blocks cached at the last look while waiting (a hint)
     num_choices_to_fork: int = 0  # n - 1 children forked once the prompt is computed
     finish_reason: FinishReason | None = None
     # Chained hashes of the full blocks of token_ids, filled by the scheduler on first lookup.
     hashed_blocks: list[HashedBlock] = field(default_factory=list)
     # Speculative decoding (gateway/engine/drafter.py): its DraftState, None = never drafts.
     draft: Any = None
-    # Second tier: "" = not looked up yet, "loading" = a load is in flight, "held" = a load
-    # finished and waits in ``tier_load`` for the step that admits the sequence, "done" = looked
-    # up while the pool matched ``tier_probe_blocks`` blocks (looked up again if that changes).
-    tier_probe: str = ""
+    # Second tier: the lookup's state (looked up again when the pool's hit changes).
+    tier_probe: TierProbe = TierProbe.NONE
     tier_load: Any = None
     tier_probe_blocks: int = -1
     # Engine-side per-sequence state (sampler generator, detokenizer, stop matcher).

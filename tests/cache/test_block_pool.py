@@ -90,3 +90,77 @@ def test_bad_input():
     pool.release([p])
     with pytest.raises(InvalidArgumentError, match="refcount 0"):
         pool.release([p])
+
+
+# ------------------------------------------------------------------ holds (waiting requests)
+
+
+def cached_pool(num_pages=6, tokens=(1, 2, 3, 4, 5, 6), clock=None):
+    """A pool whose first len(tokens)/2 pages cache one prefix, released tail first."""
+    pool = BlockPool(num_pages, 2, **({"clock": clock} if clock else {}))
+    blocks = BlockHasher(2).hash_blocks(list(tokens))
+    pages = pool.allocate(len(blocks))
+    for page, block in zip(pages, blocks, strict=True):
+        pool.register(page, block)
+    pool.release(reversed(pages))
+    return pool, blocks
+
+
+def test_a_held_prefix_is_evicted_after_every_other_free_page():
+    pool, blocks = cached_pool()
+    assert free_ids(pool) == [3, 4, 5, 2, 1, 0]
+    pool.hold([b.block_hash for b in blocks[:2]])  # a waiting request hits blocks 0 and 1
+    assert free_ids(pool) == [3, 4, 5, 2] and [p.page_id for p in pool.protected] == [1, 0]
+    assert pool.num_free_pages == 6 and pool.num_protected_pages == 2
+    got = pool.allocate(5)  # soft: the protected pages still go, last, tail before head
+    assert [p.page_id for p in got] == [3, 4, 5, 2, 1]
+    assert pool.num_protected_evicted == 1 and pool.lookup(blocks[0]) is pool.pages[0]
+
+
+def test_holds_are_counted_and_unhold_returns_the_page_to_the_lru_newest_end():
+    pool, blocks = cached_pool()
+    h = blocks[0].block_hash
+    pool.hold([h])
+    pool.hold([h])
+    pool.unhold([h])
+    assert [p.page_id for p in pool.protected] == [0]  # one request still holds it
+    pool.unhold([h])
+    assert pool.num_protected_pages == 0 and free_ids(pool) == [3, 4, 5, 2, 1, 0]
+    assert pool.held_counts() == {}
+
+
+def test_a_hash_held_before_it_is_cached_protects_the_page_that_caches_it():
+    pool = BlockPool(4, 2)
+    (block,) = BlockHasher(2).hash_blocks([7, 8])
+    pool.hold([block.block_hash])  # another request is computing it right now
+    (page,) = pool.allocate(1)
+    pool.register(page, block)
+    pool.release([page])
+    assert page.protected and free_ids(pool) == [1, 2, 3]
+    # a touched page leaves the protected queue and comes back when released
+    pool.touch([page])
+    assert not page.protected and pool.num_protected_pages == 0
+    pool.release([page])
+    assert [p.page_id for p in pool.protected] == [0]
+
+
+def test_retained_pages_go_before_protected_ones_and_a_retention_survives_the_hold():
+    now = [0.0]
+    pool, blocks = cached_pool(clock=lambda: now[0])
+    p0, p2 = pool.pages[0], pool.pages[2]
+    assert pool.retain(p0, 10.0) and pool.retain(p2, 5.0)
+    pool.hold([blocks[0].block_hash])  # p0: retained and held: protected, deadline kept
+    assert [p.page_id for p in pool.protected] == [0] and p0.retain_until == 10.0
+    assert [p.page_id for p in pool.allocate(5)] == [3, 4, 5, 1, 2]  # LRU, retained, then held
+    pool.unhold([blocks[0].block_hash])
+    assert p0 in pool.retained  # back under its unexpired retention
+
+
+def test_reset_drops_protected_hashes_too():
+    pool, blocks = cached_pool()
+    pool.hold([blocks[1].block_hash])
+    assert pool.reset() == 3
+    assert pool.num_protected_pages == 0 and not pool.pages[1].protected
+    assert free_ids(pool) == [1, 0, 2, 3, 4, 5]  # hashless now: at the front
+    pool.unhold([blocks[1].block_hash])  # no page carries it any more: a no-op
+    assert pool.held_counts() == {}

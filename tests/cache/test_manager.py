@@ -285,3 +285,45 @@ def test_agents_and_prefixes_are_keyed_by_tenant():
     nobody = s.for_tenant("gamma")
     assert nobody.total.requests == 0 and not nobody.per_tenant and not nobody.per_agent
     assert nobody.top_prefixes == () and nobody.num_pages == s.num_pages
+
+
+def test_a_waiting_requests_hold_keeps_its_hit_and_integrity_checks_it():
+    m = KVCacheManager(6, 4, watermark=0)
+    run_prompt(m, "a", list(range(12)))
+    m.free("a")  # pages 2, 1, 0 free-but-cached, tail first
+    blocks = m.hasher.hash_blocks(list(range(12)) + [99])
+    m.hold_prefix("waiting", blocks)
+    assert m.count_cached_blocks(blocks) == 3 and m.count_cached_blocks(blocks, hint=2) == 3
+    assert m.stats().pages_protected == 3
+    run_prompt(m, "b", list(range(100, 112)))  # takes the 3 unprotected pages
+    assert m.block_table("b") == [3, 4, 5]
+    assert m.find_prefix(list(range(12)) + [99]).num_cached_tokens == 12  # the hit survived
+    m.release_hold("waiting")
+    m.release_hold("waiting")  # twice is a no-op
+    assert m.stats().pages_protected == 0 and m.pool.held_counts() == {}
+    m.check_integrity()
+
+
+def test_check_integrity_catches_a_protected_page_nobody_holds():
+    from prefixgate.cache import IntegrityError
+
+    m = KVCacheManager(4, 4, watermark=0)
+    run_prompt(m, "a", list(range(4)))
+    m.free("a")
+    m.hold_prefix("w", m.hasher.hash_blocks(list(range(4))))
+    m._holds.clear()  # noqa: SLF001 (break the bookkeeping on purpose)
+    with pytest.raises(IntegrityError, match="hold counts"):
+        m.check_integrity()
+
+
+def test_release_all_holds_and_sequence_ids_for_recovery():
+    m = KVCacheManager(8, 4, watermark=0)
+    run_prompt(m, "a", list(range(8)))
+    m.hold_prefix("w1", m.hasher.hash_blocks(list(range(8))))
+    m.hold_prefix("w2", m.hasher.hash_blocks(list(range(4))))
+    assert m.sequence_ids() == ["a"]
+    m.free("a")
+    assert m.stats().pages_protected == 2
+    m.release_all_holds()
+    assert m.stats().pages_protected == 0 and m.pool.held_counts() == {}
+    m.check_integrity()

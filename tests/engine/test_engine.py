@@ -15,7 +15,7 @@ from prefixgate.gateway.engine.api import (
     OverloadedError,
     SamplingParams,
 )
-from prefixgate.gateway.engine.config import EngineConfig, step_token_budget
+from prefixgate.gateway.engine.config import EngineConfig, decode_token_budget, step_token_budget
 from prefixgate.gateway.engine.engine import AsyncEngine
 
 SYSTEM = (
@@ -257,13 +257,23 @@ def test_async_engine_wakes_the_loop_once_per_step(make_engine, tokenizer):
 
 
 def test_step_token_budget_defaults_by_device() -> None:
-    assert step_token_budget(EngineConfig(), "cpu") == 192
+    assert step_token_budget(EngineConfig(), "cpu") == 2048
     assert step_token_budget(EngineConfig(), "cuda") == 2048
-    # never below the running-sequence cap, and an explicit budget wins
-    assert step_token_budget(EngineConfig(max_num_seqs=300), "cpu") == 300
+    # while a stream decodes: 192 on CPU (the inter-token latency bound), no bound on GPU
+    assert decode_token_budget(EngineConfig(), "cpu") == 192
+    assert decode_token_budget(EngineConfig(), "cuda") == 2048
+    # never below the running-sequence cap, never above the step budget; explicit ones win
+    assert step_token_budget(EngineConfig(max_num_seqs=3000), "cpu") == 3000
+    assert decode_token_budget(EngineConfig(max_num_seqs=300), "cpu") == 300
     assert step_token_budget(EngineConfig(max_num_batched_tokens=4096), "cpu") == 4096
+    assert decode_token_budget(EngineConfig(max_num_batched_tokens=128), "cpu") == 128
+    assert decode_token_budget(EngineConfig(decode_step_budget=512), "cpu") == 512
     with pytest.raises(ValueError, match="must be >= max_num_seqs"):
         EngineConfig(max_num_batched_tokens=32, max_num_seqs=64)
+    with pytest.raises(ValueError, match="must be >= max_num_seqs"):
+        EngineConfig(decode_step_budget=32, max_num_seqs=64)
+    with pytest.raises(ValueError, match="admission_order"):
+        EngineConfig(admission_order="sjf")
 
 
 def test_the_scheduler_counts_attention_with_the_models_flop_ratio(make_engine, loaded_model) -> None:
@@ -273,7 +283,8 @@ def test_the_scheduler_counts_attention_with_the_models_flop_ratio(make_engine, 
     assert cfg.attention_context_scale == 3072
     engine = make_engine()
     assert engine.scheduler.context_scale == 3072
-    assert engine.scheduler.max_num_batched_tokens == 192
+    assert engine.scheduler.max_num_batched_tokens == 2048
+    assert engine.scheduler.decode_step_budget == 192
 
 
 def test_bf16_kv_serves_with_prefix_caching(make_engine, tokenizer):

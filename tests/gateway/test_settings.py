@@ -170,6 +170,15 @@ def test_bad_env_value_names_the_variable(capsys):
         cli.build_parser().parse_args(["serve", "--kv-memory", "1", "--num-pages", "10"])
 
 
+def test_scheduling_knobs_reach_the_engine_config():
+    engine, _ = resolve(["serve", "--decode-step-budget", "128", "--admission-order", "fcfs"],
+                        {"PREFIXGATE_PROTECT_WAITING": "off", "PREFIXGATE_MAX_ADMISSION_WAIT": "9"})
+    assert (engine.decode_step_budget, engine.admission_order) == (128, "fcfs")
+    assert engine.protect_waiting is False and engine.max_admission_wait_s == 9.0
+    default, _ = resolve(["serve"], {})
+    assert (default.protect_waiting, default.admission_order) == (True, "lpm")
+
+
 def test_watermark_and_prefix_caching_reach_the_engine_config():
     engine, _ = resolve(["serve", "--watermark", "0.25"], {"PREFIXGATE_PREFIX_CACHING": "off"})
     assert engine.watermark == 0.25 and engine.enable_prefix_caching is False

@@ -1,0 +1,127 @@
+"""Scheduling policy with no model: the adaptive step budget, waiting requests keeping their
+hit, cache-aware admission with an age bound (docs/scheduling.md)."""
+
+from prefixgate.cache import KVCacheManager
+from prefixgate.gateway.engine.scheduler import Scheduler
+from tests.engine.test_scheduler import seq, step
+
+
+def test_the_budget_is_big_until_a_stream_decodes_then_bounded():
+    s = Scheduler(KVCacheManager(256, 4, watermark=0), max_num_batched_tokens=64,
+                  decode_step_budget=16)
+    short, long = seq(range(8), "short"), seq(range(100, 300), "long")
+    s.add(short)
+    s.add(long)
+    assert s.step_budget() == 64  # nothing decodes: the backlog runs in big chunks
+    out = step(s)
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [("short", 8), ("long", 56)]
+    assert s.step_budget() == 16  # short decodes now: its next token waits for this step
+    out = step(s)
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [("short", 1), ("long", 15)]
+    s.finish(short)
+    assert s.step_budget() == 64
+    assert [c.num_tokens for c in step(s).chunks] == [64]
+
+
+def test_the_decode_budget_never_exceeds_the_step_budget():
+    s = Scheduler(KVCacheManager(8, 4), max_num_batched_tokens=32, decode_step_budget=100)
+    assert s.decode_step_budget == 32
+    assert Scheduler(KVCacheManager(8, 4), max_num_batched_tokens=32).decode_step_budget == 32
+
+
+def evicting_scenario(protect: bool):
+    """``back`` waits while ``big`` (admitted first, the budget spent) takes 8 of the 12 pages:
+    6 hashless ones, then two cached ones. Which two: ``first``'s (that ``back`` would hit,
+    and the LRU's oldest) or ``other``'s?"""
+    s = Scheduler(KVCacheManager(12, 4, watermark=0), max_num_batched_tokens=16,
+                  protect_waiting=protect, admission_order="fcfs")
+    for name, tokens in (("first", range(12)), ("other", range(500, 512))):
+        done = seq(tokens, name)
+        s.add(done)
+        step(s)
+        s.finish(done)  # 3 free-but-cached pages each, released tail first
+    big = seq(range(100, 132), "big")
+    s.add(big)
+    back = seq([*range(12), 50, 51], "back")
+    s.add(back)
+    for _ in range(2):  # big's two 16-token chunks; back waits for budget
+        out = step(s)
+        assert [c.seq.request_id for c in out.chunks] == ["big"]
+    s.finish(big)
+    assert [c.seq.request_id for c in step(s).chunks] == ["back"]
+    return s, back
+
+
+def test_a_waiting_request_keeps_its_hit_while_others_take_pages():
+    s, back = evicting_scenario(protect=True)
+    assert back.num_cached_tokens == 12 and s.cache.stats().protected_evicted == 0
+    assert s.cache.stats().pages_protected == 0  # released once admitted
+
+
+def test_without_protection_the_lru_evicts_the_waiting_requests_hit():
+    _, back = evicting_scenario(protect=False)
+    assert back.num_cached_tokens == 4  # first's blocks 2 and 1 went to big, tail first
+
+
+def test_aborting_or_preempting_a_waiting_request_keeps_the_holds_consistent():
+    cache = KVCacheManager(6, 2, watermark=0)
+    s = Scheduler(cache, max_num_batched_tokens=100)
+    a, b = seq([1, 2, 3], "a"), seq([4, 5, 6], "b")
+    s.add(a)
+    s.add(b)
+    for _ in range(4):
+        step(s)
+    out = step(s)  # positions 6: a needs a 4th page; b (the latest admitted) is preempted
+    assert [x.request_id for x in out.preempted] == ["b"]
+    # b's 3 freed full blocks are its own prefix when it returns: protected, but soft: a's
+    # 4th page took one (nothing else was free)
+    assert cache.stats().pages_protected == 2 and cache.stats().protected_evicted == 1
+    s.remove_request("b")
+    assert cache.stats().pages_protected == 0 and cache.pool.held_counts() == {}
+    cache.check_integrity()
+
+
+def lpm_scheduler(now):
+    cache = KVCacheManager(64, 4, watermark=0)
+    s = Scheduler(cache, max_num_batched_tokens=8, admission_order="lpm",
+                  max_admission_wait_s=10.0, clock=lambda: now[0])
+    warm = seq(range(16), "warm")
+    s.add(warm)
+    for _ in range(3):
+        step(s)
+    s.finish(warm)
+    return s
+
+
+def test_lpm_admits_the_longest_cached_prefix_first():
+    now = [0.0]
+    s = lpm_scheduler(now)
+    cold, half, full = seq(range(200, 206), "cold"), seq([*range(8), 70, 71], "half"), \
+        seq([*range(16), 80, 81], "full")
+    for x in (cold, half, full):
+        s.add(x)
+    out = step(s)
+    assert [c.seq.request_id for c in out.chunks] == ["full", "half"]
+    assert [x.request_id for x in s.waiting] == ["cold"]
+
+
+def test_lpm_never_starves_a_request_past_the_age_bound():
+    now = [0.0]
+    s = lpm_scheduler(now)
+    cold = seq(range(200, 206), "cold")
+    s.add(cold)
+    now[0] = 10.0
+    full = seq([*range(16), 80, 81], "full")
+    s.add(full)
+    out = step(s)
+    assert [c.seq.request_id for c in out.chunks][0] == "cold"  # waited 10 s: it goes first
+
+
+def test_fcfs_keeps_arrival_order():
+    now = [0.0]
+    s = lpm_scheduler(now)
+    s.admission_order = "fcfs"  # (the default is lpm)
+    cold, full = seq(range(200, 206), "cold"), seq([*range(16), 80, 81], "full")
+    s.add(cold)
+    s.add(full)
+    assert [c.seq.request_id for c in step(s).chunks][0] == "cold"
