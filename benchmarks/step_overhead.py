@@ -220,9 +220,7 @@ class StepProbe:
             self.patch(scheduler, "schedule", "schedule")
             self.patch(engine, "_make_chunk", "chunks")
             self.patch(runner, "_build_batch", "inputs")
-            kernels = getattr(runner_module, "kernels", None)
-            if kernels is not None and hasattr(kernels, "plan_attention"):
-                self.patch(kernels, "plan_attention", "attention_plan")
+            self.patch(runner.attention, "prepare_metadata", "attention_plan")
             self.patch(scheduler, "commit", "commit")
             self.patch(engine, "_sample", "sample")
             for name in ("_verify_drafts", "_on_drafts"):
