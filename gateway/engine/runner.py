@@ -286,16 +286,19 @@ class ModelRunner:
             flat_tables.extend(table)
             # NOTE: entries past a sequence's last page are ignored by the kernels; 0 is in range
             flat_tables.extend([0] * (width - len(table)))
-        inputs = kernels.AttentionInputs(
-            tables, seq_lens, query_start_loc, max_query_len,
-            slot_mapping=self._tensor(slots, torch.int64),
-            block_tables_tensor=self._tensor(flat_tables, torch.int32).view(len(tables), width),
-            seq_lens_tensor=self._tensor(seq_lens, torch.int32),
-            query_start_loc_tensor=self._tensor(query_start_loc, torch.int32),
-        )
+        slot_mapping = self._tensor(slots, torch.int64)
+        block_tables = self._tensor(flat_tables, torch.int32).view(len(tables), width)
+        seq_lens_tensor = self._tensor(seq_lens, torch.int32)
+        starts = self._tensor(query_start_loc, torch.int32)
+        inputs = kernels.AttentionInputs(tables, seq_lens, query_start_loc, max_query_len,
+                                         slot_mapping, block_tables, seq_lens_tensor, starts)
         return ForwardBatch(
             input_ids=self._tensor(input_ids, torch.int64),
             positions=self._tensor(positions, torch.int64),
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            seq_lens=seq_lens_tensor,
+            query_start_loc=starts,
             logits_indices=self._tensor(logits_indices, torch.int64),
             max_query_len=max_query_len,
             # every layer reads the same addressing: the backend sorts it out once per step

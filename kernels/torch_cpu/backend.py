@@ -18,11 +18,11 @@ from prefixgate.kernels.torch_cpu.attention import (
 class TorchStep:
     """One step's attention on the torch backend (``StepAttention``)."""
 
-    __slots__ = ("_checked", "_inputs", "_plan", "_writer")
+    __slots__ = ("_checked", "_inputs", "_writer", "plan")
 
     def __init__(self, inputs: AttentionInputs, plan: AttentionPlan,
                  writer: NativeKVWriter | None) -> None:
-        self._inputs, self._plan, self._writer = inputs, plan, writer
+        self._inputs, self.plan, self._writer = inputs, plan, writer
         self._checked = False
 
     def _check(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -48,7 +48,7 @@ class TorchStep:
             write_kv_torch(key, value, k_cache, v_cache, inputs.slot_mapping, check=False)
         return paged_attention_torch(
             query, k_cache, v_cache, inputs.block_tables_tensor, inputs.seq_lens_tensor,
-            inputs.query_start_loc_tensor, scale, self._plan, check=False,
+            inputs.query_start_loc_tensor, scale, self.plan, check=False,
         )
 
 
