@@ -2,9 +2,10 @@
 
 Flat layout: every activation is ``[num_tokens, hidden]`` for the whole step (prefill chunks and
 decode tokens of many sequences mixed); attention is the step's kernel backend
-(``batch.attention``: it writes K/V into the pages, then attends over them). Weights are fused once at load (q|k|v and gate|up, one
-matmul each) and packed for the device's fastest GEMM (models/linear.py); the per-layer loop
-touches a small record of tensors and nothing else, so Python overhead stays a few ops per layer.
+(``batch.attention``: K/V into the pages, then attention over them). Weights are fused once at
+load (q|k|v and gate|up, one matmul each) and packed for the device's fastest GEMM
+(models/linear.py); the per-layer loop touches a small record of tensors and nothing else, so
+Python overhead stays a few ops per layer.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ class LlamaModel:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
-        self.kernel_backend = kernels.resolve_backend(self.device, kernel_backend)
+        # resolved once: a per-call resolution reads the environment 60 times a step
+        self.kernel_backend = kernels.backend_name(self.device, kernel_backend)
         self.native_ops = native_ops
         self.scale = config.head_dim**-0.5
 
