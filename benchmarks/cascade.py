@@ -26,9 +26,9 @@ from unittest import mock
 import torch
 
 from benchmarks.common import base_parser, median_time, print_table, ratio, write_json
-from prefixgate.kernels import reference
 from prefixgate.kernels.attention_plan import plan_attention
 from prefixgate.kernels.cpu.cascade import cascade_decode_native
+from prefixgate.kernels.torch_cpu import attention as reference
 
 BATCH, SHARED_PAGES, OWN_TOKENS, PAGE_SIZE = 16, 128, 100, 16
 KV_HEADS, GROUP, HEAD_DIM = 3, 3, 64

@@ -15,7 +15,8 @@ Runs, in one process on one engine (prompts cached once):
   * ``greedy``, ``sampled`` (temperature ``--temperature`` 0.8, unseeded): every phase of the
     step timed (exclusive times, so a step's phases sum to it; ``other`` is the rest of
     ``LLMEngine.step`` itself): schedule, chunks (the runner's records), inputs (the runner's
-    tensors), attention_plan, forward (the model call, attention included), commit, sample,
+    tensors), attention_plan (the kernel backend's per-step metadata), forward (the model
+    call, attention included), commit, sample,
     output (``_on_token``'s own logic), append (token into sequence + cache), detokenize,
     stop_strings, emit (deltas, finishing), sink (the consumer's callback).
   * ``async``: greedy through the async engine (engine.py) with ``--batch`` concurrent
@@ -56,7 +57,6 @@ from typing import Any
 
 from benchmarks.common import base_parser, print_table, write_json
 from prefixgate.gateway.engine import engine as async_engine_module
-from prefixgate.gateway.engine import runner as runner_module
 from prefixgate.gateway.engine.api import Delta, EngineError, GenerationRequest, SamplingParams
 from prefixgate.gateway.engine.config import EngineConfig
 from prefixgate.gateway.engine.engine import AsyncEngine
@@ -220,9 +220,7 @@ class StepProbe:
             self.patch(scheduler, "schedule", "schedule")
             self.patch(engine, "_make_chunk", "chunks")
             self.patch(runner, "_build_batch", "inputs")
-            kernels = getattr(runner_module, "kernels", None)
-            if kernels is not None and hasattr(kernels, "plan_attention"):
-                self.patch(kernels, "plan_attention", "attention_plan")
+            self.patch(runner.attention, "prepare_metadata", "attention_plan")
             self.patch(scheduler, "commit", "commit")
             self.patch(engine, "_sample", "sample")
             for name in ("_verify_drafts", "_on_drafts"):

@@ -109,6 +109,7 @@ from prefixgate.gateway.engine.grammar import new_matcher
 from prefixgate.gateway.engine.llm_engine import LLMEngine
 from prefixgate.gateway.engine.loader import load_model
 from prefixgate.gateway.engine.sampler import SampleRow, sample
+from prefixgate.gateway.engine.step_masks import row_bitmask
 from prefixgate.gateway.server import ServerSettings, create_app
 from prefixgate.gateway.server.openai.protocol import ChatCompletionRequest
 from prefixgate.gateway.server.serve import GatewayServer, ServersThread, uvicorn_config
@@ -228,7 +229,7 @@ def grammar_step_costs(engine: LLMEngine, free_step_ms: float, batch: int = 16,
 
     The matchers stand mid-array (``{"items": [1, 2, ``), the state a decode window is in.
     Off the critical path: the bitmask fill (it runs during the forward). On it: one bitmask
-    row per sampled row (``_row_bitmask``), the sampler's extra work with a bitmask (apply +
+    row per sampled row (``step_masks.row_bitmask``), the sampler's extra work with a bitmask (apply +
     the dead-end check), and each matcher accepting its token.
     """
     compiled = engine.compile_grammar(GrammarSpec("json_schema", json.dumps(DECODE_SCHEMA)))
@@ -256,7 +257,7 @@ def grammar_step_costs(engine: LLMEngine, free_step_ms: float, batch: int = 16,
 
     for _ in range(repeats):
         bitmask = timed("fill", lambda: masker.fill_now(matchers))
-        row_mask = timed("rows", lambda bitmask=bitmask: LLMEngine._row_bitmask(  # noqa: SLF001
+        row_mask = timed("rows", lambda bitmask=bitmask: row_bitmask(
             bitmask, list(range(batch)), logits.device))
         work = logits.clone()
         timed("apply", lambda work=work, row_mask=row_mask: apply_token_bitmask(work, row_mask))

@@ -1,4 +1,4 @@
-"""Input validation shared by the torch reference and the Triton launchers.
+"""Input validation shared by the torch backend and the Triton launchers.
 
 Every check looks only at shapes, dtypes, devices and strides, never at values, so it never
 forces a GPU sync. Bad input raises ``ValueError`` naming the argument and what was expected.

@@ -1,15 +1,18 @@
-"""Runtime choice between the Triton kernels and the torch reference.
+"""The kernel backend registry: which backend ops on a device run with, chosen once.
 
-Resolution order for each call: the ``backend=`` argument, then env
-``PREFIXGATE_KERNEL_BACKEND``, then ``auto``:
+Resolution: the ``backend=`` argument, then env ``PREFIXGATE_KERNEL_BACKEND``, then ``auto``
+(the first registered backend that prefers the device and is installed):
 
-* ``auto``   — Triton on CUDA tensors when ``triton`` imports, torch otherwise;
-* ``triton`` — Triton; on CPU tensors only under ``TRITON_INTERPRET=1`` (tests);
-* ``torch``  — the plain-torch reference (kernels/reference.py) anywhere.
+* ``triton`` — the Triton kernels (kernels/triton/): auto on CUDA; on CPU tensors only under
+  ``TRITON_INTERPRET=1`` (tests);
+* ``torch``  — plain torch (kernels/torch_cpu/), the production CPU path: auto anywhere else.
 
-``triton`` is an optional dependency (extras ``gpu``/``dev``): it is imported on first use
-only, so ``import kernels`` works without it. Each (device type, backend) choice is logged
-once.
+The runner resolves once at start-up and binds the backend object to its KV pool
+(:func:`create_backend`; the object's interface is kernels/backend.py). The one-off ops below
+(``write_kv``, ``paged_attention``, ``copy_pages``) resolve per call: they serve tests and
+benchmarks, never the model's hot path. ``triton`` is an optional dependency (extras
+``gpu``/``dev``): a backend's module is imported when it is first created or called, so
+``import kernels`` works without it. Each (device type, backend) choice is logged once.
 """
 
 from __future__ import annotations
@@ -18,16 +21,18 @@ import functools
 import importlib
 import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from prefixgate.kernels.attention_plan import AttentionPlan
-from prefixgate.kernels.reference import copy_pages_ref, paged_attention_ref, write_kv_ref
+from prefixgate.kernels.backend import AttentionBackend
 
 logger = logging.getLogger(__name__)
 
 BACKEND_ENV = "PREFIXGATE_KERNEL_BACKEND"
-BACKENDS = ("auto", "triton", "torch")
 
 _logged: set[tuple[str, str]] = set()
 
@@ -47,52 +52,95 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def resolve_backend(device: torch.device | str, backend: str | None = None) -> str:
-    """The backend (``"triton"`` or ``"torch"``) ops on ``device`` run with.
+@dataclass(frozen=True, slots=True)
+class BackendSpec:
+    """A registered backend.
 
-    Raises:
-        ValueError: unknown backend name, or ``triton`` asked for on CPU without the
-            interpreter.
-        RuntimeError: ``triton`` asked for explicitly but not installed.
+    Args:
+        name: what ``--kernel-backend`` / the env / ``backend=`` call it.
+        target: ``"module:Class"`` of its backend object, imported on first use.
+        auto_on: device types ``auto`` picks it for (None: any device).
+        installed: whether its package imports here.
+        install: how to install it (for the errors).
+        runs_on: whether it can run on a device type (given explicitly).
+        requirement: what it needs when it cannot (for the errors).
+        native_cpu: it hands fp32 CPU rows to the native kernels (kernels/cpu/).
     """
-    device = torch.device(device)
+
+    name: str
+    target: str
+    auto_on: frozenset[str] | None = None
+    installed: Callable[[], bool] = lambda: True
+    install: str = ""
+    runs_on: Callable[[str], bool] = lambda device_type: True
+    requirement: str = ""
+    native_cpu: bool = False
+
+    def load(self) -> Any:
+        module, _, name = self.target.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+_REGISTRY: dict[str, BackendSpec] = {}
+
+
+def register_backend(spec: BackendSpec) -> None:
+    """Add a backend; registration order is ``auto``'s order of preference."""
+    _REGISTRY[spec.name] = spec
+
+
+def backend_spec(name: str) -> BackendSpec:
+    return _REGISTRY[name]
+
+
+def _requested(backend: str | None) -> tuple[str, str]:
+    """The asked-for name (lowercased) and where it came from."""
     source = "argument"
     if backend is None:
         backend = os.environ.get(BACKEND_ENV) or None
         source = f"env {BACKEND_ENV}"
     if backend is None:
-        backend = "auto"
-        source = "auto"
+        backend, source = "auto", "auto"
     backend = backend.strip().lower()
-    if backend not in BACKENDS:
-        raise ValueError(
-            f"unknown kernel backend {backend!r} (from {source}); use one of {BACKENDS}"
-        )
-    if backend == "auto":
-        chosen = "triton" if device.type == "cuda" and triton_available() else "torch"
-        if device.type == "cuda" and chosen == "torch":
-            _log_once(
-                device,
-                chosen,
-                "auto, triton not installed: pip install 'prefixgate[gpu]'",
-                level=logging.WARNING,
-            )
-        else:
-            _log_once(device, chosen, source)
-        return chosen
-    if backend == "triton":
-        if not triton_available():
-            raise RuntimeError(
-                f"kernel backend 'triton' requested ({source}) but triton is not installed; "
-                "pip install 'prefixgate[gpu]' or use the torch backend"
-            )
-        if device.type != "cuda" and not _interpreting():
-            raise ValueError(
-                f"kernel backend 'triton' requested ({source}) for {device} tensors; it needs "
-                "CUDA, or TRITON_INTERPRET=1 to run in Triton's CPU interpreter"
-            )
-    _log_once(device, backend, source)
-    return backend
+    if backend != "auto" and backend not in _REGISTRY:
+        raise ValueError(f"unknown kernel backend {backend!r} (from {source}); use one of "
+                         f"{('auto', *_REGISTRY)}")
+    return backend, source
+
+
+def _auto(device: torch.device) -> str:
+    for spec in _REGISTRY.values():
+        if spec.auto_on is not None and device.type not in spec.auto_on:
+            continue
+        if spec.installed():
+            _log_once(device, spec.name, "auto")
+            return spec.name
+        _log_once(device, "torch", f"auto, {spec.name} not installed: {spec.install}",
+                  level=logging.WARNING)
+    return "torch"
+
+
+def resolve_backend(device: torch.device | str, backend: str | None = None) -> str:
+    """The name of the backend ops on ``device`` run with.
+
+    Raises:
+        ValueError: unknown backend name, or one asked for on a device it cannot run on
+            (``triton`` on CPU without the interpreter).
+        RuntimeError: a backend asked for explicitly but not installed.
+    """
+    device = torch.device(device)
+    name, source = _requested(backend)
+    if name == "auto":
+        return _auto(device)
+    spec = _REGISTRY[name]
+    if not spec.installed():
+        raise RuntimeError(f"kernel backend {name!r} requested ({source}) but {name} is not "
+                           f"installed; {spec.install} or use the torch backend")
+    if not spec.runs_on(device.type):
+        raise ValueError(f"kernel backend {name!r} requested ({source}) for {device} tensors; "
+                         f"it needs {spec.requirement}")
+    _log_once(device, name, source)
+    return name
 
 
 def _log_once(device: torch.device, backend: str, source: str, level: int = logging.INFO) -> None:
@@ -103,8 +151,29 @@ def _log_once(device: torch.device, backend: str, source: str, level: int = logg
 
 
 def backend_name(device: torch.device | str, backend: str | None = None) -> str:
-    """``"triton"`` or ``"torch"``: which backend ops on ``device`` run with."""
+    """The name of the backend (``"triton"``, ``"torch"``) ops on ``device`` run with."""
     return resolve_backend(device, backend)
+
+
+def create_backend(name: str, kv_pool: torch.Tensor, **options: Any) -> AttentionBackend:
+    """The backend object ``name`` (a resolved name) bound to ``kv_pool``; ``options`` are the
+    backend's own (``native``, ``share_prefixes``: see kernels/torch_cpu/backend.py)."""
+    return _REGISTRY[name].load()(kv_pool, **options)
+
+
+def _ops(device: torch.device, backend: str | None) -> Any:
+    return _REGISTRY[resolve_backend(device, backend)].load()
+
+
+register_backend(BackendSpec(
+    "triton", "prefixgate.kernels.triton.backend:TritonBackend", auto_on=frozenset({"cuda"}),
+    installed=triton_available, install="pip install 'prefixgate[gpu]'",
+    runs_on=lambda device_type: device_type == "cuda" or _interpreting(),
+    requirement="CUDA, or TRITON_INTERPRET=1 to run in Triton's CPU interpreter",
+))
+register_backend(BackendSpec(
+    "torch", "prefixgate.kernels.torch_cpu.backend:TorchBackend", native_cpu=True,
+))
 
 
 def write_kv(
@@ -121,17 +190,11 @@ def write_kv(
     """Scatter each new token's K/V into its cache slot (``slot = page * page_size + offset``).
 
     ``native``: the torch backend may use the native CPU copy (fp32 K/V into fp32 or bf16
-    caches; kernels/cpu/ops.py).
-    ``check=False``: the torch backend skips the shape/dtype/device validation, for a caller
-    that validated the same layout already this step (the model checks its first layer; every
-    layer's caches are views of one pool). Slot values are still bounds-checked.
+    caches; kernels/cpu/ops.py). ``check=False``: the torch backend skips the shape/dtype/device
+    validation (slot values are still bounds-checked).
     """
-    if resolve_backend(key.device, backend) == "triton":
-        from prefixgate.kernels.triton.write_kv import write_kv_triton
-
-        write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
-    else:
-        write_kv_ref(key, value, k_cache, v_cache, slot_mapping, native, check)
+    _ops(key.device, backend).write_kv(key, value, k_cache, v_cache, slot_mapping,
+                                       native=native, check=check)
 
 
 def paged_attention(
@@ -156,27 +219,14 @@ def paged_attention(
     Args:
         max_query_len: optional host-side max n_s of the batch; ``1`` (pure decode) lets the
             Triton backend skip the prefill launch. Ignored by the torch backend.
-        plan: the torch backend's per-step plan (``plan_attention``), built once for all
-            layers; None = planned per call. Ignored by the Triton backend.
+        plan: the torch backend's per-step plan (``plan_attention``); None = planned per
+            call. Ignored by the Triton backend.
         backend: ``"auto"``, ``"triton"`` or ``"torch"`` (default: env, then auto).
-        check: False = the torch backend skips the shape/dtype/device validation (as for
-            ``write_kv``); the Triton launcher always reads its shapes through it.
+        check: False = the torch backend skips the shape/dtype/device validation.
     """
-    if resolve_backend(query.device, backend) == "triton":
-        from prefixgate.kernels.triton.attention import paged_attention_triton
-
-        return paged_attention_triton(
-            query,
-            k_cache,
-            v_cache,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            scale,
-            max_query_len=max_query_len,
-        )
-    return paged_attention_ref(
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, plan, check
+    return _ops(query.device, backend).paged_attention(
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+        max_query_len=max_query_len, plan=plan, check=check,
     )
 
 
@@ -191,9 +241,4 @@ def copy_pages(
 
     NOTE: ``dst`` ids must be distinct and disjoint from ``src`` (pairs copy in parallel).
     """
-    if resolve_backend(kv_pool.device, backend) == "triton":
-        from prefixgate.kernels.triton.copy_pages import copy_pages_triton
-
-        copy_pages_triton(kv_pool, src, dst)
-    else:
-        copy_pages_ref(kv_pool, src, dst)
+    _ops(kv_pool.device, backend).copy_pool_pages(kv_pool, src, dst)

@@ -1,4 +1,4 @@
-"""Reusable per-thread buffers the torch reference gathers pages into.
+"""Reusable per-thread buffers the torch backend gathers pages into.
 
 Why: on CPU a fresh multi-MB tensor per call is mmap'ed and page-faulted in again every time
 (glibc hands big blocks straight back to the OS), which made the gather several times slower

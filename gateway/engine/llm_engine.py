@@ -1,8 +1,10 @@
 """The synchronous engine core: requests in, one step at a time, deltas out.
 
 Single-threaded by design: the async front (engine.py) owns the only thread that calls
-``step()``. The scheduler decides, the runner computes, the sampler picks, and this file turns
-tokens into per-choice deltas (incremental text, stop strings, finish reasons, usage).
+``step()``. A step has four phases (docs/engine.md): schedule (the scheduler decides) ->
+execute (the runner computes, with fault isolation) -> sample/verify (the sampler picks, each
+row isolated) -> update (commit the step, turn tokens into per-choice deltas: incremental text,
+stop strings, finish reasons, usage).
 """
 
 from __future__ import annotations
@@ -10,8 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -35,12 +36,18 @@ from prefixgate.gateway.engine.drafter import DraftState, NgramDrafter
 from prefixgate.gateway.engine.grammar import (
     CompiledGrammar,
     GrammarCompiler,
-    Matcher,
     TokenMasker,
     new_matcher,
 )
 from prefixgate.gateway.engine.grammar.drafts import GrammarDrafts, draft_bitmask
+from prefixgate.gateway.engine.isolation import (
+    execute_isolated,
+    grammar_dead_end,
+    isolated_failure,
+    per_row,
+)
 from prefixgate.gateway.engine.kv_tier import KVTier
+from prefixgate.gateway.engine.request_state import DecodeState, RequestState, Sink
 from prefixgate.gateway.engine.sampler import (
     SampleRow,
     Verified,
@@ -51,11 +58,13 @@ from prefixgate.gateway.engine.sampler import (
 )
 from prefixgate.gateway.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from prefixgate.gateway.engine.sequence import SeqStatus, Sequence
+from prefixgate.gateway.engine.step_counters import StepCounters, counter
+from prefixgate.gateway.engine.step_masks import StepMasks
 from prefixgate.gateway.engine.stop_strings import StopStringMatcher
 
 logger = logging.getLogger("prefixgate.engine")
 
-Sink = Callable[[Delta | EngineError], None]
+__all__ = ["LLMEngine", "RunnerLike", "Sink"]
 
 
 class RunnerLike(Protocol):
@@ -67,29 +76,38 @@ class RunnerLike(Protocol):
     def execute(self, chunks: list[Any], copy_pairs: list[tuple[int, int]] = ...) -> torch.Tensor: ...
 
 
-class DecoderLike(Protocol):
-    def feed(self, token_id: int) -> str: ...
+class SampledToken(NamedTuple):
+    """One sampled row: the token, its logprob and top alternatives (when asked for)."""
 
-    def flush(self) -> str: ...
-
-
-@dataclass(slots=True)
-class _ChoiceState:
-    decoder: DecoderLike
-    stops: StopStringMatcher
-    generator: torch.Generator | None
-    matcher: Matcher | None = None  # a constrained row: its grammar state
+    token_id: int
+    logprob: float | None
+    top_ids: list[int]
+    top_logprobs: list[float]
+    dead_end: bool  # the row's grammar allowed no token: its request fails
 
 
-@dataclass(slots=True)
-class _RequestState:
-    request: GenerationRequest
-    sink: Sink
-    extra_keys: bytes
-    seqs: list[Sequence] = field(default_factory=list)
-    num_finished: int = 0
-    pin_when_done: bool = False
-    grammar: CompiledGrammar | None = None
+class VerifiedDrafts(NamedTuple):
+    """A draft verify chunk's outcome: the drafts accepted and the token after them."""
+
+    seq: Sequence
+    result: Verified
+
+
+class StepForward(NamedTuple):
+    """The execute phase's output."""
+
+    logits: torch.Tensor  # [rows of the chunks that sample, V]; zero rows for a culprit's
+    failed_seq_ids: frozenset[int]  # culprits: their requests failed already
+    masks: StepMasks  # the constrained plain rows' grammar masks
+
+
+class SampleBatch(NamedTuple):
+    """The rows the sampler picks a token for this step (verify chunks' are picked already)."""
+
+    rows: list[SampleRow]
+    seqs: list[Sequence]  # per row (n > 1: forked choices share their parent's logits row)
+    logit_rows: list[int]  # per row: its row of the step's logits
+    mask_rows: list[int]  # per row: its row of the step's grammar bitmask, -1 = free
 
 
 class LLMEngine:
@@ -104,6 +122,14 @@ class LLMEngine:
             block_table, need_logits); defaults to gateway.engine.runner.SeqChunk.
         event_sink: BlockStored / BlockRemoved (the Redis index mirror).
     """
+
+    num_steps = counter("num_steps")
+    prefill_tokens_computed = counter("prefill_tokens_computed")
+    decode_tokens = counter("decode_tokens")
+    constrained_tokens = counter("constrained_tokens")
+    tier_tokens_loaded = counter("tier_tokens_loaded")
+    spec_tokens_accepted = counter("spec_tokens_accepted")
+    seconds_per_token = counter("seconds_per_token")
 
     def __init__(
         self,
@@ -130,12 +156,26 @@ class LLMEngine:
             hash_seed=config.hash_seed,
             event_sink=event_sink,
         )
-        device_type = torch.device(getattr(runner, "device", "cpu")).type
         # the second tier: evicted cached pages are spilled there and loaded back on a hit
         self.tier = KVTier(tier_store, runner.kv_pool) if tier_store is not None else None  # type: ignore[attr-defined]
         if self.tier is not None:
             self.cache.capture_evictions()
-        self.scheduler = Scheduler(
+        self.scheduler = self._build_scheduler()
+        if chunk_factory is None:
+            from prefixgate.gateway.engine.runner import SeqChunk
+
+            chunk_factory = SeqChunk
+        self._make_chunk = chunk_factory
+        self._requests: dict[str, RequestState] = {}
+        self.eos_token_ids = frozenset(getattr(tokenizer, "eos_token_ids", ()))
+        self.counters = StepCounters()
+        self._grammars: GrammarCompiler | None = None  # built on the first constrained request
+        self._masker: TokenMasker | None = None
+
+    def _build_scheduler(self) -> Scheduler:
+        config, runner = self.config, self.runner
+        device_type = torch.device(getattr(runner, "device", "cpu")).type
+        return Scheduler(
             self.cache,
             max_num_batched_tokens=step_token_budget(config, device_type),
             max_num_seqs=config.max_num_seqs,
@@ -156,22 +196,6 @@ class LLMEngine:
             admission_order=config.admission_order,
             max_admission_wait_s=config.max_admission_wait_s,
         )
-        if chunk_factory is None:
-            from prefixgate.gateway.engine.runner import SeqChunk
-
-            chunk_factory = SeqChunk
-        self._make_chunk = chunk_factory
-        self._requests: dict[str, _RequestState] = {}
-        self.eos_token_ids = frozenset(getattr(tokenizer, "eos_token_ids", ()))
-        self.prefill_tokens_computed = 0
-        self.decode_tokens = 0
-        self.num_steps = 0
-        self._grammars: GrammarCompiler | None = None  # built on the first constrained request
-        self._masker: TokenMasker | None = None
-        self.constrained_tokens = 0
-        self.tier_tokens_loaded = 0  # prompt tokens loaded from the second tier, not recomputed
-        self.spec_tokens_accepted = 0  # draft tokens emitted (speculative decoding)
-        self.seconds_per_token = 0.0  # moving average of a prefill-sized step's time per token
 
     # ------------------------------------------------------------------ grammars
 
@@ -284,7 +308,7 @@ class LLMEngine:
                 f"the waiting queue is full ({self.config.max_waiting} requests); retry shortly",
                 retry_after=1.0,
             )
-        state = _RequestState(request, sink, self.extra_keys_for(request.tenant, request.cache_salt),
+        state = RequestState(request, sink, self.extra_keys_for(request.tenant, request.cache_salt),
                               pin_when_done=pin_when_done,
                               grammar=grammar if request.grammar is not None else None)
         seq = self._new_sequence(state, 0, list(request.prompt_token_ids))
@@ -310,126 +334,76 @@ class LLMEngine:
     # ------------------------------------------------------------------ one step
 
     def step(self) -> SchedulerOutput:
+        """One step: schedule -> execute -> sample/verify -> update (docs/engine.md)."""
         out = self.scheduler.schedule()
+        self._prepare(out)
+        if out.is_empty:
+            self._wait_for_tier_loads()
+            return out
+        forward = self._execute_step(out)
+        verified = self._verify_drafts(out, forward) if self.scheduler.drafter else {}
+        self.scheduler.commit(out)
+        self.counters.count_chunks(out.chunks)
+        sampled = self._sample_step(out, forward, verified)
+        self._emit_sampled(sampled)
+        self._emit_verified(verified)
+        return out
+
+    # ------------------------------------------------------------------ schedule
+
+    def _prepare(self, out: SchedulerOutput) -> None:
+        """Before anything runs: move tier pages, fail what can never be scheduled."""
         if self.tier is not None:
             self._move_tier_pages(out)
         for seq in out.unschedulable:
             self._fail(seq.request_id, EngineError(
                 "the request does not fit in the free KV pages (pinned pages hold the rest)",
                 code="kv_cache_full"))
-        if out.is_empty:
-            if self.tier is not None and self.scheduler.waiting:
-                # only requests waiting on tier loads: sleep until one lands (a few ms at most:
-                # new requests wait no longer), not spin and starve the load worker of the GIL
-                self.tier.load_done.wait(0.005)
-                self.tier.load_done.clear()
-            return out
-        self.num_steps += 1
-        chunks = [self._make_chunk(c.token_ids, c.start_pos, c.block_table, c.need_logits,
-                                   num_logits=1 + len(c.draft_ids))
-                  if c.draft_ids else self._make_chunk(c.token_ids, c.start_pos, c.block_table, c.need_logits)
-                  for c in out.chunks]
-        # Constrained rows' grammar states are final now: fill their masks during the forward.
-        # (a verify chunk's masks, one per draft position, are filled in _verify_drafts)
-        constrained = [c.seq for c in out.chunks
-                       if c.need_logits and c.seq.state.matcher is not None and not c.draft_ids]
-        masks = self._mask_filler().start([s.state.matcher for s in constrained]) if constrained else None
+
+    def _wait_for_tier_loads(self) -> None:
+        if self.tier is not None and self.scheduler.waiting:
+            # only requests waiting on tier loads: sleep until one lands (a few ms at most:
+            # new requests wait no longer), not spin and starve the load worker of the GIL
+            self.tier.load_done.wait(0.005)
+            self.tier.load_done.clear()
+
+    # ------------------------------------------------------------------ execute
+
+    def _execute_step(self, out: SchedulerOutput) -> StepForward:
+        """The forward, with fault isolation; the culprits' requests are failed here, before
+        commit, so that their chunks' K/V never becomes cached."""
+        self.counters.num_steps += 1
+        chunks = [self._chunk(c) for c in out.chunks]
+        # constrained rows' grammar states are final now: fill their masks during the forward
+        masks = StepMasks(out.chunks, self._mask_filler)
         began = time.perf_counter()
         try:
             logits, culprits = self._execute(chunks, out.copy_pairs)
-            if out.num_tokens >= 32:  # prefill-sized steps: the recompute cost a tier hit saves
-                per_token = (time.perf_counter() - began) / out.num_tokens
-                self.seconds_per_token = per_token if not self.seconds_per_token else (
-                    0.9 * self.seconds_per_token + 0.1 * per_token)
+            self.counters.time_forward(out.num_tokens, time.perf_counter() - began)
         finally:
-            bitmask = masks.result() if masks is not None else None
-        for i in culprits:  # before commit: their chunks' K/V never becomes cached
-            self._fail(out.chunks[i].seq.request_id, EngineError(
-                "the model step failed on this request; it was stopped (other requests in the "
-                "step were not affected)", code="request_failed"))
-        mask_row = {s.seq_id: i for i, s in enumerate(constrained)}
-        verified = self._verify_drafts(out, logits, culprits) if self.scheduler.drafter else {}
-        self.scheduler.commit(out)
-        for c in out.chunks:
-            if c.seq.num_prompt_tokens > c.start_pos:
-                self.prefill_tokens_computed += min(c.num_tokens, c.seq.num_prompt_tokens - c.start_pos)
-            self.decode_tokens += max(0, c.start_pos + c.num_tokens - max(c.start_pos, c.seq.num_prompt_tokens))
+            masks.wait()
+        for i in culprits:
+            self._fail(out.chunks[i].seq.request_id,
+                       isolated_failure("the model step failed on this request"))
+        return StepForward(logits, frozenset(out.chunks[i].seq.seq_id for i in culprits), masks)
 
-        rows: list[SampleRow] = []
-        row_seqs: list[Sequence] = []
-        row_logits: list[int] = []
-        row_masks: list[int] = []  # per row: its bitmask row, -1 = free
-        logit_row = 0
-        for c in out.chunks:
-            if not c.need_logits:
-                continue
-            # a verify chunk has a row per draft token too; its tokens are picked already
-            seq, index = c.seq, logit_row
-            logit_row += 1 + len(c.draft_ids)
-            if seq.status is not SeqStatus.RUNNING or seq.seq_id in verified:
-                continue
-            family = [seq]
-            if seq.num_choices_to_fork:
-                family += self._fork_choices(seq)
-            for member in family:
-                rows.append(SampleRow(member.sampling, member.token_ids, member.num_prompt_tokens,
-                                      member.state.generator))
-                row_seqs.append(member)
-                row_logits.append(index)
-                # forked choices start in the parent's (initial) grammar state: its mask row
-                row_masks.append(mask_row.get(seq.seq_id, -1))
-        if rows:
-            if len(row_logits) == logits.shape[0] and row_logits == list(range(len(row_logits))):
-                # every logits row samples once, in order: the usual step. NOTE: no copy of
-                # [rows, vocab] then: that copy was a large part of a CPU decode step's Python
-                # overhead (benchmarks.step_overhead; docs/benchmarks.md)
-                picked = logits
-            else:
-                picked = logits.index_select(0, torch.tensor(row_logits, device=logits.device))
-            token_bitmask = None
-            if bitmask is not None and any(m >= 0 for m in row_masks):
-                token_bitmask = self._row_bitmask(bitmask, row_masks, picked.device)
-            sampled = self._sample(picked.float(), rows, token_bitmask)
-            for i, seq in enumerate(row_seqs):
-                if seq.request_id not in self._requests:
-                    continue  # failed earlier in this loop (another choice of it)
-                if sampled[i] is None:
-                    self._fail(seq.request_id, EngineError(
-                        "sampling failed on this request's parameters; it was stopped (other "
-                        "requests in the step were not affected)", code="request_failed"))
-                    continue
-                token_id, token_logprob, top_ids, top_lps, dead_end = sampled[i]
-                if dead_end:
-                    self._fail(seq.request_id, EngineError(
-                        "the output grammar allows no next token (a dead end); the request "
-                        "was stopped", code="grammar_dead_end"))
-                    continue
-                try:
-                    logprob = None
-                    if token_logprob is not None and seq.sampling.logprobs:
-                        logprob = self._logprob(token_id, token_logprob,
-                                                top_ids[: seq.sampling.top_logprobs],
-                                                top_lps[: seq.sampling.top_logprobs])
-                    self._on_token(seq, token_id, logprob)
-                except Exception:  # detokenizer, stop strings, grammar: this row's alone
-                    self._fail_decoding(seq)
-        for seq, result in verified.values():
-            if seq.status is not SeqStatus.RUNNING or seq.request_id not in self._requests:
-                continue
-            try:
-                self._on_drafts(seq, result)
-            except Exception:
-                self._fail_decoding(seq)
-        return out
+    def _chunk(self, c: ScheduledChunk) -> Any:
+        """The runner's record of a scheduled chunk (a verify chunk samples at every draft)."""
+        if c.draft_ids:
+            return self._make_chunk(c.token_ids, c.start_pos, c.block_table, c.need_logits,
+                                    num_logits=1 + len(c.draft_ids))
+        return self._make_chunk(c.token_ids, c.start_pos, c.block_table, c.need_logits)
 
-    def _fail_decoding(self, seq: Sequence) -> None:
-        logger.exception("request %s failed after sampling; failing it alone", seq.request_id)
-        self._fail(seq.request_id, EngineError(
-            "decoding this request's output failed; it was stopped (other "
-            "requests in the step were not affected)", code="request_failed"))
+    def _execute(self, chunks: list[Any], copy_pairs: tuple[tuple[int, int], ...]
+                 ) -> tuple[torch.Tensor, list[int]]:
+        """The logits of the step's sampling chunks and the culprit chunks' indexes
+        (isolation.execute_isolated)."""
+        return execute_isolated(self.runner.execute, chunks, copy_pairs, self.runner.vocab_size)
 
-    def _verify_drafts(self, out: SchedulerOutput, logits: torch.Tensor, culprits: list[int]
-                       ) -> dict[int, tuple[Sequence, Verified]]:
+    # ------------------------------------------------------------------ verify
+
+    def _verify_drafts(self, out: SchedulerOutput, forward: StepForward
+                       ) -> dict[int, VerifiedDrafts]:
         """Verify this step's draft tokens (sampler.verify): per sequence, the drafts accepted
         and the token after them, picked here instead of by the step's sampling.
 
@@ -440,44 +414,54 @@ class LLMEngine:
         decode would compute (up to the summation order of a chunk). Rejected drafts leave
         no trace: their K/V is never committed (Scheduler.accept_drafts)."""
         assert self.scheduler.drafter is not None
+        spans = self._draft_spans(out, forward.failed_seq_ids)
+        bitmask = None
+        if any(c.seq.state.matcher is not None for c, _ in spans):
+            spans, bitmask = self._draft_masks(spans)
+        if not spans:
+            return {}
+        logits = forward.logits
+        index = torch.tensor([r + i for c, r in spans for i in range(1 + len(c.draft_ids))],
+                             device=logits.device)
+        rows = [row for c, _ in spans for row in self._verify_rows(c)]
+        if bitmask is not None:
+            bitmask = bitmask.to(logits.device)
+        results = self._verify(logits.index_select(0, index).float(), rows,
+                               [c.draft_ids for c, _ in spans], bitmask)
+        verified: dict[int, VerifiedDrafts] = {}
+        for (c, _), result in zip(spans, results, strict=True):
+            if result is None:
+                self._fail(c.seq.request_id,
+                           isolated_failure("sampling failed on this request's parameters"))
+                continue
+            verified[c.seq.seq_id] = VerifiedDrafts(c.seq, result)
+            self.scheduler.drafter.record(c.seq.draft, len(c.draft_ids), result.num_accepted)
+        return verified
+
+    @staticmethod
+    def _draft_spans(out: SchedulerOutput, failed: frozenset[int]
+                     ) -> list[tuple[ScheduledChunk, int]]:
+        """The step's live verify chunks, each with its first row of the step's logits."""
         spans: list[tuple[ScheduledChunk, int]] = []
         row = 0
-        failed = {out.chunks[i].seq.seq_id for i in culprits}
         for c in out.chunks:
             if not c.need_logits:
                 continue
             if c.draft_ids and c.seq.seq_id not in failed and c.seq.status is SeqStatus.RUNNING:
                 spans.append((c, row))
             row += 1 + len(c.draft_ids)
-        bitmask = None
-        if any(c.seq.state.matcher is not None for c, _ in spans):
-            spans, bitmask = self._draft_masks(spans)
-        if not spans:
-            return {}
-        index = torch.tensor([r + i for c, r in spans for i in range(1 + len(c.draft_ids))],
-                             device=logits.device)
-        rows: list[SampleRow] = []
-        for c, _ in spans:
-            seq = c.seq
-            penalised = has_penalties(seq.sampling)
-            for i in range(1 + len(c.draft_ids)):
-                # penalties count the tokens before each position: the drafts ahead of it too
-                tokens = [*seq.token_ids, *c.draft_ids[:i]] if penalised and i else seq.token_ids
-                rows.append(SampleRow(seq.sampling, tokens, seq.num_prompt_tokens, seq.state.generator))
-        if bitmask is not None:
-            bitmask = bitmask.to(logits.device)
-        results = self._verify(logits.index_select(0, index).float(), rows,
-                               [c.draft_ids for c, _ in spans], bitmask)
-        verified: dict[int, tuple[Sequence, Verified]] = {}
-        for (c, _), result in zip(spans, results, strict=True):
-            if result is None:
-                self._fail(c.seq.request_id, EngineError(
-                    "sampling failed on this request's parameters; it was stopped (other "
-                    "requests in the step were not affected)", code="request_failed"))
-                continue
-            verified[c.seq.seq_id] = (c.seq, result)
-            self.scheduler.drafter.record(c.seq.draft, len(c.draft_ids), result.num_accepted)
-        return verified
+        return spans
+
+    @staticmethod
+    def _verify_rows(c: ScheduledChunk) -> list[SampleRow]:
+        """A verify chunk's sampler rows: one per draft position and one after the drafts."""
+        seq = c.seq
+        penalised = has_penalties(seq.sampling)
+        # penalties count the tokens before each position: the drafts ahead of it too
+        return [SampleRow(seq.sampling,
+                          [*seq.token_ids, *c.draft_ids[:i]] if penalised and i else seq.token_ids,
+                          seq.num_prompt_tokens, seq.state.generator)
+                for i in range(1 + len(c.draft_ids))]
 
     def _draft_masks(self, spans: list[tuple[ScheduledChunk, int]]
                      ) -> tuple[list[tuple[ScheduledChunk, int]], torch.Tensor | None]:
@@ -494,9 +478,8 @@ class LLMEngine:
                              else torch.full((1 + len(c.draft_ids), words), -1, dtype=torch.int32))
             except Exception:  # noqa: BLE001 - this row's grammar alone
                 logger.exception("masking the drafts of request %s failed", c.seq.request_id)
-                self._fail(c.seq.request_id, EngineError(
-                    "the output grammar failed on this request's draft tokens; it was stopped "
-                    "(other requests in the step were not affected)", code="request_failed"))
+                self._fail(c.seq.request_id,
+                           isolated_failure("the output grammar failed on this request's draft tokens"))
                 continue
             kept.append((c, row))
         return kept, torch.cat(masks) if masks else None
@@ -504,31 +487,134 @@ class LLMEngine:
     @staticmethod
     def _verify(logits: torch.Tensor, rows: list[SampleRow], drafts: list[tuple[int, ...]],
                 token_bitmask: torch.Tensor | None = None) -> list[Verified | None]:
-        """sampler.verify over every draft chunk; if it raises, each sequence alone (None: it
-        fails alone), as ``_sample`` does. Seeded generators are rewound before the retry, so a
-        sequence's draws are the ones the batched call would have made."""
+        """sampler.verify over every draft chunk; a sequence that fails alone is None
+        (isolation.per_row). Seeded generators are rewound before the retry, so a sequence's
+        draws are the ones the batched call would have made."""
         generators = {id(r.generator): r.generator for r in rows if r.generator is not None}
         states = {key: g.get_state() for key, g in generators.items()}
-        try:
-            return list(verify(logits, rows, drafts, token_bitmask))
-        except Exception:
-            logger.exception("batched verification of %d drafts failed; verifying one by one", len(drafts))
-        for key, g in generators.items():
-            g.set_state(states[key])
-        out: list[Verified | None] = []
-        at = 0
+        starts = [0]
         for draft in drafts:
-            end = at + len(draft) + 1
+            starts.append(starts[-1] + len(draft) + 1)
+
+        def rewind() -> None:
+            for key, g in generators.items():
+                g.set_state(states[key])
+
+        def one(i: int) -> Verified:
+            at, end = starts[i], starts[i + 1]
+            masks = token_bitmask[at:end] if token_bitmask is not None else None
+            return verify(logits[at:end], rows[at:end], [drafts[i]], masks)[0]
+
+        return per_row(lambda: list(verify(logits, rows, drafts, token_bitmask)), one,
+                       len(drafts), "verification", describe=lambda i: rows[starts[i]].params,
+                       before_retry=rewind)
+
+    # ------------------------------------------------------------------ sample
+
+    def _sample_step(self, out: SchedulerOutput, forward: StepForward,
+                     verified: dict[int, VerifiedDrafts]) -> list[tuple[Sequence, SampledToken | None]]:
+        """Sample one token for every running row that samples (n > 1: forked here, after
+        commit, so the choices share the computed prompt's pages)."""
+        batch = self._sample_batch(out, forward.masks, verified)
+        if not batch.rows:
+            return []
+        logits = forward.logits
+        if batch.logit_rows == list(range(logits.shape[0])):
+            # every logits row samples once, in order: the usual step. NOTE: no copy of
+            # [rows, vocab] then: that copy was a large part of a CPU decode step's Python
+            # overhead (benchmarks.step_overhead; docs/benchmarks.md)
+            picked = logits
+        else:
+            picked = logits.index_select(0, torch.tensor(batch.logit_rows, device=logits.device))
+        token_bitmask = forward.masks.for_rows(batch.mask_rows, picked.device)
+        return list(zip(batch.seqs, self._sample(picked.float(), batch.rows, token_bitmask),
+                        strict=True))
+
+    def _sample_batch(self, out: SchedulerOutput, masks: StepMasks,
+                      verified: dict[int, VerifiedDrafts]) -> SampleBatch:
+        batch = SampleBatch([], [], [], [])
+        logit_row = 0
+        for c in out.chunks:
+            if not c.need_logits:
+                continue
+            # a verify chunk has a row per draft token too; its tokens are picked already
+            seq, index = c.seq, logit_row
+            logit_row += 1 + len(c.draft_ids)
+            if seq.status is not SeqStatus.RUNNING or seq.seq_id in verified:
+                continue
+            family = [seq, *self._fork_choices(seq)] if seq.num_choices_to_fork else [seq]
+            for member in family:
+                batch.rows.append(SampleRow(member.sampling, member.token_ids,
+                                            member.num_prompt_tokens, member.state.generator))
+                batch.seqs.append(member)
+                batch.logit_rows.append(index)
+                # forked choices start in the parent's (initial) grammar state: its mask row
+                batch.mask_rows.append(masks.row_of.get(seq.seq_id, -1))
+        return batch
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, rows: list[SampleRow], token_bitmask: torch.Tensor | None
+                ) -> list[SampledToken | None]:
+        """Sample every row; a row that fails alone is None (isolation.per_row).
+
+        Alone or batched, a row's token is the same: each row's filters, penalties and seeded
+        generator are its own (an unseeded row draws fresh noise either way). NOTE: the batched
+        call may have masked ``logits`` in place; masking twice is a no-op, and nothing else
+        in the sampler writes to its input.
+        """
+        def one(i: int) -> SampledToken:
+            mask = token_bitmask[i : i + 1] if token_bitmask is not None else None
+            return _sampled(sample(logits[i : i + 1], [rows[i]], mask))[0]
+
+        return per_row(lambda: _sampled(sample(logits, rows, token_bitmask)), one, len(rows),
+                       "sampling", describe=lambda i: rows[i].params)
+
+    def _fork_choices(self, parent: Sequence) -> list[Sequence]:
+        """n > 1: the prompt is computed once; choices 1..n-1 share its pages (copy-on-write)."""
+        state = self._requests[parent.request_id]
+        children = []
+        for choice in range(1, parent.num_choices_to_fork + 1):
+            child = self._new_sequence(state, choice, list(parent.token_ids))
+            self.scheduler.fork(parent, child)
+            children.append(child)
+        parent.num_choices_to_fork = 0
+        return children
+
+    # ------------------------------------------------------------------ update
+
+    def _emit_sampled(self, sampled: list[tuple[Sequence, SampledToken | None]]) -> None:
+        """Each sampled token into its choice's output (the step's commit came first)."""
+        for seq, token in sampled:
+            if seq.request_id not in self._requests:
+                continue  # failed earlier in this loop (another choice of it)
+            if token is None:
+                self._fail(seq.request_id,
+                           isolated_failure("sampling failed on this request's parameters"))
+            elif token.dead_end:
+                self._fail(seq.request_id, grammar_dead_end())
+            else:
+                try:
+                    top = seq.sampling.top_logprobs
+                    logprob = None
+                    if token.logprob is not None and seq.sampling.logprobs:
+                        logprob = self._logprob(token.token_id, token.logprob,
+                                                token.top_ids[:top], token.top_logprobs[:top])
+                    self._on_token(seq, token.token_id, logprob)
+                except Exception:  # detokenizer, stop strings, grammar: this row's alone
+                    self._fail_decoding(seq)
+
+    def _emit_verified(self, verified: dict[int, VerifiedDrafts]) -> None:
+        for seq, result in verified.values():
+            if seq.status is not SeqStatus.RUNNING or seq.request_id not in self._requests:
+                continue
             try:
-                masks = token_bitmask[at:end] if token_bitmask is not None else None
-                out.append(verify(logits[at:end], rows[at:end], [draft], masks)[0])
+                self._on_drafts(seq, result)
             except Exception:
-                logger.exception("verification failed for one sequence (%s)", rows[at].params)
-                out.append(None)
-            at = end
-        if len(drafts) > 1 and all(r is None for r in out):
-            raise RuntimeError("the verification fails on every row: not a per-request failure")
-        return out
+                self._fail_decoding(seq)
+
+    def _fail_decoding(self, seq: Sequence) -> None:
+        logger.exception("request %s failed after sampling; failing it alone", seq.request_id)
+        self._fail(seq.request_id, isolated_failure("decoding this request's output failed"))
 
     def _on_drafts(self, seq: Sequence, result: Verified) -> None:
         """Emit ``seq``'s accepted draft tokens (as if decoded one by one), make their K/V the
@@ -544,12 +630,10 @@ class LLMEngine:
             if i == result.num_accepted:  # the drafts are the sequence's tokens now
                 self.scheduler.accept_drafts(seq, result.num_accepted)
                 if result.dead_end:
-                    self._fail(seq.request_id, EngineError(
-                        "the output grammar allows no next token (a dead end); the request "
-                        "was stopped", code="grammar_dead_end"))
+                    self._fail(seq.request_id, grammar_dead_end())
                     return
             self._on_token(seq, token_id, logprob)
-            self.spec_tokens_accepted += i < result.num_accepted
+            self.counters.spec_tokens_accepted += i < result.num_accepted
             if seq.status is not SeqStatus.RUNNING:
                 return
 
@@ -576,104 +660,8 @@ class LLMEngine:
                             "loading cached KV for this request failed; it was stopped",
                             code="request_failed"))
             else:
-                self.tier_tokens_loaded += len(load.page_ids) * self.page_size
+                self.counters.tier_tokens_loaded += len(load.page_ids) * self.page_size
         self.cache.loads_written()
-
-    # ------------------------------------------------------------------ fault isolation
-
-    def _execute(self, chunks: list[Any], copy_pairs: tuple[tuple[int, int], ...]
-                 ) -> tuple[torch.Tensor, list[int]]:
-        """Run the forward; if it raises, find the chunks that fail it alone (bisection).
-
-        Returns the logits of every chunk with ``need_logits`` (in order; a zero row for a
-        culprit) and the indexes of the culprit chunks, whose requests the caller fails.
-
-        Raises the forward's exception when no part of the step can run (the model or device
-        itself failed): the caller fails everything and recovers.
-
-        NOTE: a re-run is safe because each chunk writes only its own pages: a copy-on-write
-        pair is re-run with the chunk that owns its destination page, restoring the shared
-        part before the chunk rewrites the same K/V. Matchers are not touched here (they
-        advance only after sampling), so nothing is advanced twice.
-        """
-        try:
-            return self.runner.execute(chunks, list(copy_pairs)), []
-        except Exception as exc:
-            first_error = exc
-            logger.exception("the forward of a %d-chunk step failed; isolating the culprit", len(chunks))
-        owner = {page: i for i, c in enumerate(chunks) for page in c.block_table}
-        rows: dict[int, torch.Tensor] = {}
-        culprits: list[int] = []
-        runs = {"ok": 0, "failed": 1}
-        # a dead model fails every run: give up once a bisection path fails with no success
-        limit = 2 * len(chunks).bit_length() + 2
-
-        def run(indexes: list[int]) -> None:
-            try:
-                picked = set(indexes)
-                logits = self.runner.execute(
-                    [chunks[i] for i in indexes], [p for p in copy_pairs if owner.get(p[1]) in picked])
-            except Exception:
-                runs["failed"] += 1
-                if len(indexes) == 1:
-                    culprits.append(indexes[0])
-                    return
-                if not runs["ok"] and runs["failed"] > limit:
-                    raise first_error from None
-                half = len(indexes) // 2
-                run(indexes[:half])
-                run(indexes[half:])
-                return
-            runs["ok"] += 1
-            at = 0
-            for i in indexes:
-                if chunks[i].need_logits:
-                    count = getattr(chunks[i], "num_logits", 1)  # > 1: a draft verify chunk
-                    rows[i] = logits[at : at + count]
-                    at += count
-
-        if len(chunks) == 1:
-            raise first_error
-        half = len(chunks) // 2
-        run(list(range(half)))
-        run(list(range(half, len(chunks))))
-        if not runs["ok"]:
-            raise first_error
-        like = next(iter(rows.values())) if rows else None
-        sampling = [i for i, c in enumerate(chunks) if c.need_logits]
-        if like is None:
-            return torch.empty((0, self.runner.vocab_size)), culprits
-        logits = torch.cat([
-            rows[i] if i in rows else like.new_zeros((getattr(chunks[i], "num_logits", 1), like.shape[1]))
-            for i in sampling])
-        return logits, culprits
-
-    @staticmethod
-    def _sample(logits: torch.Tensor, rows: list[SampleRow], token_bitmask: torch.Tensor | None
-                ) -> list[tuple[int, float | None, list[int], list[float], bool] | None]:
-        """Sample every row: (token, its logprob, top ids, top logprobs, dead end) per row.
-
-        If the batched sampler raises, each row is sampled alone so that only the rows that
-        fail alone (None) lose their request. Alone or batched, a row's token is the same: each
-        row's filters, penalties and seeded generator are its own (an unseeded row draws fresh
-        noise either way). NOTE: the batched call may have masked ``logits`` in place; masking
-        twice is a no-op, and nothing else in the sampler writes to its input.
-        """
-        try:
-            return _unpack(sample(logits, rows, token_bitmask), len(rows))
-        except Exception:
-            logger.exception("batched sampling of %d rows failed; sampling row by row", len(rows))
-        out: list[tuple[int, float | None, list[int], list[float], bool] | None] = []
-        for i, row in enumerate(rows):
-            mask = token_bitmask[i : i + 1] if token_bitmask is not None else None
-            try:
-                out.append(_unpack(sample(logits[i : i + 1], [row], mask), 1)[0])
-            except Exception:
-                logger.exception("sampling failed for one row (%s)", row.params)
-                out.append(None)
-        if len(rows) > 1 and all(r is None for r in out):
-            raise RuntimeError("the sampler fails on every row: not a per-request failure")
-        return out
 
     # ------------------------------------------------------------------ internals
 
@@ -682,17 +670,7 @@ class LLMEngine:
             self._masker = TokenMasker(self.grammars.vocab_size)
         return self._masker
 
-    @staticmethod
-    def _row_bitmask(bitmask: torch.Tensor, row_masks: list[int], device: torch.device) -> torch.Tensor:
-        """One bitmask row per sampled row: its grammar's, or all ones (-1) for a free row."""
-        if row_masks == list(range(bitmask.shape[0])):  # every row constrained, in fill order
-            return bitmask.to(device)
-        full = torch.full((len(row_masks), bitmask.shape[1]), -1, dtype=torch.int32)
-        taken = [i for i, m in enumerate(row_masks) if m >= 0]
-        full[taken] = bitmask[[row_masks[i] for i in taken]]
-        return full.to(device)
-
-    def _new_sequence(self, state: _RequestState, choice: int, token_ids: list[int]) -> Sequence:
+    def _new_sequence(self, state: RequestState, choice: int, token_ids: list[int]) -> Sequence:
         req = state.request
         seq = Sequence(
             request_id=req.request_id,
@@ -704,7 +682,7 @@ class LLMEngine:
             tenant=req.tenant,
             agent=req.agent,
         )
-        seq.state = _ChoiceState(
+        seq.state = DecodeState(
             decoder=self.tokenizer.incremental_decoder(),
             stops=StopStringMatcher(req.sampling.stop),
             generator=make_generator(req.sampling.seed, choice),
@@ -731,17 +709,6 @@ class LLMEngine:
         state.seqs.append(seq)
         return seq
 
-    def _fork_choices(self, parent: Sequence) -> list[Sequence]:
-        """n > 1: the prompt is computed once; choices 1..n-1 share its pages (copy-on-write)."""
-        state = self._requests[parent.request_id]
-        children = []
-        for choice in range(1, parent.num_choices_to_fork + 1):
-            child = self._new_sequence(state, choice, list(parent.token_ids))
-            self.scheduler.fork(parent, child)
-            children.append(child)
-        parent.num_choices_to_fork = 0
-        return children
-
     def _logprob(self, token_id: int, logprob: float, top_ids: list[int], top_lps: list[float]) -> TokenLogprob:
         text = self.tokenizer.decode([token_id], skip_special_tokens=False)
         top = tuple(TopLogprob(t, self.tokenizer.decode([t], skip_special_tokens=False), lp)
@@ -750,9 +717,9 @@ class LLMEngine:
 
     def _on_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> None:
         sp = seq.sampling
-        st: _ChoiceState = seq.state
+        st: DecodeState = seq.state
         if st.matcher is not None:
-            self.constrained_tokens += 1
+            self.counters.constrained_tokens += 1
             if not st.matcher.accept_token(token_id):
                 # the mask allowed it, so the grammar itself is inconsistent: this request only
                 self._fail(seq.request_id, EngineError(
@@ -832,13 +799,15 @@ class LLMEngine:
             self.cache.check_integrity()
 
 
-def _unpack(result: Any, num_rows: int) -> list[tuple[int, float | None, list[int], list[float], bool]]:
-    """A SampleResult as one tuple per row."""
+def _sampled(result: Any) -> list[SampledToken]:
+    """A SampleResult as one record per row."""
     return [
-        (result.token_ids[i],
-         result.logprobs[i] if result.logprobs is not None else None,
-         result.top_ids[i] if result.top_ids is not None else [],
-         result.top_logprobs[i] if result.top_logprobs is not None else [],
-         bool(result.dead_ends and result.dead_ends[i]))
-        for i in range(num_rows)
+        SampledToken(
+            result.token_ids[i],
+            result.logprobs[i] if result.logprobs is not None else None,
+            result.top_ids[i] if result.top_ids is not None else [],
+            result.top_logprobs[i] if result.top_logprobs is not None else [],
+            bool(result.dead_ends and result.dead_ends[i]),
+        )
+        for i in range(len(result.token_ids))
     ]

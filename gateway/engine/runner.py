@@ -113,28 +113,55 @@ class ModelRunner:
         self.config = config
         self.max_model_len = min(config.max_position_embeddings, max_model_len or 1 << 62)
         self.eos_token_ids = tuple(eos_token_ids)
-        self.kernel_backend = kernels.backend_name(self.device, kernel_backend)
+        # the backend is chosen here, once: every step and layer uses this object
+        self.kernel_backend = kernels.resolve_backend(self.device, kernel_backend)
         # fp32 on CPU: decode attention and the fused layer ops run natively when the library
         # builds here (kernels/cpu/decode.py, kernels/cpu/ops.py)
         self.native_cpu_kernels = (
             native_kernels
             and self.device.type == "cpu"
             and self.dtype == torch.float32
-            and self.kernel_backend == "torch"
+            and kernels.backend_spec(self.kernel_backend).native_cpu
             and kernels.native_decode_available()
         )
         self.model = build_model(
-            config,
-            weights,
-            device=self.device,
-            dtype=self.dtype,
-            max_positions=self.max_model_len,
-            kernel_backend=kernel_backend,
-            native_ops=self.native_cpu_kernels,
-            quantized_weights=quantized_weights,
+            config, weights, device=self.device, dtype=self.dtype,
+            max_positions=self.max_model_len, kernel_backend=self.kernel_backend,
+            native_ops=self.native_cpu_kernels, quantized_weights=quantized_weights,
         )
         self.shared_prefix_attention = shared_prefix_attention
-        shape_tail = (page_size, config.num_kv_heads, config.head_dim)
+        self.page_size = page_size
+        self.kv_pool = self._kv_pool(kv_pool, num_pages, kv_memory_gb)  # [L, 2, P, ps, Hkv, D]
+        self.num_pages = int(self.kv_pool.shape[2])
+        self._kv_caches = [(layer[0], layer[1]) for layer in self.kv_pool]  # per layer: K, V
+        self.attention = kernels.create_backend(
+            self.kernel_backend, self.kv_pool, native=self.native_cpu_kernels,
+            share_prefixes=shared_prefix_attention,
+        )
+        # after the pool and the weights were allocated: a refused advice shows here
+        self.huge_pages = huge_pages_status() if self.device.type == "cpu" else None
+        self._log_start()
+
+    def _log_start(self) -> None:
+        logger.info(
+            "runner: %s on %s/%s, %d pages x %d tokens (%.2f GiB KV, %s), kernels=%s%s%s",
+            self.config.name,
+            self.device,
+            self.dtype,
+            self.num_pages,
+            self.page_size,
+            self.kv_pool.numel() * self.kv_pool.element_size() / (1 << 30),
+            self.kv_dtype,
+            self.kernel_backend,
+            " + native CPU kernels" if self.native_cpu_kernels else "",
+            f", huge pages {self.huge_pages}" if self.huge_pages else "",
+        )
+
+    def _kv_pool(self, kv_pool: torch.Tensor | None, num_pages: int | None,
+                 kv_memory_gb: float | None) -> torch.Tensor:
+        """The given pool, checked against the model, or a new one of the budgeted size."""
+        config = self.config
+        shape_tail = (self.page_size, config.num_kv_heads, config.head_dim)
         if kv_pool is not None:
             expected = (config.num_layers, 2, kv_pool.shape[2], *shape_tail)
             if (
@@ -146,44 +173,23 @@ class ModelRunner:
                     f"kv_pool has shape {tuple(kv_pool.shape)} {kv_pool.dtype} on "
                     f"{kv_pool.device}; expected {expected} {self.kv_dtype} on {self.device}"
                 )
-            self.kv_pool = kv_pool
-        else:
-            budget = plan_kv_budget(
-                config,
-                page_size=page_size,
-                dtype=self.kv_dtype,
-                device=self.device,
-                num_pages=num_pages,
-                kv_memory_gb=kv_memory_gb,
-            )
-            self.kv_pool = kernels.allocate_kv_pool(
-                config.num_layers,
-                budget.num_pages,
-                page_size,
-                config.num_kv_heads,
-                config.head_dim,
-                self.kv_dtype,
-                self.device,
-            )  # [L, 2, P, page_size, Hkv, D]
-        self.page_size = page_size
-        self.num_pages = int(self.kv_pool.shape[2])
-        self._kv_caches = [
-            (self.kv_pool[i, 0], self.kv_pool[i, 1]) for i in range(config.num_layers)
-        ]
-        # after the pool and the weights were allocated: a refused advice shows here
-        self.huge_pages = huge_pages_status() if self.device.type == "cpu" else None
-        logger.info(
-            "runner: %s on %s/%s, %d pages x %d tokens (%.2f GiB KV, %s), kernels=%s%s%s",
-            config.name,
-            self.device,
-            self.dtype,
-            self.num_pages,
-            page_size,
-            self.kv_pool.numel() * self.kv_pool.element_size() / (1 << 30),
+            return kv_pool
+        budget = plan_kv_budget(
+            config,
+            page_size=self.page_size,
+            dtype=self.kv_dtype,
+            device=self.device,
+            num_pages=num_pages,
+            kv_memory_gb=kv_memory_gb,
+        )
+        return kernels.allocate_kv_pool(
+            config.num_layers,
+            budget.num_pages,
+            self.page_size,
+            config.num_kv_heads,
+            config.head_dim,
             self.kv_dtype,
-            self.kernel_backend,
-            " + native CPU kernels" if self.native_cpu_kernels else "",
-            f", huge pages {self.huge_pages}" if self.huge_pages else "",
+            self.device,
         )
 
     @classmethod
@@ -217,52 +223,54 @@ class ModelRunner:
             raise ValueError(
                 f"copy pairs need distinct destinations disjoint from the sources: {copy_pairs}"
             )
-        kernels.copy_pages(
-            self.kv_pool,
-            self._tensor(src, torch.int64),
-            self._tensor(dst, torch.int64),
-            backend=self.model.kernel_backend,
-        )
+        self.attention.copy_pages(self._tensor(src, torch.int64), self._tensor(dst, torch.int64))
+
+    def _chunk_pages(self, index: int, chunk: SeqChunk) -> Sequence[int]:
+        """The pages ``chunk`` uses, after checking it fits the model and the pool."""
+        count, start = len(chunk.token_ids), chunk.start_pos
+        end = start + count
+        if count == 0:
+            raise ValueError(f"chunk {index} has no tokens")
+        if start < 0:
+            raise ValueError(f"chunk {index}: start_pos must be >= 0, got {start}")
+        if end > self.max_model_len:
+            raise ValueError(
+                f"chunk {index} reaches position {end}, past max_model_len {self.max_model_len}"
+            )
+        used_pages = (end + self.page_size - 1) // self.page_size
+        table = chunk.block_table
+        if len(table) < used_pages:
+            raise ValueError(
+                f"chunk {index}: block table has {len(table)} pages, positions up to {end} "
+                f"need {used_pages}"
+            )
+        table = table[:used_pages]
+        if min(table) < 0 or max(table) >= self.num_pages:
+            raise ValueError(
+                f"chunk {index}: block table page ids must be in [0, {self.num_pages}), "
+                f"got {list(table)}"
+            )
+        if chunk.need_logits and not 1 <= chunk.num_logits <= count:
+            raise ValueError(f"chunk {index}: num_logits must be in [1, {count}], "
+                             f"got {chunk.num_logits}")
+        return table
 
     def _build_batch(self, chunks: Sequence[SeqChunk]) -> ForwardBatch:
-        page_size, num_pages = self.page_size, self.num_pages
+        page_size = self.page_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         seq_lens: list[int] = []
         query_start_loc = [0]
         logits_indices: list[int] = []
-        tables: list[Sequence[int]] = []
-        max_query_len = 0
-        for index, chunk in enumerate(chunks):
+        tables = [self._chunk_pages(index, chunk) for index, chunk in enumerate(chunks)]
+        for chunk, table in zip(chunks, tables, strict=True):
             count, start = len(chunk.token_ids), chunk.start_pos
             end = start + count
-            if count == 0:
-                raise ValueError(f"chunk {index} has no tokens")
-            if start < 0:
-                raise ValueError(f"chunk {index}: start_pos must be >= 0, got {start}")
-            if end > self.max_model_len:
-                raise ValueError(
-                    f"chunk {index} reaches position {end}, past max_model_len {self.max_model_len}"
-                )
-            used_pages = (end + page_size - 1) // page_size
-            table = chunk.block_table
-            if len(table) < used_pages:
-                raise ValueError(
-                    f"chunk {index}: block table has {len(table)} pages, positions up to {end} "
-                    f"need {used_pages}"
-                )
-            table = table[:used_pages]
-            if min(table) < 0 or max(table) >= num_pages:
-                raise ValueError(
-                    f"chunk {index}: block table page ids must be in [0, {num_pages}), "
-                    f"got {list(table)}"
-                )
             input_ids.extend(chunk.token_ids)
-            max_query_len = max(max_query_len, count)
             positions.extend(range(start, end))
             # slots page by page: one range per page instead of one division per token
-            for block in range(start // page_size, used_pages):
+            for block in range(start // page_size, len(table)):
                 base = table[block] * page_size
                 lo = max(start, block * page_size) - block * page_size
                 hi = min(end, (block + 1) * page_size) - block * page_size
@@ -270,40 +278,31 @@ class ModelRunner:
             seq_lens.append(end)
             query_start_loc.append(query_start_loc[-1] + count)
             if chunk.need_logits:
-                if not 1 <= chunk.num_logits <= count:
-                    raise ValueError(f"chunk {index}: num_logits must be in [1, {count}], "
-                                     f"got {chunk.num_logits}")
                 logits_indices.extend(range(query_start_loc[-1] - chunk.num_logits, query_start_loc[-1]))
-            tables.append(table)
-        plan = None
-        if self.kernel_backend == "torch":
-            # every layer reads the same addressing: sort it out once per step, on the host
-            plan = kernels.plan_attention(
-                tables,
-                seq_lens,
-                query_start_loc,
-                page_size=page_size,
-                kv_row_elems=self.config.num_kv_heads * self.config.head_dim,
-                device=self.device,
-                share_prefixes=self.shared_prefix_attention,
-                use_native=self.native_cpu_kernels,
-            )
+        max_query_len = max(len(c.token_ids) for c in chunks)
         width = max(len(t) for t in tables)
         flat_tables: list[int] = []
         for table in tables:
             flat_tables.extend(table)
             # NOTE: entries past a sequence's last page are ignored by the kernels; 0 is in range
             flat_tables.extend([0] * (width - len(table)))
+        slot_mapping = self._tensor(slots, torch.int64)
+        block_tables = self._tensor(flat_tables, torch.int32).view(len(tables), width)
+        seq_lens_tensor = self._tensor(seq_lens, torch.int32)
+        starts = self._tensor(query_start_loc, torch.int32)
+        inputs = kernels.AttentionInputs(tables, seq_lens, query_start_loc, max_query_len,
+                                         slot_mapping, block_tables, seq_lens_tensor, starts)
         return ForwardBatch(
             input_ids=self._tensor(input_ids, torch.int64),
             positions=self._tensor(positions, torch.int64),
-            slot_mapping=self._tensor(slots, torch.int64),
-            block_tables=self._tensor(flat_tables, torch.int32).view(len(tables), width),
-            seq_lens=self._tensor(seq_lens, torch.int32),
-            query_start_loc=self._tensor(query_start_loc, torch.int32),
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            seq_lens=seq_lens_tensor,
+            query_start_loc=starts,
             logits_indices=self._tensor(logits_indices, torch.int64),
             max_query_len=max_query_len,
-            attention_plan=plan,
+            # every layer reads the same addressing: the backend sorts it out once per step
+            attention=self.attention.prepare_metadata(inputs),
         )
 
     @torch.inference_mode()

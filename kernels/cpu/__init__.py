@@ -12,5 +12,5 @@ first use and called through ctypes, plus the CPU-only memory they read (huge pa
     host_memory.py  CPU tensors in transparent huge pages (the KV pool, packed weights)
 
 Every entry point declines (returns False) what it does not handle, and the torch backend
-(kernels/reference.py) runs instead; nothing here is chosen by the dispatch directly.
+(kernels/torch_cpu/attention.py) runs instead; nothing here is chosen by the dispatch directly.
 """

@@ -94,6 +94,74 @@ def rope_native(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     return True
 
 
+def kv_write_accepts(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+) -> bool:
+    """Whether the native K/V scatter takes these tensors: fp32 rows with dense heads into
+    dense fp32 or bf16 caches, an int64 slot vector, all on the CPU."""
+    return (
+        key.dim() == 3
+        and value.shape == key.shape
+        and slot_mapping.shape == (key.shape[0],)
+        and slot_mapping.dtype == torch.int64
+        and slot_mapping.device.type == "cpu"
+        and slot_mapping.is_contiguous()
+        and key.shape[1:] == k_cache.shape[2:]
+        and v_cache.shape == k_cache.shape
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and key.stride()[1:] == (key.shape[2], 1)
+        and value.stride()[1:] == (value.shape[2], 1)
+        and _fp32_cpu(key, value)
+        and k_cache.dtype in (torch.float32, torch.bfloat16)
+        and v_cache.dtype == k_cache.dtype
+        and k_cache.device.type == "cpu"
+        and v_cache.device.type == "cpu"
+    )
+
+
+# the native K/V scatter per cache dtype (fp32 rows in)
+_KV_WRITERS = {torch.float32: "pg_write_kv_f32", torch.bfloat16: "pg_write_kv_bf16"}
+
+
+class NativeKVWriter:
+    """The native K/V scatter bound to one cache dtype (:func:`bind_kv_writer`).
+
+    NOTE: it checks nothing but the slot bounds (in C, before any write): the caller checked
+    :func:`kv_write_accepts` for this layout once (the first layer of the step).
+    """
+
+    __slots__ = ("_write",)
+
+    def __init__(self, write: object) -> None:
+        self._write = write
+
+    def __call__(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        num_slots = k_cache.shape[0] * k_cache.shape[1]
+        rc = self._write(  # type: ignore[operator]
+            key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_cache.data_ptr(),
+            v_cache.data_ptr(), slot_mapping.data_ptr(), key.shape[0],
+            key.shape[1] * key.shape[2], num_slots,
+        )
+        if rc != 0:
+            raise ValueError(f"write_kv: a slot outside [-1, {num_slots}) (nothing written)")
+
+
+def bind_kv_writer(kv_cache: torch.Tensor) -> NativeKVWriter | None:
+    """The native K/V scatter for caches like ``kv_cache`` (dtype, device), or None when the
+    library is not available here or does not take that dtype."""
+    lib = library()
+    symbol = _KV_WRITERS.get(kv_cache.dtype)
+    if lib is None or symbol is None or kv_cache.device.type != "cpu":
+        return None
+    return NativeKVWriter(getattr(lib, symbol))
+
+
 def write_kv_native(
     key: torch.Tensor,  # [T, Hkv, D]
     value: torch.Tensor,  # [T, Hkv, D]
@@ -104,39 +172,16 @@ def write_kv_native(
     """Copy each token's fp32 K/V row into its slot of fp32 caches, or of bf16 caches rounded to
     nearest even (as ``.to(torch.bfloat16)``); False (nothing written) if not handled here.
 
+    A one-off call: it checks everything each time (a step binds :func:`bind_kv_writer` once
+    and checks the layout once instead).
+
     Raises:
         ValueError: a slot outside ``[-1, num_pages * page_size)`` (checked before any write).
     """
-    lib = library()
-    if (
-        lib is None
-        or key.dim() != 3
-        or value.shape != key.shape
-        or slot_mapping.shape != (key.shape[0],)
-        or slot_mapping.dtype != torch.int64
-        or slot_mapping.device.type != "cpu"
-        or not slot_mapping.is_contiguous()
-        or key.shape[1:] != k_cache.shape[2:]
-        or v_cache.shape != k_cache.shape
-        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
-        or key.stride()[1:] != (key.shape[2], 1)
-        or value.stride()[1:] != (value.shape[2], 1)
-        or not _fp32_cpu(key, value)
-        or k_cache.dtype not in (torch.float32, torch.bfloat16)
-        or v_cache.dtype != k_cache.dtype
-        or k_cache.device.type != "cpu"
-        or v_cache.device.type != "cpu"
-    ):
+    writer = bind_kv_writer(k_cache)
+    if writer is None or not kv_write_accepts(key, value, k_cache, v_cache, slot_mapping):
         return False
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    write = lib.pg_write_kv_bf16 if k_cache.dtype == torch.bfloat16 else lib.pg_write_kv_f32
-    rc = write(
-        key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_cache.data_ptr(),
-        v_cache.data_ptr(), slot_mapping.data_ptr(), key.shape[0], key.shape[1] * key.shape[2],
-        num_slots,
-    )
-    if rc != 0:
-        raise ValueError(f"write_kv: a slot outside [-1, {num_slots}) (nothing written)")
+    writer(key, value, k_cache, v_cache, slot_mapping)
     return True
 
 

@@ -75,7 +75,7 @@ def write_kv_triton(
     v_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
 ) -> None:
-    """Scatter each new token's K/V into its slot (Triton; same contract as ``write_kv_ref``)."""
+    """Scatter each new token's K/V into its slot (Triton; same contract as ``write_kv_torch``)."""
     check_write_inputs(key, value, k_cache, v_cache, slot_mapping)
     check_triton_device(key)
     require(key.stride(-1) == 1, f"key last dim must be contiguous, strides {key.stride()}")

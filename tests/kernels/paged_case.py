@@ -1,4 +1,4 @@
-"""Builders for paged-attention test batches and a naive per-token oracle.
+"""Builders for paged-attention test batches (the naive oracle: tests/kernels/oracle.py).
 
 A batch is described by, per sequence, its context length after this step and how many of
 those positions are new query rows (1 = decode, >1 = prefill chunk after a cached prefix,
@@ -16,7 +16,6 @@ import torch
 
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]  # where Triton kernels run
 ALL_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-
 
 @dataclass(frozen=True, slots=True)
 class PagedBatch:
@@ -41,7 +40,6 @@ class PagedBatch:
             self.query_start_loc,
             self.scale,
         )
-
 
 def make_paged_batch(
     ctx_lens: list[int],
@@ -101,7 +99,6 @@ def make_paged_batch(
         scale=head_dim**-0.5,
     )
 
-
 def make_shared_prefix_batch(
     shared_pages: int,
     own_lens: list[int],
@@ -155,31 +152,6 @@ def make_shared_prefix_batch(
         query_start_loc=torch.arange(len(own_lens) + 1, dtype=torch.int32),
         scale=head_dim**-0.5,
     )
-
-
-def naive_paged_attention(batch: PagedBatch) -> torch.Tensor:  # [T, Hq, D] float64
-    """Per query token, per head: gather its visible keys slot by slot, softmax in float64."""
-    q_all = batch.query.double().cpu()
-    k_flat = batch.k_cache.double().cpu().flatten(0, 1)  # [num_slots, Hkv, D]
-    v_flat = batch.v_cache.double().cpu().flatten(0, 1)
-    page_size = batch.k_cache.shape[1]
-    num_q_heads, num_kv_heads = q_all.shape[1], k_flat.shape[1]
-    group = num_q_heads // num_kv_heads
-    tables = batch.block_tables.cpu().tolist()
-    starts = batch.query_start_loc.cpu().tolist()
-    out = torch.zeros_like(q_all)
-    for s, ctx in enumerate(batch.seq_lens.cpu().tolist()):
-        n_new = starts[s + 1] - starts[s]
-        for j in range(n_new):
-            pos = ctx - n_new + j
-            slots = [tables[s][p // page_size] * page_size + p % page_size for p in range(pos + 1)]
-            k = k_flat[slots].repeat_interleave(group, dim=1)  # [pos + 1, Hq, D]
-            v = v_flat[slots].repeat_interleave(group, dim=1)
-            q = q_all[starts[s] + j]  # [Hq, D]
-            probs = torch.softmax(torch.einsum("hd,chd->hc", q, k) * batch.scale, dim=-1)
-            out[starts[s] + j] = torch.einsum("hc,chd->hd", probs, v)
-    return out
-
 
 # Comparison tolerances per dtype (outputs are convex combinations of unit-scale values).
 TOLERANCES = {

@@ -7,12 +7,12 @@ import torch
 
 from prefixgate.kernels import attention_plan
 from prefixgate.kernels.attention_plan import plan_attention
-from prefixgate.kernels.reference import paged_attention_ref
+from prefixgate.kernels.torch_cpu.attention import paged_attention_torch
+from tests.kernels.oracle import naive_paged_attention
 from tests.kernels.paged_case import (
     PagedBatch,
     make_paged_batch,
     make_shared_prefix_batch,
-    naive_paged_attention,
 )
 
 FP32_CPU = {"atol": 2e-6, "rtol": 1e-5}
@@ -40,10 +40,10 @@ def test_shared_prefix_decode_matches_naive(contiguous: bool, group_size: int) -
     group = plan.shared[0]
     assert group.shared_len == 40 * 16
     assert (group.shared_first_page is not None) == contiguous
-    out = paged_attention_ref(*batch.args(), plan)
+    out = paged_attention_torch(*batch.args(), plan)
     torch.testing.assert_close(out.double(), naive_paged_attention(batch), **FP32_CPU)
     # and the plan built inside the call gives the same
-    torch.testing.assert_close(paged_attention_ref(*batch.args()), out, atol=0, rtol=0)
+    torch.testing.assert_close(paged_attention_torch(*batch.args()), out, atol=0, rtol=0)
 
 
 def test_shared_run_stops_before_each_members_last_page() -> None:
@@ -79,8 +79,8 @@ def test_sharing_can_be_turned_off() -> None:
         tables, lens, [0, 1, 2, 3], page_size=16, kv_row_elems=64, share_prefixes=False
     )
     assert not plan.shared
-    shared_out = paged_attention_ref(*batch.args())
-    padded_out = paged_attention_ref(*batch.args(), plan)
+    shared_out = paged_attention_torch(*batch.args())
+    padded_out = paged_attention_torch(*batch.args(), plan)
     torch.testing.assert_close(shared_out, padded_out, atol=2e-6, rtol=1e-5)
 
 
@@ -115,14 +115,14 @@ def test_shared_prefix_in_a_mixed_step() -> None:
     )
     plan = _plan(batch)
     assert len(plan.shared) == 1 and plan.prefill == [2] and len(plan.padded) == 1
-    out = paged_attention_ref(*batch.args(), plan)
+    out = paged_attention_torch(*batch.args(), plan)
     torch.testing.assert_close(out.double(), naive_paged_attention(batch), **FP32_CPU)
 
 
 def test_shared_prefix_bf16_cache() -> None:
     batch = make_shared_prefix_batch(40, [5, 12, 30], group_size=3, dtype=torch.bfloat16, seed=10)
     assert len(_plan(batch).shared) == 1
-    out = paged_attention_ref(*batch.args())
+    out = paged_attention_torch(*batch.args())
     torch.testing.assert_close(out.double(), naive_paged_attention(batch), atol=3e-2, rtol=2e-2)
 
 
@@ -168,14 +168,14 @@ def test_nested_sharing_picks_the_larger_saving() -> None:
 
 def test_a_large_group_is_split_by_the_gather_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     batch = make_shared_prefix_batch(40, [5, 16, 1, 23, 40, 9], group_size=2, seed=11)
-    whole = paged_attention_ref(*batch.args())
+    whole = paged_attention_torch(*batch.args())
     per_token = batch.k_cache.shape[2] * batch.k_cache.shape[3]
     monkeypatch.setattr(attention_plan, "DECODE_GATHER_BUDGET", 2 * 40 * per_token)
     plan = _plan(batch)
     assert len(plan.shared) == 2  # one shared run, members in two budget-sized parts
     assert sorted(r for g in plan.shared for r in g.suffix.rows.tolist()) == list(range(6))
     assert all(g.shared_len == 40 * 16 for g in plan.shared)
-    out = paged_attention_ref(*batch.args(), plan)
+    out = paged_attention_torch(*batch.args(), plan)
     torch.testing.assert_close(out, whole, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(out.double(), naive_paged_attention(batch), **FP32_CPU)
 

@@ -1,4 +1,5 @@
-"""The tensors one forward pass reads: flat tokens plus the paged-attention addressing."""
+"""The tensors one forward pass reads: flat tokens, the attention addressing, and the step's
+kernel backend bound to that addressing."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from prefixgate.kernels import AttentionPlan
+from prefixgate.kernels import AttentionPlan, StepAttention
 
 
 class ForwardBatch(NamedTuple):
@@ -23,4 +24,11 @@ class ForwardBatch(NamedTuple):
     query_start_loc: torch.Tensor  # [S + 1] int32
     logits_indices: torch.Tensor  # [N] int64, rows of T whose next-token logits are wanted
     max_query_len: int  # host-side max rows of one sequence (1 = pure decode step)
-    attention_plan: AttentionPlan | None = None  # torch backend: addressing planned once per step
+    # the kernel backend bound to this step's addressing (kernels/backend.py): every layer
+    # calls attention.forward(q, k, v, k_cache, v_cache, scale)
+    attention: StepAttention
+
+    @property
+    def attention_plan(self) -> AttentionPlan | None:
+        """The torch backend's step plan (None on a backend that plans nothing)."""
+        return getattr(self.attention, "plan", None)

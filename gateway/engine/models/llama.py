@@ -1,10 +1,11 @@
 """Llama-family decoder (llama, mistral, qwen2, smollm2) over the paged KV cache.
 
 Flat layout: every activation is ``[num_tokens, hidden]`` for the whole step (prefill chunks and
-decode tokens of many sequences mixed); attention is ``kernels.write_kv`` into the pages then
-``kernels.paged_attention`` over them. Weights are fused once at load (q|k|v and gate|up, one
-matmul each) and packed for the device's fastest GEMM (models/linear.py); the per-layer loop
-touches a small record of tensors and nothing else, so Python overhead stays a few ops per layer.
+decode tokens of many sequences mixed); attention is the step's kernel backend
+(``batch.attention``: K/V into the pages, then attention over them). Weights are fused once at
+load (q|k|v and gate|up, one matmul each) and packed for the device's fastest GEMM
+(models/linear.py); the per-layer loop touches a small record of tensors and nothing else, so
+Python overhead stays a few ops per layer.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ class LlamaModel:
         weights: HF-named tensors, fp32 or ggml blocks (see ``LoadedModel``); read, not kept.
         device / dtype: where and in what precision to compute.
         max_positions: longest sequence to support (RoPE table size).
-        kernel_backend: passed to ``kernels`` ops (None = their default choice).
+        kernel_backend: the runner's kernel backend name (the runner binds the backend
+            object; a step brings it in ``ForwardBatch.attention``).
         native_ops: on CPU in fp32, run RMSNorm, SiLU-and-multiply, RoPE and the K/V write as
             fused native ops (kernels/cpu/ops.py) where the library builds; each falls
             back to its torch ops otherwise. Same math, fewer passes and dispatches.
@@ -176,7 +178,7 @@ class LlamaModel:
         q_size, kv_size, head_dim = cfg.q_size, cfg.kv_size, cfg.head_dim
         inter = cfg.intermediate_size
         eps = cfg.rms_norm_eps
-        backend = self.kernel_backend
+        attention = batch.attention
         cos, sin = self.rope.lookup(batch.positions)  # [T, 1, D/2] each, shared by all layers
 
         native = self.native_ops
@@ -185,10 +187,7 @@ class LlamaModel:
         else:
             assert self.embed_rows is not None
             hidden = self.embed_rows.rows(batch.input_ids)  # [T, H]
-        for index, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            # every layer's caches are views of one pool with one layout: the kernels validate
-            # it on the first layer of the step, not 30 times
-            check = index == 0
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = rms_norm(hidden, layer.input_norm, eps, native)
             qkv = layer.qkv(x)  # [T, Q + 2KV]
             # q and k rotate together: one set of elementwise ops for both (in place natively:
@@ -198,23 +197,9 @@ class LlamaModel:
                 qk = self.rope.rotate(qk, cos, sin)
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]  # [T, Hq, D], [T, Hkv, D]
             v = qkv[:, q_size + kv_size :].view(num_tokens, cfg.num_kv_heads, head_dim)
-            kernels.write_kv(
-                k, v, k_cache, v_cache, batch.slot_mapping, backend=backend, native=native,
-                check=check,
-            )
-            attn = kernels.paged_attention(
-                q,
-                k_cache,
-                v_cache,
-                batch.block_tables,
-                batch.seq_lens,
-                batch.query_start_loc,
-                self.scale,
-                max_query_len=batch.max_query_len,  # host int: no device sync to learn it
-                backend=backend,
-                plan=batch.attention_plan,
-                check=check,
-            )  # [T, Hq, D]
+            # K/V into the pages, then attention over them; the layout is checked on the first
+            # layer of the step only (every layer's caches are views of one pool)
+            attn = attention.forward(q, k, v, k_cache, v_cache, self.scale)  # [T, Hq, D]
             hidden = layer.o.add_to(attn.reshape(num_tokens, q_size), hidden)
             x = rms_norm(hidden, layer.post_norm, eps, native)
             gate_up = layer.gate_up(x)  # [T, 2I]

@@ -8,12 +8,13 @@ import shutil
 import pytest
 import torch
 
-from prefixgate.kernels import reference
 from prefixgate.kernels.attention_plan import plan_attention
 from prefixgate.kernels.cpu.cascade import cascade_decode_native
 from prefixgate.kernels.cpu.decode import native_decode_available, paged_decode_native
-from prefixgate.kernels.reference import _sdpa_with_lse, paged_attention_ref
-from tests.kernels.paged_case import make_shared_prefix_batch, naive_paged_attention
+from prefixgate.kernels.torch_cpu import attention as reference
+from prefixgate.kernels.torch_cpu.attention import _sdpa_with_lse, paged_attention_torch
+from tests.kernels.oracle import naive_paged_attention
+from tests.kernels.paged_case import make_shared_prefix_batch
 
 FP32_CPU = {"atol": 2e-6, "rtol": 1e-5}
 
@@ -168,10 +169,10 @@ def test_reference_cascade_goes_native_and_matches_no_sharing(
     monkeypatch.setattr(
         reference, "cascade_decode_native", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
-    native = paged_attention_ref(*batch.args(), plan=shared_plan)
+    native = paged_attention_torch(*batch.args(), plan=shared_plan)
     assert calls  # the cascade really ran natively
-    torch_cascade = paged_attention_ref(*batch.args(), plan=_plan(batch, use_native=False))
-    unshared = paged_attention_ref(*batch.args(), plan=_plan(batch, share_prefixes=False))
+    torch_cascade = paged_attention_torch(*batch.args(), plan=_plan(batch, use_native=False))
+    unshared = paged_attention_torch(*batch.args(), plan=_plan(batch, share_prefixes=False))
     torch.testing.assert_close(native, torch_cascade, **FP32_CPU)
     torch.testing.assert_close(native, unshared, **FP32_CPU)
     torch.testing.assert_close(native.double(), naive_paged_attention(batch), **FP32_CPU)
@@ -183,7 +184,7 @@ def test_a_declined_cascade_falls_back_to_the_torch_path(monkeypatch: pytest.Mon
     plan = _plan(batch)
     assert len(plan.shared) == 1
     monkeypatch.setattr(reference, "cascade_decode_native", lambda *a, **k: False)
-    out = paged_attention_ref(*batch.args(), plan=plan)
+    out = paged_attention_torch(*batch.args(), plan=plan)
     torch.testing.assert_close(out.double(), naive_paged_attention(batch), **FP32_CPU)
 
 

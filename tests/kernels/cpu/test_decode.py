@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from prefixgate.kernels import reference
 from prefixgate.kernels.attention_plan import plan_attention
 from prefixgate.kernels.cpu import library as native_lib
 from prefixgate.kernels.cpu.decode import (
@@ -20,11 +19,12 @@ from prefixgate.kernels.cpu.decode import (
     native_status,
     paged_decode_native,
 )
-from prefixgate.kernels.reference import paged_attention_ref
+from prefixgate.kernels.torch_cpu import attention as reference
+from prefixgate.kernels.torch_cpu.attention import paged_attention_torch
+from tests.kernels.oracle import naive_paged_attention
 from tests.kernels.paged_case import (
     make_paged_batch,
     make_shared_prefix_batch,
-    naive_paged_attention,
 )
 
 FP32_CPU = {"atol": 2e-6, "rtol": 1e-5}
@@ -138,7 +138,7 @@ def test_bf16_pages_match_the_torch_path_on_the_same_pages(
         batch.block_tables.tolist(), lens, batch.query_start_loc.tolist(),
         page_size=16, kv_row_elems=batch.k_cache[0, 0].numel(), use_native=False,
     )
-    torch_path = paged_attention_ref(*batch.args(), plan=torch_plan)
+    torch_path = paged_attention_torch(*batch.args(), plan=torch_plan)
     assert torch_path.dtype == torch.float32
     torch.testing.assert_close(out, torch_path, **FP32_CPU)
     torch.testing.assert_close(out.double(), naive_paged_attention(batch), **FP32_CPU)
@@ -146,12 +146,12 @@ def test_bf16_pages_match_the_torch_path_on_the_same_pages(
 
 def test_bf16_shared_prefix_decode_agrees_with_the_torch_path() -> None:
     batch = _bf16_pages(make_shared_prefix_batch(40, [5, 16, 1, 23], group_size=3, seed=3))
-    native = paged_attention_ref(*batch.args())
+    native = paged_attention_torch(*batch.args())
     torch_plan = plan_attention(
         batch.block_tables.tolist(), batch.seq_lens.tolist(), batch.query_start_loc.tolist(),
         page_size=16, kv_row_elems=batch.k_cache[0, 0].numel(), use_native=False,
     )
-    torch.testing.assert_close(native, paged_attention_ref(*batch.args(), plan=torch_plan), **FP32_CPU)
+    torch.testing.assert_close(native, paged_attention_torch(*batch.args(), plan=torch_plan), **FP32_CPU)
     torch.testing.assert_close(native.double(), naive_paged_attention(batch), **FP32_CPU)
 
 
@@ -162,16 +162,16 @@ def test_reference_uses_it_and_agrees_with_the_torch_path(monkeypatch: pytest.Mo
     monkeypatch.setattr(
         reference, "paged_decode_native", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
-    with_native = paged_attention_ref(*batch.args())
+    with_native = paged_attention_torch(*batch.args())
     assert calls
     monkeypatch.setattr(reference, "paged_decode_native", lambda *a, **k: False)
-    torch_only = paged_attention_ref(*batch.args())
+    torch_only = paged_attention_torch(*batch.args())
     torch.testing.assert_close(with_native, torch_only, **FP32_CPU)
 
 
 def test_shared_prefix_suffixes_go_native() -> None:
     batch = make_shared_prefix_batch(40, [5, 16, 1, 23], group_size=3, seed=3)
-    out = paged_attention_ref(*batch.args())
+    out = paged_attention_torch(*batch.args())
     torch.testing.assert_close(out.double(), naive_paged_attention(batch), **FP32_CPU)
 
 
@@ -203,7 +203,7 @@ def test_no_compiler_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path) -> No
         assert native_status().startswith("unavailable")
         batch = make_paged_batch([20, 9], [1, 1], group_size=2)
         torch.testing.assert_close(
-            paged_attention_ref(*batch.args()).double(), naive_paged_attention(batch), **FP32_CPU
+            paged_attention_torch(*batch.args()).double(), naive_paged_attention(batch), **FP32_CPU
         )
     finally:
         monkeypatch.undo()
@@ -246,7 +246,7 @@ def test_query_rows_past_the_batch_are_an_error() -> None:
     args = list(batch.args())
     args[5] = starts
     with pytest.raises(ValueError, match="does not fit"):
-        paged_attention_ref(*args)
+        paged_attention_torch(*args)
 
 
 def test_loading_the_library_keeps_subnormals() -> None:
@@ -281,7 +281,7 @@ def test_a_plan_without_native_uses_the_torch_path(monkeypatch: pytest.MonkeyPat
     )
     calls = []
     monkeypatch.setattr(reference, "paged_decode_native", lambda *a, **k: calls.append(1))
-    out = paged_attention_ref(*batch.args(), plan)
+    out = paged_attention_torch(*batch.args(), plan)
     assert not calls
     torch.testing.assert_close(out.double(), naive_paged_attention(batch), **FP32_CPU)
 

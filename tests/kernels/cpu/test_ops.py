@@ -16,7 +16,7 @@ from prefixgate.kernels.cpu.ops import (
     silu_mul_native,
     write_kv_native,
 )
-from prefixgate.kernels.reference import write_kv_ref
+from prefixgate.kernels.torch_cpu.attention import write_kv_torch
 
 pytestmark = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None, reason="needs a C compiler"
@@ -84,7 +84,7 @@ def test_write_kv_matches_the_torch_scatter_and_skips_minus_one() -> None:
     value = qkv[:, 2 * heads * head_dim :].view(5, heads, head_dim)
     slots = torch.tensor([23, 0, -1, 9, 10])
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    write_kv_ref(key, value, k_ref, v_ref, slots)
+    write_kv_torch(key, value, k_ref, v_ref, slots)
     assert write_kv_native(key, value, k_cache, v_cache, slots)
     assert torch.equal(k_cache.nan_to_num(7.0), k_ref.nan_to_num(7.0))
     assert torch.equal(v_cache.nan_to_num(7.0), v_ref.nan_to_num(7.0))
@@ -99,7 +99,7 @@ def test_write_kv_bad_slot_is_an_error_and_writes_nothing(bad: int) -> None:
     with pytest.raises(ValueError, match="slot outside"):
         write_kv_native(key, key, k_cache, v_cache, slots)
     with pytest.raises(ValueError, match="slot outside"):
-        write_kv_ref(key, key, k_cache, v_cache, slots, use_native=True)
+        write_kv_torch(key, key, k_cache, v_cache, slots, use_native=True)
     assert k_cache.abs().sum() == 0 and v_cache.abs().sum() == 0
 
 
@@ -150,7 +150,7 @@ def test_write_kv_into_bf16_pages_rounds_like_torch() -> None:
     key[0, 0] = qkv[0, :8]
     slots = torch.tensor([23, 0, -1, 9, 10])
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    write_kv_ref(key, value, k_ref, v_ref, slots)
+    write_kv_torch(key, value, k_ref, v_ref, slots)
     assert write_kv_native(key, value, k_cache, v_cache, slots)
     assert torch.equal(k_cache.view(torch.int16), k_ref.view(torch.int16))
     assert torch.equal(v_cache.view(torch.int16), v_ref.view(torch.int16))

@@ -1,5 +1,5 @@
 """The native CPU prefill attention kernel (kernels/cpu/prefill.py) against SDPA on the same
-pages (kernels/reference.py's torch path): shuffled pages, contexts off the page grid, GQA
+pages (kernels/torch_cpu/attention.py's torch path): shuffled pages, contexts off the page grid, GQA
 1/3/8, page sizes 16/32, fresh prompts and suffixes after a cached prefix; bad input."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 from prefixgate.kernels.cpu.library import library
 from prefixgate.kernels.cpu.prefill import paged_prefill_native
-from prefixgate.kernels.reference import _prefill_one
+from prefixgate.kernels.torch_cpu.attention import _prefill_one
 
 pytestmark = pytest.mark.skipif(library() is None, reason="native CPU library not built here")
 

@@ -9,14 +9,14 @@ import torch
 
 pytest.importorskip("triton")
 
-from prefixgate.kernels.reference import paged_attention_ref, write_kv_ref  # noqa: E402
+from prefixgate.kernels.torch_cpu.attention import paged_attention_torch, write_kv_torch  # noqa: E402
 from prefixgate.kernels.triton.attention import paged_attention_triton  # noqa: E402
 from prefixgate.kernels.triton.write_kv import write_kv_triton  # noqa: E402
+from tests.kernels.oracle import naive_paged_attention  # noqa: E402
 from tests.kernels.paged_case import (  # noqa: E402
     DEVICES,
     TOLERANCES,
     make_paged_batch,
-    naive_paged_attention,
 )
 
 # decode of a fully cached prefix, a chunk after a partly cached prefix, decode off a page
@@ -50,7 +50,7 @@ def test_mixed_batch_never_reads_outside_the_context(
 def test_mixed_batch_matches_reference(device: str, dtype: torch.dtype) -> None:
     batch = make_paged_batch(*MIXED, group_size=4, head_dim=64, dtype=dtype, device=device, seed=3)
     out = paged_attention_triton(*batch.args(), max_query_len=33)
-    expected = paged_attention_ref(*batch.args())
+    expected = paged_attention_torch(*batch.args())
     torch.testing.assert_close(out.float(), expected.float(), **TOLERANCES[dtype])
 
 
@@ -64,7 +64,7 @@ def test_bf16_pages_under_an_fp32_query(device: str) -> None:
         batch, k_cache=batch.k_cache.bfloat16(), v_cache=batch.v_cache.bfloat16()
     )
     out = paged_attention_triton(*batch.args(), max_query_len=33)
-    expected = paged_attention_ref(*batch.args())
+    expected = paged_attention_torch(*batch.args())
     assert out.dtype == expected.dtype == torch.float32
     tolerance = TOLERANCES[torch.bfloat16 if device == "cuda" else torch.float32]
     torch.testing.assert_close(out, expected, **tolerance)
@@ -74,7 +74,7 @@ def test_bf16_pages_under_an_fp32_query(device: str) -> None:
 def test_decode_only_hint_skips_prefill(device: str) -> None:
     batch = make_paged_batch([37, 50, 100], [1, 1, 1], group_size=2, device=device, seed=4)
     out = paged_attention_triton(*batch.args(), max_query_len=1)
-    torch.testing.assert_close(out, paged_attention_ref(*batch.args()), **TOLERANCES[torch.float32])
+    torch.testing.assert_close(out, paged_attention_torch(*batch.args()), **TOLERANCES[torch.float32])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -95,9 +95,9 @@ def test_write_then_attend_like_a_model_step(device: str) -> None:
     ]
     slot_mapping = torch.tensor(slots, device=device)
     k_ref, v_ref = batch.k_cache.clone(), batch.v_cache.clone()
-    write_kv_ref(key, value, k_ref, v_ref, slot_mapping)
+    write_kv_torch(key, value, k_ref, v_ref, slot_mapping)
     write_kv_triton(key, value, batch.k_cache, batch.v_cache, slot_mapping)
-    expected = paged_attention_ref(batch.query, k_ref, v_ref, *batch.args()[3:])
+    expected = paged_attention_torch(batch.query, k_ref, v_ref, *batch.args()[3:])
     out = paged_attention_triton(*batch.args())
     torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
 
@@ -147,7 +147,7 @@ def test_query_sliced_from_fused_qk(device: str) -> None:
     expected = naive_paged_attention(batch)
     for out in (
         paged_attention_triton(query, *batch.args()[1:]),
-        paged_attention_ref(query, *batch.args()[1:]),
+        paged_attention_torch(query, *batch.args()[1:]),
     ):
         assert out.is_contiguous()
         torch.testing.assert_close(out.cpu().double(), expected, atol=2e-5, rtol=1e-5)

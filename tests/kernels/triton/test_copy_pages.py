@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from prefixgate.kernels.reference import copy_pages_ref  # noqa: E402
+from prefixgate.kernels.torch_cpu.attention import copy_pages_torch  # noqa: E402
 from prefixgate.kernels.triton.copy_pages import copy_pages_triton  # noqa: E402
 from tests.kernels.paged_case import DEVICES  # noqa: E402
 
@@ -20,7 +20,7 @@ def test_matches_reference_all_layers(device: str, dtype: torch.dtype) -> None:
     src = torch.tensor([0, 3, 3], device=device)  # one page forked twice
     dst = torch.tensor([6, 1, 2], device=device)
     expected = pool.clone()
-    copy_pages_ref(expected, src, dst)
+    copy_pages_torch(expected, src, dst)
     before = pool.clone()
     copy_pages_triton(pool, src, dst)
     assert torch.equal(pool, expected)

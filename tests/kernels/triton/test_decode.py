@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("triton")
 
 from prefixgate.kernels.checks import check_attention_inputs  # noqa: E402
-from prefixgate.kernels.reference import paged_attention_ref  # noqa: E402
+from prefixgate.kernels.torch_cpu.attention import paged_attention_torch  # noqa: E402
 from prefixgate.kernels.triton.decode import (  # noqa: E402
     MAX_SPLITS,
     paged_decode_triton,
@@ -51,7 +51,7 @@ def test_matches_reference(
     if pages_per_split is not None:  # split-K + reduce kernel exercised
         assert plan.pages_per_split == pages_per_split
         assert plan.num_splits == -(-batch.block_tables.shape[1] // pages_per_split) > 1
-    torch.testing.assert_close(out, paged_attention_ref(*batch.args()), **TOLERANCES[torch.float32])
+    torch.testing.assert_close(out, paged_attention_torch(*batch.args()), **TOLERANCES[torch.float32])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -69,7 +69,7 @@ def test_half_precision(device: str, dtype: torch.dtype) -> None:
     )
     out, _ = run_decode(batch, pages_per_split=2)
     assert out.dtype == dtype
-    expected = paged_attention_ref(*batch.args())
+    expected = paged_attention_torch(*batch.args())
     torch.testing.assert_close(out.float(), expected.float(), **TOLERANCES[dtype])
 
 
@@ -78,7 +78,7 @@ def test_leaves_prefill_rows_alone(device: str) -> None:
     """In a mixed batch the decode kernel writes exactly the decode sequences' rows."""
     batch = make_paged_batch([40, 30, 65], [1, 5, 1], group_size=2, device=device)
     out, _ = run_decode(batch, pages_per_split=1)
-    expected = paged_attention_ref(*batch.args())
+    expected = paged_attention_torch(*batch.args())
     decode_rows = [0, 6]
     torch.testing.assert_close(out[decode_rows], expected[decode_rows], **TOLERANCES[torch.float32])
     assert out[1:6].isnan().all()

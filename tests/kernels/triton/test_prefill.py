@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("triton")
 
 from prefixgate.kernels.checks import check_attention_inputs  # noqa: E402
-from prefixgate.kernels.reference import paged_attention_ref  # noqa: E402
+from prefixgate.kernels.torch_cpu.attention import paged_attention_torch  # noqa: E402
 from prefixgate.kernels.triton import prefill as triton_prefill  # noqa: E402
 from prefixgate.kernels.triton.prefill import paged_prefill_triton  # noqa: E402
 from tests.kernels.paged_case import (  # noqa: E402
@@ -43,7 +43,7 @@ def test_matches_reference(device: str, group_size: int, page_size: int) -> None
         seed=group_size + page_size,
     )
     out = run_prefill(batch)
-    expected = paged_attention_ref(*batch.args())
+    expected = paged_attention_torch(*batch.args())
     prefill_rows = slice(0, 124)  # the decode sequence's row is 124
     torch.testing.assert_close(
         out[prefill_rows], expected[prefill_rows], **TOLERANCES[torch.float32]
@@ -58,7 +58,7 @@ def test_many_small_tiles(device: str, group_size: int, monkeypatch: pytest.Monk
     monkeypatch.setattr(triton_prefill, "PREFILL_BLOCK_M_SHORT", 16)
     batch = make_paged_batch(*PREFILL, group_size=group_size, device=device, seed=group_size)
     out = run_prefill(batch)
-    expected = paged_attention_ref(*batch.args())
+    expected = paged_attention_torch(*batch.args())
     torch.testing.assert_close(out[:124], expected[:124], **TOLERANCES[torch.float32])
     assert out[124].isnan().all()
 
@@ -68,7 +68,7 @@ def test_long_chunks_take_wide_tiles(device: str) -> None:
     """A long prompt after a cached prefix: 128-row tiles, several per sequence."""
     batch = make_paged_batch([300, 200], [260, 200], group_size=2, device=device, seed=4)
     out = run_prefill(batch)
-    torch.testing.assert_close(out, paged_attention_ref(*batch.args()), **TOLERANCES[torch.float32])
+    torch.testing.assert_close(out, paged_attention_torch(*batch.args()), **TOLERANCES[torch.float32])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -78,7 +78,7 @@ def test_half_precision(device: str, dtype: torch.dtype) -> None:
         [57, 30], [20, 30], group_size=4, head_dim=64, dtype=dtype, device=device, seed=7
     )
     out = run_prefill(batch)
-    expected = paged_attention_ref(*batch.args())
+    expected = paged_attention_torch(*batch.args())
     torch.testing.assert_close(out.float(), expected.float(), **TOLERANCES[dtype])
 
 

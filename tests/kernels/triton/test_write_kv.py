@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from prefixgate.kernels.reference import write_kv_ref  # noqa: E402
+from prefixgate.kernels.torch_cpu.attention import write_kv_torch  # noqa: E402
 from prefixgate.kernels.triton.write_kv import write_kv_triton  # noqa: E402
 from tests.kernels.paged_case import DEVICES  # noqa: E402
 
@@ -40,7 +40,7 @@ def test_matches_reference(
     k_ref = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
     v_ref = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
     k_tri, v_tri = k_ref.clone(), v_ref.clone()
-    write_kv_ref(key, value, k_ref, v_ref, slots)
+    write_kv_torch(key, value, k_ref, v_ref, slots)
     write_kv_triton(key, value, k_tri, v_tri, slots)
     assert torch.equal(k_tri, k_ref)
     assert torch.equal(v_tri, v_ref)
@@ -61,7 +61,7 @@ def test_fp32_into_bf16_pages(device: str) -> None:
     k_ref = torch.zeros(6, 16, 3, 24, dtype=torch.bfloat16, device=device)
     v_ref = torch.zeros_like(k_ref)
     k_tri, v_tri = k_ref.clone(), v_ref.clone()
-    write_kv_ref(key, value, k_ref, v_ref, slots)
+    write_kv_torch(key, value, k_ref, v_ref, slots)
     write_kv_triton(key, value, k_tri, v_tri, slots)
     if device == "cuda":
         assert torch.equal(k_tri, k_ref) and torch.equal(v_tri, v_ref)

@@ -5,13 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixgate.kernels import attention_plan, reference
-from prefixgate.kernels.reference import copy_pages_ref, paged_attention_ref, write_kv_ref
+from prefixgate.kernels import attention_plan
+from prefixgate.kernels.torch_cpu import attention as reference
+from prefixgate.kernels.torch_cpu.attention import (
+    copy_pages_torch,
+    paged_attention_torch,
+    write_kv_torch,
+)
+from tests.kernels.oracle import naive_paged_attention
 from tests.kernels.paged_case import (
     ALL_DEVICES,
     TOLERANCES,
     make_paged_batch,
-    naive_paged_attention,
 )
 
 # (context lengths after the step, new rows): decode of a fully cached prefix, a chunk after
@@ -24,7 +29,7 @@ MIXED = ([37, 50, 100, 16, 1, 64], [1, 7, 1, 16, 1, 33])
 @pytest.mark.parametrize("page_size", [16, 32])
 def test_mixed_batch_matches_naive(device: str, group_size: int, page_size: int) -> None:
     batch = make_paged_batch(*MIXED, group_size=group_size, page_size=page_size, device=device)
-    out = paged_attention_ref(*batch.args())
+    out = paged_attention_torch(*batch.args())
     assert out.shape == batch.query.shape and out.dtype == batch.query.dtype
     # fp32 roundoff only on CPU; CUDA SDPA kernels sum in another order
     tolerance = {"atol": 2e-6, "rtol": 1e-5} if device == "cpu" else TOLERANCES[torch.float32]
@@ -35,7 +40,7 @@ def test_decode_chunks_split_by_gather_budget(monkeypatch: pytest.MonkeyPatch) -
     """Many decode sequences of very different lengths, forced into several gather chunks."""
     ctx_lens = [5, 130, 17, 64, 1, 99, 33, 250, 48, 16]
     batch = make_paged_batch(ctx_lens, [1] * len(ctx_lens), group_size=2, page_size=16, seed=3)
-    whole = paged_attention_ref(*batch.args())
+    whole = paged_attention_torch(*batch.args())
     per_token = batch.k_cache.shape[2] * batch.k_cache.shape[3]
     monkeypatch.setattr(attention_plan, "DECODE_GATHER_BUDGET", 2 * 130 * per_token)
     chunk_sizes: list[int] = []
@@ -46,7 +51,7 @@ def test_decode_chunks_split_by_gather_budget(monkeypatch: pytest.MonkeyPatch) -
         return decode_padded(*args, **kwargs)
 
     monkeypatch.setattr(reference, "_decode_padded", spy)
-    chunked = paged_attention_ref(*batch.args())
+    chunked = paged_attention_torch(*batch.args())
     assert len(chunk_sizes) > 2 and sum(chunk_sizes) == len(ctx_lens)
     torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(chunked.double(), naive_paged_attention(batch), atol=2e-6, rtol=1e-5)
@@ -54,7 +59,7 @@ def test_decode_chunks_split_by_gather_budget(monkeypatch: pytest.MonkeyPatch) -
 
 def test_bf16_cache_close_to_naive() -> None:
     batch = make_paged_batch(*MIXED, group_size=4, page_size=16, dtype=torch.bfloat16, seed=5)
-    out = paged_attention_ref(*batch.args())
+    out = paged_attention_torch(*batch.args())
     torch.testing.assert_close(out.double(), naive_paged_attention(batch), atol=3e-2, rtol=2e-2)
 
 
@@ -63,7 +68,7 @@ def test_rows_beyond_context_rejected() -> None:
     bad_starts = torch.tensor([0, 6, 7], dtype=torch.int32)  # 6 new rows but context 4
     query = torch.randn(7, *batch.query.shape[1:])
     with pytest.raises(ValueError, match="sequence 0: 6 new query rows but context length 4"):
-        paged_attention_ref(
+        paged_attention_torch(
             query,
             batch.k_cache,
             batch.v_cache,
@@ -82,7 +87,7 @@ def test_write_kv_skips_negative_slots(device: str) -> None:
     key = torch.randn(5, 2, 8, generator=gen).to(device)
     value = torch.randn(5, 2, 8, generator=gen).to(device)
     slots = torch.tensor([17, -1, 0, 63, -1], device=device)
-    write_kv_ref(key, value, k_cache, v_cache, slots)
+    write_kv_torch(key, value, k_cache, v_cache, slots)
     torch.testing.assert_close(k_cache[1, 1], key[0])
     torch.testing.assert_close(v_cache[0, 0], value[2])
     torch.testing.assert_close(k_cache[3, 15], key[3])
@@ -95,7 +100,7 @@ def test_write_kv_skips_negative_slots(device: str) -> None:
 def test_copy_pages_copies_every_layer(device: str) -> None:
     pool = torch.randn(3, 2, 6, 4, 2, 8, device=device)
     before = pool.clone()
-    copy_pages_ref(pool, torch.tensor([0, 4], device=device), torch.tensor([5, 2], device=device))
+    copy_pages_torch(pool, torch.tensor([0, 4], device=device), torch.tensor([5, 2], device=device))
     torch.testing.assert_close(pool[:, :, 5], before[:, :, 0])
     torch.testing.assert_close(pool[:, :, 2], before[:, :, 4])
     untouched = [0, 1, 3, 4]

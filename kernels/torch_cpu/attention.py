@@ -1,7 +1,8 @@
-"""Plain-torch reference ops over the paged KV layout (see kernels/layout.py).
+"""The torch backend's ops over the paged KV layout (see kernels/layout.py).
 
-These run in production on CPU and are the test oracle for the Triton kernels, so they are
-exact (no approximations beyond the dtype) and reasonably fast:
+The production path on CPU (kernels/torch_cpu/backend.py binds them), so they are exact (no
+approximations beyond the dtype) and reasonably fast (the tests check them, and every other
+backend, against the naive oracle in tests/kernels/oracle.py):
 
 * the step's addressing is planned once (kernels/attention_plan.py; the runner builds the plan
   once per step and every layer reuses it);
@@ -44,7 +45,7 @@ from prefixgate.kernels.cpu.prefill import paged_prefill_native
 from prefixgate.kernels.workspace import gather_pages
 
 
-def write_kv_ref(
+def write_kv_torch(
     key: torch.Tensor,  # [T, Hkv, D]
     value: torch.Tensor,  # [T, Hkv, D]
     k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
@@ -72,7 +73,7 @@ def write_kv_ref(
     v_flat.index_copy_(0, slots, value[keep].to(v_cache.dtype))
 
 
-def paged_attention_ref(
+def paged_attention_torch(
     query: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
     v_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
@@ -307,7 +308,7 @@ def _sdpa_with_lse(
     return torch.matmul(torch.exp(scores - lse[..., None]), v.float()).to(q.dtype), lse
 
 
-def copy_pages_ref(kv_pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+def copy_pages_torch(kv_pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """Copy whole pages (every layer, K and V): ``kv_pool[:, :, dst] = kv_pool[:, :, src]``."""
     check_copy_inputs(kv_pool, src, dst)
     if src.numel() == 0:

@@ -1,0 +1,54 @@
+"""The test oracle: naive per-token loops in float64 over the paged KV layout.
+
+Slow and obviously right; every backend (kernels/torch_cpu, kernels/triton, the native CPU
+kernels) is tested against it, and never against another production backend alone.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from tests.kernels.paged_case import PagedBatch
+
+
+def naive_write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Token by token: ``cache[slot // page_size, slot % page_size] = row`` (slot -1: skip)."""
+    page_size = k_cache.shape[1]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            k_cache[slot // page_size, slot % page_size] = key[t].to(k_cache.dtype)
+            v_cache[slot // page_size, slot % page_size] = value[t].to(v_cache.dtype)
+
+
+def naive_copy_pages(kv_pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Pair by pair, every layer, K and V (``dst`` disjoint from ``src``)."""
+    for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+        kv_pool[:, :, d] = kv_pool[:, :, s]
+
+
+def naive_paged_attention(batch: PagedBatch) -> torch.Tensor:  # [T, Hq, D] float64
+    """Per query token, per head: gather its visible keys slot by slot, softmax in float64."""
+    q_all = batch.query.double().cpu()
+    k_flat = batch.k_cache.double().cpu().flatten(0, 1)  # [num_slots, Hkv, D]
+    v_flat = batch.v_cache.double().cpu().flatten(0, 1)
+    page_size = batch.k_cache.shape[1]
+    num_q_heads, num_kv_heads = q_all.shape[1], k_flat.shape[1]
+    group = num_q_heads // num_kv_heads
+    tables = batch.block_tables.cpu().tolist()
+    starts = batch.query_start_loc.cpu().tolist()
+    out = torch.zeros_like(q_all)
+    for s, ctx in enumerate(batch.seq_lens.cpu().tolist()):
+        n_new = starts[s + 1] - starts[s]
+        for j in range(n_new):
+            pos = ctx - n_new + j
+            slots = [tables[s][p // page_size] * page_size + p % page_size for p in range(pos + 1)]
+            k = k_flat[slots].repeat_interleave(group, dim=1)  # [pos + 1, Hq, D]
+            v = v_flat[slots].repeat_interleave(group, dim=1)
+            q = q_all[starts[s] + j]  # [Hq, D]
+            probs = torch.softmax(torch.einsum("hd,chd->hc", q, k) * batch.scale, dim=-1)
+            out[starts[s] + j] = torch.einsum("hc,chd->hd", probs, v)
+    return out
