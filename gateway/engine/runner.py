@@ -27,6 +27,7 @@ from prefixgate.gateway.engine.loader.loaded_model import LoadedModel
 from prefixgate.gateway.engine.model_config import ModelConfig
 from prefixgate.gateway.engine.models import ForwardBatch, build_model
 from prefixgate.kernels.cpu.host_memory import huge_pages_status
+from prefixgate.kernels.cpu.library import bf16_instructions
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,18 @@ def _configure_cpu_threads() -> None:
         torch.set_num_threads(available)
 
 
+def _cpu_bf16_isa() -> str:
+    """The bf16 instructions the CPU bf16 mode will use; raises where there are none."""
+    isa = bf16_instructions()
+    if isa is None:
+        raise ValueError(
+            "dtype bf16 on CPU needs AVX512-BF16 or AMX-BF16 instructions (cpu flags "
+            "avx512_bf16 / amx_bf16), which this CPU lacks: its bf16 GEMMs would be emulated, "
+            "slower than fp32; use --dtype fp32 (the default on CPU)"
+        )
+    return isa
+
+
 class ModelRunner:
     """Owns the model weights on the device and the KV pool; executes steps.
 
@@ -66,7 +79,9 @@ class ModelRunner:
         num_pages: pool size in pages; or ``kv_memory_gb`` (GiB) to derive it; or ``kv_pool``
             (an existing ``[L, 2, P, page_size, Hkv, D]`` tensor); none = default budget.
         page_size: tokens per page.
-        device / dtype: None = CUDA if available else CPU; fp32 on CPU, bf16 on GPU.
+        device / dtype: None = CUDA if available else CPU; fp32 on CPU, bf16 on GPU. bf16 on
+            CPU: bf16 matrices, fp32 activations (docs/precision.md); refused where the CPU
+            has neither AVX512-BF16 nor AMX-BF16.
         kv_dtype: the KV pool's dtype ("fp32" / "bf16" / "fp16" or a torch dtype); None or
             "auto" = ``dtype`` (or a given ``kv_pool``'s). A narrower pool is written rounded
             (write_kv) and read widened to the query's dtype by every attention path.
@@ -106,6 +121,9 @@ class ModelRunner:
         if kv_pool is not None and kv_dtype is None:
             kv_dtype = kv_pool.dtype
         self.kv_dtype = resolve_kv_dtype(kv_dtype, self.dtype)
+        # the instructions the CPU bf16 mode's GEMMs run on (None: not that mode)
+        cpu_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16
+        self.bf16_isa = _cpu_bf16_isa() if cpu_bf16 else None
         if self.device.type == "cpu":
             _configure_cpu_threads()
         if max_model_len is not None and max_model_len < 1:
@@ -114,12 +132,12 @@ class ModelRunner:
         self.max_model_len = min(config.max_position_embeddings, max_model_len or 1 << 62)
         self.eos_token_ids = tuple(eos_token_ids)
         self.kernel_backend = kernels.backend_name(self.device, kernel_backend)
-        # fp32 on CPU: decode attention and the fused layer ops run natively when the library
-        # builds here (kernels/cpu/decode.py, kernels/cpu/ops.py)
+        # fp32 (or the bf16 mode's fp32 activations) on CPU: decode attention and the fused
+        # layer ops run natively when the library builds here (kernels/cpu/decode.py, ops.py)
         self.native_cpu_kernels = (
             native_kernels
             and self.device.type == "cpu"
-            and self.dtype == torch.float32
+            and self.dtype in (torch.float32, torch.bfloat16)
             and self.kernel_backend == "torch"
             and kernels.native_decode_available()
         )
@@ -173,10 +191,11 @@ class ModelRunner:
         # after the pool and the weights were allocated: a refused advice shows here
         self.huge_pages = huge_pages_status() if self.device.type == "cpu" else None
         logger.info(
-            "runner: %s on %s/%s, %d pages x %d tokens (%.2f GiB KV, %s), kernels=%s%s%s",
+            "runner: %s on %s/%s%s, %d pages x %d tokens (%.2f GiB KV, %s), kernels=%s%s%s",
             config.name,
             self.device,
             self.dtype,
+            f" (fp32 activations, GEMMs on {self.bf16_isa})" if self.bf16_isa else "",
             self.num_pages,
             page_size,
             self.kv_pool.numel() * self.kv_pool.element_size() / (1 << 30),
