@@ -26,8 +26,8 @@ from prefixgate.gateway.engine.kv_budget import (
 from prefixgate.gateway.engine.loader.loaded_model import LoadedModel
 from prefixgate.gateway.engine.model_config import ModelConfig
 from prefixgate.gateway.engine.models import ForwardBatch, build_model
+from prefixgate.gateway.engine.precision import cpu_bf16_isa
 from prefixgate.kernels.cpu.host_memory import huge_pages_status
-from prefixgate.kernels.cpu.library import bf16_instructions
 
 logger = logging.getLogger(__name__)
 
@@ -56,18 +56,6 @@ def _configure_cpu_threads() -> None:
     available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     if available and torch.get_num_threads() > available:
         torch.set_num_threads(available)
-
-
-def _cpu_bf16_isa() -> str:
-    """The bf16 instructions the CPU bf16 mode will use; raises where there are none."""
-    isa = bf16_instructions()
-    if isa is None:
-        raise ValueError(
-            "dtype bf16 on CPU needs AVX512-BF16 or AMX-BF16 instructions (cpu flags "
-            "avx512_bf16 / amx_bf16), which this CPU lacks: its bf16 GEMMs would be emulated, "
-            "slower than fp32; use --dtype fp32 (the default on CPU)"
-        )
-    return isa
 
 
 class ModelRunner:
@@ -123,7 +111,7 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_dtype(kv_dtype, self.dtype)
         # the instructions the CPU bf16 mode's GEMMs run on (None: not that mode)
         cpu_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16
-        self.bf16_isa = _cpu_bf16_isa() if cpu_bf16 else None
+        self.bf16_isa = cpu_bf16_isa() if cpu_bf16 else None
         if self.device.type == "cpu":
             _configure_cpu_threads()
         if max_model_len is not None and max_model_len < 1:

@@ -10,13 +10,14 @@
  * at a time, an AMX B tile in its pair layout (16 rows of 64 bytes), so one copy serves both.
  *
  * Two paths over the same layout and the same bf16 inputs:
- *   * vector (AVX512-BF16; Intel from Cooper Lake, AMD Zen 4): a row tile of up to 8 rows keeps
+ *   * vector (AVX512-BF16; Intel from Cooper Lake, AMD Zen 4): a row tile of up to 4 rows keeps
  *     its accumulators in registers while one block's weights stream past; the weights are
- *     read once per row tile (from DRAM for the first, from L2 for the others), so this is the
- *     decode path (few rows: the weight stream bounds it, half the bytes of fp32);
- *   * AMX tiles (Intel Sapphire Rapids on): from amx_min_rows rows, chunks of 4 column blocks
- *     against 16-row tiles of x, 32 k per TDPBF16PS. Where AMX is absent (or Linux refuses the
- *     tile state) the vector path takes every row count.
+ *     read once per row tile (from DRAM for the first, from L2 for the others): half the bytes
+ *     of the fp32 kernel's stream;
+ *   * AMX tiles (Intel Sapphire Rapids on): from amx_min_rows rows (kernels/cpu/ops.py: every
+ *     row count, measured faster than the vector path even for 1 row), chunks of 4 column
+ *     blocks against 16-row tiles of x, 32 k per TDPBF16PS. Where AMX is absent (or Linux
+ *     refuses the tile state) the vector path takes every row count.
  * The two sum in different orders (fp32 either way), so they are close, not bit-identical; a
  * row's result does not depend on the other rows of the call (greedy output is the same alone
  * and batched for a given path; batching may change the path, as with the quantized kernels).
@@ -37,7 +38,8 @@
 
 #define COLS 16
 #define GROUP 32     /* k per AMX tile product (16 pairs) */
-#define VEC_ROWS 8   /* rows per register tile of the vector path */
+#define VEC_ROWS 4   /* rows per register tile of the vector path */
+#define CHAINS 4     /* independent sums per row on the vector path (k pair j goes to j % 4) */
 #define AMX_CHUNK 4  /* column blocks per A tile load on AMX (4 C tiles + A + 2 B = 7 of 8) */
 #define PREFETCH_BYTES 4096
 
@@ -88,14 +90,15 @@ static inline void store_rows(const __m512 *acc, int R, int ncols, const float *
 }
 
 /* R rows (a compile-time constant where inlined) of one column block: per k pair, one 64-byte
- * weight load and R VDPBF16PS against the rows' (k, k + 1) pairs broadcast. Few rows would
- * leave one dependent chain of dot products per row, bound by the instruction's latency, not
- * by the weight stream: CH chains per row (k pairs j, j + 1, .. j + CH - 1) keep 8 in flight. */
+ * weight load and R VDPBF16PS against the rows' (k, k + 1) pairs broadcast. One chain of
+ * dependent dot products per row would be bound by the instruction's latency, not by the
+ * weight stream: CHAINS chains per row, summed at the end. NOTE: the same CHAINS for every R,
+ * so a row's sum never depends on how many rows share its tile (alone vs batched). */
 static inline __attribute__((always_inline)) void vec_tile(const int R, const uint16_t *xb,
                                                            int Kp, const uint16_t *wp,
                                                            __m512 *out) {
-    const int CH = R == 1 ? 8 : R == 2 ? 4 : R <= 4 ? 2 : 1;
-    __m512 acc[VEC_ROWS];
+    const int CH = CHAINS;
+    __m512 acc[CHAINS * VEC_ROWS];
     for (int i = 0; i < CH * R; ++i) acc[i] = _mm512_setzero_ps();
     for (int j0 = 0; j0 < Kp / 2; j0 += CH) {
         __builtin_prefetch(
@@ -122,7 +125,7 @@ static void vec_tile_dispatch(int R, const uint16_t *xb, int Kp, const uint16_t 
     switch (R) {
 #define PG_ROWS(r) \
     case r: vec_tile(r, xb, Kp, wp, out); break;
-        PG_ROWS(1) PG_ROWS(2) PG_ROWS(3) PG_ROWS(4) PG_ROWS(5) PG_ROWS(6) PG_ROWS(7) PG_ROWS(8)
+        PG_ROWS(1) PG_ROWS(2) PG_ROWS(3) PG_ROWS(4)
 #undef PG_ROWS
         default: break;
     }
