@@ -338,11 +338,10 @@ def linear_quant_native(
 
 
 # From this many rows the bf16 linear runs on AMX tiles where the CPU has them; fewer stream the
-# weights through AVX512-BF16 dot products (kernels/cpu/csrc/linear_bf16.c). Measured on the
-# default model's 121 matrices (1 thread, CPU time, loaded Sapphire Rapids box), vector | AMX
-# ms: M = 1: 32.3 | 27.4, 4: 47.9 | 27.8, 8: 37.0 | 27.3, 16: 60.9 | 28.8: the tiles win at
-# every row count, so AMX takes them all where present (a row's sums then never depend on the
-# batch's size); the vector path serves CPUs with AVX512-BF16 but no AMX (AMD Zen 4).
+# weights through AVX512-BF16 dot products (kernels/cpu/csrc/linear_bf16.c). The tiles were
+# faster at every row count measured, one row included (docs/precision.md), so AMX takes them
+# all where present (a row's sums then never depend on the batch's size); the vector path
+# serves CPUs with AVX512-BF16 but no AMX (AMD Zen 4).
 BF16_AMX_MIN_ROWS = 1
 BF16_K_ALIGN = 32  # the packed bf16 weight's k is padded to this (one AMX tile product)
 

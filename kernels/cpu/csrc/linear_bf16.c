@@ -15,7 +15,7 @@
  *     read once per row tile (from DRAM for the first, from L2 for the others): half the bytes
  *     of the fp32 kernel's stream;
  *   * AMX tiles (Intel Sapphire Rapids on): from amx_min_rows rows (kernels/cpu/ops.py: every
- *     row count, measured faster than the vector path even for 1 row), chunks of 4 column
+ *     row count, faster than the vector path even for 1 row: docs/precision.md), chunks of 4 column
  *     blocks against 16-row tiles of x, 32 k per TDPBF16PS. Where AMX is absent (or Linux
  *     refuses the tile state) the vector path takes every row count.
  * The two sum in different orders (fp32 either way), so they are close, not bit-identical; a
