@@ -19,6 +19,7 @@ from prefixgate.cache.ttl_policy import TTLPolicy
 from prefixgate.gateway.engine.config import (
     ADMISSION_ORDERS,
     DECODE_STEP_BUDGET,
+    DTYPES,
     KV_DTYPES,
     STEP_TOKEN_BUDGET,
     EngineConfig,
@@ -63,7 +64,7 @@ DEFAULTS: dict[str, Any] = {
     "prefix_caching": _switch(_ENGINE.enable_prefix_caching),
     "hash_seed": _ENGINE.hash_seed,
     "device": _ENGINE.device,
-    "dtype": _ENGINE.dtype,
+    "dtype": _ENGINE.dtype or "auto",
     "kv_dtype": _ENGINE.kv_dtype or "auto",
     "kernel_backend": _ENGINE.kernel_backend,
     "native_kernels": _switch(_ENGINE.native_kernels),
@@ -163,8 +164,10 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     model.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda if available)")
     model.add_argument(
         "--dtype",
-        choices=["float32", "bfloat16", "float16"],
-        help="default: float32 on CPU, bfloat16 on GPU",
+        choices=DTYPES,
+        help="compute precision: auto = fp32 on CPU (exact), bf16 on GPU; bf16 on CPU = bf16 "
+        "weights, fp32 activations, bf16 KV by default, on AMX / AVX512-BF16 (refused without "
+        "them; quality bounds in docs/precision.md) (default {default})",
     )
     model.add_argument(
         "--kv-dtype",
@@ -451,7 +454,7 @@ def configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerSettings]:
         model=values["model"],
         served_model_name=values["served_model_name"],
         device=values["device"],
-        dtype=values["dtype"],
+        dtype=None if values["dtype"] == "auto" else values["dtype"],
         kv_dtype=None if values["kv_dtype"] == "auto" else values["kv_dtype"],
         page_size=values["page_size"],
         kv_memory_gb=values["kv_memory"],
@@ -508,6 +511,9 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     values = resolve(args, parser, os.environ if environ is None else environ)
     try:
         engine_config, settings = configs(values)
+        from prefixgate.gateway.engine.precision import check_precision  # torch: only to serve
+
+        check_precision(engine_config.device, engine_config.dtype)
     except ValueError as exc:
         parser.error(str(exc))
     logging.basicConfig(

@@ -218,6 +218,9 @@ class EngineStats:
     num_preemptions: int
     kernel_backend: str  # "triton" or "torch"
     device: str
+    # compute and KV precision ("float32", "bfloat16"; docs/precision.md)
+    dtype: str = "float32"
+    kv_dtype: str = "float32"
     constrained_tokens: int = 0  # tokens sampled under a grammar (tool calls, JSON outputs)
     grammar_compiles: int = 0  # distinct grammars compiled (cache misses)
     grammar_cache_hits: int = 0

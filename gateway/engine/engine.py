@@ -40,16 +40,19 @@ class AsyncEngine:
     Args:
         core: the synchronous engine (owned by the engine thread from ``start()`` on).
         model_name: served model name.
-        device, kernel_backend: reported in stats.
+        device, kernel_backend, dtype, kv_dtype: reported in stats (and the precisions in
+            /v1/models).
     """
 
-    def __init__(self, core: LLMEngine, *, model_name: str, device: str = "cpu", kernel_backend: str = "torch"):
+    def __init__(self, core: LLMEngine, *, model_name: str, device: str = "cpu",
+                 kernel_backend: str = "torch", dtype: str = "float32", kv_dtype: str = "float32"):
         self.core = core
         self.model_name = model_name
         self.max_model_len = core.max_model_len
         self.tokenizer = core.tokenizer
         self.device = device
         self.kernel_backend = kernel_backend
+        self.dtype, self.kv_dtype = dtype, kv_dtype
         # What a router needs to recompute this replica's block hashes (see gateway/scaleout).
         self.model_id = core.model_id
         self.page_size = core.page_size
@@ -310,6 +313,8 @@ class AsyncEngine:
                 num_preemptions=core.scheduler.num_preemptions,
                 kernel_backend=self.kernel_backend,
                 device=self.device,
+                dtype=self.dtype,
+                kv_dtype=self.kv_dtype,
                 constrained_tokens=core.constrained_tokens,
                 **core.grammar_stats(),
                 tier=core.tier_stats(),
@@ -418,4 +423,5 @@ def build_engine(config: EngineConfig | None = None, *, event_sink=None, loaded=
                 info["kernel_backend"], " + native CPU kernels" if info.get("native_cpu_kernels") else "",
                 core.cache.num_pages, core.page_size, core.scheduler.max_num_batched_tokens)
     return AsyncEngine(core, model_name=info["model_name"], device=info["device"],
-                       kernel_backend=info["kernel_backend"])
+                       kernel_backend=info["kernel_backend"], dtype=info["dtype"],
+                       kv_dtype=info["kv_dtype"])

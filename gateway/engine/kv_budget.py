@@ -52,10 +52,11 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """``None`` = fp32 on CPU, bf16 on GPU; names: float32/fp32, bfloat16/bf16, float16/fp16."""
+    """``None`` / ``"auto"`` = fp32 on CPU, bf16 on GPU; names: float32/fp32, bfloat16/bf16,
+    float16/fp16."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype is None:
+    if dtype is None or dtype.lower() == "auto":
         return torch.float32 if device.type == "cpu" else torch.bfloat16
     try:
         return _DTYPES[dtype.lower()]

@@ -26,6 +26,7 @@ from prefixgate.gateway.engine.kv_budget import (
 from prefixgate.gateway.engine.loader.loaded_model import LoadedModel
 from prefixgate.gateway.engine.model_config import ModelConfig
 from prefixgate.gateway.engine.models import ForwardBatch, build_model
+from prefixgate.gateway.engine.precision import cpu_bf16_isa
 from prefixgate.kernels.cpu.host_memory import huge_pages_status
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,9 @@ class ModelRunner:
         num_pages: pool size in pages; or ``kv_memory_gb`` (GiB) to derive it; or ``kv_pool``
             (an existing ``[L, 2, P, page_size, Hkv, D]`` tensor); none = default budget.
         page_size: tokens per page.
-        device / dtype: None = CUDA if available else CPU; fp32 on CPU, bf16 on GPU.
+        device / dtype: None = CUDA if available else CPU; fp32 on CPU, bf16 on GPU. bf16 on
+            CPU: bf16 matrices, fp32 activations (docs/precision.md); refused where the CPU
+            has neither AVX512-BF16 nor AMX-BF16.
         kv_dtype: the KV pool's dtype ("fp32" / "bf16" / "fp16" or a torch dtype); None or
             "auto" = ``dtype`` (or a given ``kv_pool``'s). A narrower pool is written rounded
             (write_kv) and read widened to the query's dtype by every attention path.
@@ -106,6 +109,9 @@ class ModelRunner:
         if kv_pool is not None and kv_dtype is None:
             kv_dtype = kv_pool.dtype
         self.kv_dtype = resolve_kv_dtype(kv_dtype, self.dtype)
+        # the instructions the CPU bf16 mode's GEMMs run on (None: not that mode)
+        cpu_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16
+        self.bf16_isa = cpu_bf16_isa() if cpu_bf16 else None
         if self.device.type == "cpu":
             _configure_cpu_threads()
         if max_model_len is not None and max_model_len < 1:
@@ -115,12 +121,12 @@ class ModelRunner:
         self.eos_token_ids = tuple(eos_token_ids)
         # the backend is chosen here, once: every step and layer uses this object
         self.kernel_backend = kernels.resolve_backend(self.device, kernel_backend)
-        # fp32 on CPU: decode attention and the fused layer ops run natively when the library
-        # builds here (kernels/cpu/decode.py, kernels/cpu/ops.py)
+        # fp32 (or the bf16 mode's fp32 activations) on CPU: decode attention and the fused
+        # layer ops run natively when the library builds here (kernels/cpu/decode.py, ops.py)
         self.native_cpu_kernels = (
             native_kernels
             and self.device.type == "cpu"
-            and self.dtype == torch.float32
+            and self.dtype in (torch.float32, torch.bfloat16)
             and kernels.backend_spec(self.kernel_backend).native_cpu
             and kernels.native_decode_available()
         )
@@ -144,10 +150,11 @@ class ModelRunner:
 
     def _log_start(self) -> None:
         logger.info(
-            "runner: %s on %s/%s, %d pages x %d tokens (%.2f GiB KV, %s), kernels=%s%s%s",
+            "runner: %s on %s/%s%s, %d pages x %d tokens (%.2f GiB KV, %s), kernels=%s%s%s",
             self.config.name,
             self.device,
             self.dtype,
+            f" (fp32 activations, GEMMs on {self.bf16_isa})" if self.bf16_isa else "",
             self.num_pages,
             self.page_size,
             self.kv_pool.numel() * self.kv_pool.element_size() / (1 << 30),

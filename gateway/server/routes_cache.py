@@ -159,6 +159,8 @@ async def stats_json(
             "num_preemptions": engine.num_preemptions,
             "kernel_backend": engine.kernel_backend,
             "device": engine.device,
+            "dtype": engine.dtype,
+            "kv_dtype": engine.kv_dtype,
             "spec_drafts": engine.spec_drafts,
             "spec_draft_tokens": engine.spec_draft_tokens,
             "spec_accepted_tokens": engine.spec_accepted_tokens,

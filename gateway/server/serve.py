@@ -107,7 +107,7 @@ class GatewayServer(BoundServer):
         cache = self.engine.cache_stats()
         engine = self.engine.engine_stats()
         logger.info(
-            "prefixgate ready: %s at %s/v1 (auth %s; %d KV pages x %d tokens; %s on %s)",
+            "prefixgate ready: %s at %s/v1 (auth %s; %d KV pages x %d tokens; %s on %s, %s, KV %s)",
             self.config.app.state.server.model_name,
             self.base_url,
             "on" if self.settings.auth_enabled else "off",
@@ -115,6 +115,8 @@ class GatewayServer(BoundServer):
             cache.page_size,
             engine.kernel_backend,
             engine.device,
+            engine.dtype,
+            engine.kv_dtype,
         )
 
 

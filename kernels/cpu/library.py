@@ -85,6 +85,18 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+# /proc/cpuinfo flags of the bf16 instructions, the best first
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def bf16_instructions() -> str | None:
+    """The best bf16 dot-product instructions this CPU has (``"amx_bf16"`` or
+    ``"avx512_bf16"``, as /proc/cpuinfo names them), or None: where the bf16 mode's GEMMs would
+    run emulated, slower than fp32."""
+    flags = set(_cpu_flags().split())
+    return next((flag for flag in BF16_FLAGS if flag in flags), None)
+
+
 def _build(compiler: str) -> Path:
     files = sources()
     flags = " ".join(COMPILE_FLAGS + LINK_FLAGS).encode()
@@ -158,6 +170,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pg_linear_quant_amx_f32.argtypes = [i32, p, i64, p, p, p, i64, p, i64, i32, i32, i32, i32]
     lib.pg_linear_quant_amx_f32.restype = i32
     lib.amx_available = bool(lib.pg_amx_available())  # asks Linux for the tile state once
+    # linear_bf16.c (-1 where the library was built without AVX512-BF16)
+    lib.pg_linear_bf16_preferred.argtypes = []
+    lib.pg_linear_bf16_preferred.restype = i32
+    lib.pg_linear_bf16.argtypes = [p, i64, p, p, p, i64, p, i64, i32, i32, i32, i32, i32]
+    lib.pg_linear_bf16.restype = i32
     # token_bitmask.c
     lib.pg_apply_token_bitmask_f32.argtypes = [p, i64, p, i64, i64, i64]
     lib.pg_apply_token_bitmask_f32.restype = None
@@ -211,4 +228,4 @@ def library() -> ctypes.CDLL | None:
     return None
 
 
-__all__ = ["library", "native_status", "sources"]
+__all__ = ["bf16_instructions", "library", "native_status", "sources"]

@@ -164,6 +164,26 @@ def test_linear_layouts_agree_with_f_linear(pack, native, rows):
     assert torch.allclose(layer(transposed), F.linear(transposed, weight, bias), atol=1e-4)
 
 
+@pytest.mark.parametrize(("pack", "native"), [(True, False), (False, False), (False, True)])
+@pytest.mark.parametrize("rows", [1, 37])
+def test_bf16_linear_takes_and_returns_fp32(pack, native, rows):
+    """The CPU bf16 mode's layer on each of its paths (native, oneDNN, F.linear): fp32 in and
+    out, the product of the bf16-rounded inputs, bias and residual added in fp32."""
+    weight = torch.randn(100, 256)
+    bias, x = torch.randn(100), torch.randn(rows, 256)
+    residual = torch.randn(rows, 100)
+    layer = Linear(weight.bfloat16(), bias, pack=pack, native=native)
+    if native and layer.native is None:
+        pytest.skip(f"native bf16 linear not used here: {native_status()}")
+    assert layer.bf16
+    ref = F.linear(x.bfloat16().float(), weight.bfloat16().float(), bias)
+    # the torch paths round their output to bf16 once (|y| <~ 50: within 0.25)
+    tolerance = 1e-4 if layer.native is not None else 0.25
+    out = layer(x)
+    assert out.dtype == torch.float32 and torch.allclose(out, ref, atol=tolerance)
+    assert torch.allclose(layer.add_to(x, residual), ref + residual, atol=tolerance)
+
+
 def test_model_config_rejects_bad_shapes():
     with pytest.raises(UnsupportedModelError, match="'gpt2' is not supported"):
         dataclasses.replace(BASE, architecture="gpt2")

@@ -46,6 +46,8 @@ def test_stats_shape_and_partition(client, gateway):
     assert 0.0 <= g["hit_rate"] <= 1.0
     assert stats["engine"]["kernel_backend"] in ("torch", "triton")
     assert stats["engine"]["device"]
+    # the precision it computes in (docs/precision.md): the exact fp32 default on CPU
+    assert (stats["engine"]["dtype"], stats["engine"]["kv_dtype"]) == ("float32", "float32")
 
 
 def test_agent_stats_from_header_and_user(client, gateway):

@@ -32,6 +32,9 @@ def sdk(gateway) -> openai.OpenAI:
 def test_models_lists_the_served_model(sdk, gateway):
     models = sdk.models.list()
     assert [m.id for m in models.data] == [gateway.model]
+    # the precision it computes in (docs/precision.md): the exact fp32 default on CPU
+    card = models.data[0].model_dump()
+    assert (card["dtype"], card["kv_dtype"]) == ("float32", "float32")
 
 
 def test_chat_non_streaming_has_usage_with_cached_tokens(sdk, gateway):

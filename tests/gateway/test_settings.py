@@ -254,3 +254,28 @@ def test_quantized_weights_flag_reaches_the_engine_config():
     assert engine.quantized_weights is True
     engine, _ = resolve(["serve"], {"PREFIXGATE_QUANTIZED_WEIGHTS": "off"})
     assert engine.quantized_weights is False
+
+
+def test_dtype_flag_reaches_the_engine_config(capsys):
+    engine, _ = resolve(["serve"], {})
+    assert engine.dtype is None  # auto: fp32 on CPU (exact), bf16 on GPU
+    engine, _ = resolve(["serve", "--dtype", "auto"], {})
+    assert engine.dtype is None
+    engine, _ = resolve(["serve"], {"PREFIXGATE_DTYPE": "bf16"})
+    assert engine.dtype == "bf16"
+    engine, _ = resolve(["serve", "--dtype", "fp32"], {"PREFIXGATE_DTYPE": "bf16"})
+    assert engine.dtype == "fp32"  # the flag wins
+    with pytest.raises(SystemExit):
+        resolve(["serve", "--dtype", "int8"], {})
+    assert "--dtype" in capsys.readouterr().err
+
+
+def test_bf16_on_a_cpu_without_bf16_instructions_is_a_usage_error(monkeypatch, capsys):
+    from prefixgate.gateway.engine import precision
+
+    monkeypatch.setattr(precision, "bf16_instructions", lambda: None)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", "--device", "cpu", "--dtype", "bf16"], {})
+    assert exit_info.value.code == 2  # refused before any model loads
+    err = capsys.readouterr().err
+    assert "AVX512-BF16 or AMX-BF16" in err and "--dtype fp32" in err

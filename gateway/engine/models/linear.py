@@ -13,6 +13,12 @@ A weight still in ggml blocks (:class:`~prefixgate.kernels.quant.QuantizedTensor
 file) runs natively in its blocks (kernels/cpu/csrc/linear_quant.c: a decode step streams ~96 MB
 instead of 540 MB of fp32 for SmolLM2) when ``native`` is set and the kernel is built here;
 otherwise it is dequantized once, exactly, and takes the paths above.
+
+A bf16 weight on CPU (the ``--dtype bf16`` mode, docs/precision.md) takes fp32 activations and
+returns fp32: the input is rounded to bf16 for the GEMM only, products are summed in fp32, and
+bias and residual stay fp32. Natively (kernels/cpu/csrc/linear_bf16.c: AMX tiles, or
+AVX512-BF16 where AMX is absent) that is one call with the epilogue fused; otherwise oneDNN's
+bf16 GEMM (or ``F.linear``), whose bf16 output is widened before the fp32 bias and residual.
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ import torch.nn.functional as F
 
 from prefixgate.kernels.cpu.host_memory import HugePageArena
 from prefixgate.kernels.cpu.ops import (
+    linear_bf16_native,
     linear_native,
     linear_quant_native,
+    pack_bf16_weight,
     pack_linear_weight,
     pack_quant_weight,
     quant_rows_native,
@@ -86,17 +94,20 @@ class Linear:
     """``y = x @ weight.T (+ bias)`` for ``x [T, in]``; ``weight [out, in]``.
 
     Args:
-        weight: ``[out_features, in_features]`` on the compute device, in the compute dtype;
-            or ggml blocks (CPU fp32 compute only), kept as they are with ``native``.
+        weight: ``[out_features, in_features]`` on the compute device, in the compute dtype
+            (bf16 on CPU: fp32 activations in and out, see above); or ggml blocks (CPU fp32
+            compute only), kept as they are with ``native``.
         bias: ``[out_features]`` or None.
-        pack: reorder for oneDNN (CPU fp32 only; ignored where unavailable).
+        pack: reorder for oneDNN (CPU fp32 / bf16 only; ignored where unavailable).
         native: pack for the native CPU kernel (kernels/cpu/ops.py) when it is available;
             takes precedence over ``pack``.
         arena: where the natively packed weight is allocated (huge pages; see
             kernels/cpu/host_memory.py); None: an ordinary allocation.
     """
 
-    __slots__ = ("bias", "in_features", "native", "out_features", "packed", "quant", "weight")
+    __slots__ = (
+        "bf16", "bias", "in_features", "native", "out_features", "packed", "quant", "weight"
+    )
 
     def __init__(
         self,
@@ -109,6 +120,12 @@ class Linear:
     ):
         self.out_features, self.in_features = weight.shape
         self.quant: str | None = None  # the ggml type of a natively packed quantized weight
+        # a bf16 weight on CPU: activations enter and leave in fp32 (rounded for the GEMM only)
+        self.bf16 = (
+            isinstance(weight, torch.Tensor)
+            and weight.dtype == torch.bfloat16
+            and weight.device.type == "cpu"
+        )
         self.native = None
         if isinstance(weight, QuantizedTensor):
             self.native = pack_quant_weight(weight, arena) if native else None
@@ -117,14 +134,15 @@ class Linear:
             else:
                 weight = weight.dequantize()
         elif native:
-            self.native = pack_linear_weight(weight, arena)
+            pack_native = pack_bf16_weight if self.bf16 else pack_linear_weight
+            self.native = pack_native(weight, arena)
         # the native kernel reads the bias as one dense row
         self.bias = bias.contiguous() if bias is not None and self.native is not None else bias
         use_onednn = (
             self.native is None
             and pack
             and weight.device.type == "cpu"
-            and weight.dtype == torch.float32
+            and weight.dtype in (torch.float32, torch.bfloat16)
             and onednn_linear_available()
         )
         self.packed = (
@@ -138,6 +156,9 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.native is not None:
             return self._native(x, None)
+        if self.bf16:
+            out = self._bf16_product(x)
+            return out if self.bias is None else out + self.bias
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -146,12 +167,24 @@ class Linear:
         """``residual + x @ weight.T`` (+ bias), the add fused into the GEMM."""
         if self.native is not None:
             return self._native(x, residual)
+        if self.bf16:
+            out = residual + self._bf16_product(x)
+            return out if self.bias is None else out + self.bias
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise.binary(
                 x, residual, self.packed, self.bias, "add"
             )
         out = torch.addmm(residual, x, self.weight.t())
         return out if self.bias is None else out + self.bias
+
+    def _bf16_product(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T`` of a bf16 weight without its native kernel, in ``x``'s dtype."""
+        xb = x.to(torch.bfloat16)
+        if self.packed is not None:
+            out = torch.ops.mkldnn._linear_pointwise(xb, self.packed, None, "none", [], "")
+        else:
+            out = F.linear(xb, self.weight)
+        return out.to(x.dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """``weight[ids]`` (``[T, in]``) of a natively packed quantized weight: the embedding
@@ -173,7 +206,8 @@ class Linear:
         if out is None:
             raise ValueError(
                 f"linear: input {tuple(x.shape)} {x.dtype} on {x.device} does not fit the "
-                f"[{self.out_features}, {self.in_features}] fp32 CPU weight"
+                f"[{self.out_features}, {self.in_features}] "
+                f"{'bf16' if self.bf16 else 'fp32'} CPU weight (fp32 activations)"
             )
         return out
 
@@ -182,6 +216,8 @@ class Linear:
             return linear_quant_native(
                 x, self.native, self.quant, self.out_features, self.bias, residual
             )
+        if self.bf16:
+            return linear_bf16_native(x, self.native, self.out_features, self.bias, residual)
         return linear_native(x, self.native, self.out_features, self.bias, residual)
 
 

@@ -55,13 +55,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, native: bool = F
     return weight * x32.to(dtype)
 
 
+def activation_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """What activations are computed in for a model of ``dtype`` on ``device``: ``dtype`` itself,
+    except bf16 on CPU, whose activations stay fp32 (only the GEMMs' inputs are bf16: a bf16
+    residual stream would round every layer's sum, and the fused CPU ops are fp32)."""
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        return torch.float32
+    return dtype
+
+
 class LlamaModel:
     """Weights on ``device`` in ``dtype`` plus the forward pass.
 
     Args:
         config: the model's shape.
         weights: HF-named tensors, fp32 or ggml blocks (see ``LoadedModel``); read, not kept.
-        device / dtype: where and in what precision to compute.
+        device / dtype: where and in what precision to compute. bf16 on CPU is the mixed mode
+            of docs/precision.md: the matrices in bf16 (GGUF blocks expanded to it), every
+            activation, norm, RoPE and the attention in fp32 (:func:`activation_dtype`).
         max_positions: longest sequence to support (RoPE table size).
         kernel_backend: the runner's kernel backend name (the runner binds the backend
             object; a step brings it in ``ForwardBatch.attention``).
@@ -86,6 +97,8 @@ class LlamaModel:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
+        # norms, biases, RoPE, the residual stream
+        self.act_dtype = act = activation_dtype(self.device, dtype)
         # resolved once: a per-call resolution reads the environment 60 times a step
         self.kernel_backend = kernels.backend_name(self.device, kernel_backend)
         self.native_ops = native_ops
@@ -101,10 +114,10 @@ class LlamaModel:
             and quant_native_available()
         )
 
-        def put(tensor: torch.Tensor | QuantizedTensor) -> torch.Tensor:
+        def put(tensor: torch.Tensor | QuantizedTensor, to: torch.dtype = act) -> torch.Tensor:
             if isinstance(tensor, QuantizedTensor):
                 tensor = tensor.dequantize()
-            return tensor.to(device=self.device, dtype=dtype).contiguous()
+            return tensor.to(device=self.device, dtype=to).contiguous()
 
         def matrix(parts: list[torch.Tensor | QuantizedTensor]) -> torch.Tensor | QuantizedTensor:
             """The parts stacked by rows (fused q|k|v, gate|up), in blocks when they can be."""
@@ -113,7 +126,9 @@ class LlamaModel:
                 isinstance(t, QuantizedTensor) and t.qtype == first.qtype for t in parts
             ):
                 return parts[0] if len(parts) == 1 else cat_rows(parts)  # type: ignore[arg-type]
-            return put(parts[0]) if len(parts) == 1 else torch.cat([put(t) for t in parts])
+            if len(parts) == 1:
+                return put(parts[0], dtype)
+            return torch.cat([put(t, dtype) for t in parts])
 
         # packed native weights sit in huge pages, in the order a step reads them
         arena = HugePageArena() if native_ops and self.device.type == "cpu" else None
@@ -158,7 +173,7 @@ class LlamaModel:
                 )
             )
         self.max_positions = max_positions or config.max_position_embeddings
-        self.rope = RotaryEmbedding(config, self.max_positions, self.device, dtype)
+        self.rope = RotaryEmbedding(config, self.max_positions, self.device, act)
 
     @torch.inference_mode()
     def forward(
@@ -183,7 +198,8 @@ class LlamaModel:
 
         native = self.native_ops
         if self.embed is not None:
-            hidden = F.embedding(batch.input_ids, self.embed)  # [T, H]
+            # a bf16 table (CPU bf16 mode) widens its rows into the fp32 residual stream
+            hidden = F.embedding(batch.input_ids, self.embed).to(self.act_dtype)  # [T, H]
         else:
             assert self.embed_rows is not None
             hidden = self.embed_rows.rows(batch.input_ids)  # [T, H]

@@ -612,6 +612,9 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "prefixgate"
     max_model_len: int
+    # compute / KV cache precision ("float32", "bfloat16"; docs/precision.md)
+    dtype: str | None = None
+    kv_dtype: str | None = None
 
 
 class ModelList(BaseModel):

@@ -501,7 +501,10 @@ async def list_models(request: Request, _: Principal = Depends(authenticate)) ->
     return ModelList(
         data=[
             ModelCard(
-                id=state.model_name, created=state.created, max_model_len=state.engine.max_model_len
+                id=state.model_name, created=state.created, max_model_len=state.engine.max_model_len,
+                # stand-in engines (tests) may not say
+                dtype=getattr(state.engine, "dtype", None),
+                kv_dtype=getattr(state.engine, "kv_dtype", None),
             )
         ]
     )
