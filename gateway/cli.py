@@ -77,6 +77,7 @@ DEFAULTS: dict[str, Any] = {
     "kv_tier": _ENGINE.kv_tier or "off",
     "kv_tier_size": _ENGINE.kv_tier_size_gb,
     "kv_tier_path": _ENGINE.kv_tier_path,
+    "kv_tier_secret": _SERVER.kv_tier_secret,
     "retention_learn": _switch(_SERVER.retention_learn),
     "retention_tenant_budget": _ENGINE.retention_tenant_budget,
     **LIMIT_DEFAULTS,
@@ -232,6 +233,12 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     )
     model.add_argument(
         "--kv-tier-path", metavar="FILE", help="back the host tier by this file on local disk"
+    )
+    model.add_argument(
+        "--kv-tier-secret", metavar="SECRET",
+        help="the fleet secret Redis tier entries are authenticated with (a keyed MAC), so "
+        "nobody who can write to Redis can plant K/V; required with --kv-tier redis, the same "
+        "on every replica, at least 16 characters (prefer the environment variable)",
     )
     http = p.add_argument_group("HTTP and auth")
     http.add_argument("--host", help="bind address (default {default})")
@@ -447,6 +454,7 @@ def configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerSettings]:
         metrics_public=values["metrics_public"] == "on",
         log_level=values["log_level"],
         redis_url=values["redis_url"],
+        kv_tier_secret=values["kv_tier_secret"],
         replica_id=values["replica_id"],
         advertise_url=values["advertise_url"],
         heartbeat_ttl_s=values["heartbeat_ttl"],

@@ -245,3 +245,18 @@ def test_quantized_weights_flag_reaches_the_engine_config():
     assert engine.quantized_weights is True
     engine, _ = resolve(["serve"], {"PREFIXGATE_QUANTIZED_WEIGHTS": "off"})
     assert engine.quantized_weights is False
+
+
+def test_the_redis_tier_needs_its_secret():
+    from prefixgate.gateway.server.serve import tier_store
+
+    engine, settings = resolve(["serve", "--kv-tier", "redis", "--redis-url", "redis://127.0.0.1:1/0"], {})
+    with pytest.raises(SystemExit, match="--kv-tier-secret"):
+        tier_store(engine, settings)
+    engine, settings = resolve(["serve", "--kv-tier", "redis", "--redis-url", "redis://127.0.0.1:1/0"],
+                               {"PREFIXGATE_KV_TIER_SECRET": "short"})
+    with pytest.raises(SystemExit, match="at least 16"):
+        tier_store(engine, settings)
+    engine, settings = resolve(["serve", "--kv-tier", "redis", "--redis-url", "redis://127.0.0.1:1/0"],
+                               {"PREFIXGATE_KV_TIER_SECRET": "a-long-enough-fleet-secret"})
+    assert tier_store(engine, settings).name == "redis"  # (connects lazily)
