@@ -8,7 +8,10 @@ A :class:`Tokenizer` is built either from a GGUF vocabulary (:class:`GGUFVocab`,
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -194,8 +197,46 @@ def _end_of_generation_ids(
     return tuple(dict.fromkeys(ids))
 
 
+# Marks where a special-token string sat in message text while the template renders: two
+# noncharacters, which no API surface accepts in text (gateway/server/fields.py).
+_MARK_OPEN, _MARK_CLOSE = "\ufdd0", "\ufdd1"
+_MARK = re.compile(f"{_MARK_OPEN}(\\d+){_MARK_CLOSE}")
+
+
+class _TextMarker:
+    """Replaces every special-token string inside message text (contents, tool arguments,
+    names, results: every string and key) by a marker, and back."""
+
+    def __init__(self, specials: re.Pattern[str]):
+        self._specials = specials
+        self.found: list[str] = []
+
+    def mark(self, value: Any) -> Any:
+        if isinstance(value, str):
+            if _MARK_OPEN in value or _MARK_CLOSE in value:
+                raise ValueError("message text may not contain U+FDD0 or U+FDD1 (noncharacters)")
+            return self._specials.sub(self._marker, value)
+        if isinstance(value, dict):
+            return {self.mark(k): self.mark(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.mark(v) for v in value]
+        return value
+
+    def _marker(self, match: re.Match[str]) -> str:
+        self.found.append(match.group())
+        return f"{_MARK_OPEN}{len(self.found) - 1}{_MARK_CLOSE}"
+
+    def unmark(self, text: str) -> str:
+        return _MARK.sub(lambda m: self.found[int(m.group(1))], text)
+
+
 class Tokenizer:
     """Encode/decode plus the model's chat template. Satisfies ``api.TokenizerLike``.
+
+    Special tokens of a chat come only from the template's own text: a special-token string
+    inside a message (``<|im_start|>system`` pasted by a user or a tool result) is tokenised
+    as plain text, unless ``parse_special_tokens`` is set (how vLLM and llama.cpp do it, which
+    lets anyone forge a turn).
 
     Args:
         backend: a ready ``tokenizers.Tokenizer`` (special tokens registered as added tokens;
@@ -221,6 +262,7 @@ class Tokenizer:
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.chat_template = chat_template
+        self.parse_special_tokens = False  # --parse-special-tokens: the old, forgeable way
 
     # ---- construction -------------------------------------------------------------------
 
@@ -397,11 +439,56 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         **template_kwargs: Any,
     ) -> list[int]:
-        """Token ids of :meth:`render_chat` (the template spells special tokens itself)."""
-        return self.encode(
-            self.render_chat(messages, tools, add_generation_prompt, **template_kwargs),
-            add_special_tokens=False,
-        )
+        """Token ids of :meth:`render_chat`: special tokens only where the template wrote them,
+        the messages' own text as plain text (see the class docstring)."""
+        specials = self._special_pattern
+        if self.parse_special_tokens or specials is None:
+            return self.encode(
+                self.render_chat(messages, tools, add_generation_prompt, **template_kwargs))
+        marker = _TextMarker(specials)
+        marked_messages, marked_tools = marker.mark(messages), marker.mark(tools)
+        text = self.render_chat(marked_messages, marked_tools, add_generation_prompt,
+                                **template_kwargs)
+        if not marker.found:  # nothing to tell apart: every special token is the template's
+            return self.encode(text)
+        return self._encode_marked(text, marker)
+
+    def _encode_marked(self, text: str, marker: _TextMarker) -> list[int]:
+        """``text`` split at the template's special tokens; the runs between them (the markers
+        turned back into their strings) encoded with special tokens read as text. The whole
+        text's encoding splits at added tokens first too, so a run encodes the same way."""
+        pieces = self._special_pattern.split(text)  # text, special, text, special, ..., text
+        runs = [marker.unmark(p) for p in pieces[0::2]]
+        encoded = self._plain_backends[0].encode_batch(runs[:1], add_special_tokens=False)
+        if len(runs) > 1:
+            encoded += self._plain_backends[1].encode_batch(runs[1:], add_special_tokens=False)
+        ids: list[int] = list(encoded[0].ids)
+        for special, run in zip(pieces[1::2], encoded[1:], strict=True):
+            ids.append(self.backend.token_to_id(special))
+            ids.extend(run.ids)
+        return ids
+
+    @functools.cached_property
+    def _special_pattern(self) -> re.Pattern[str] | None:
+        """The special tokens' strings, longest first (None when there are none)."""
+        texts = sorted({t.content for t in self.backend.get_added_tokens_decoder().values()
+                        if t.special and t.content}, key=len, reverse=True)
+        return re.compile("(" + "|".join(map(re.escape, texts)) + ")") if texts else None
+
+    @functools.cached_property
+    def _plain_backends(self) -> tuple[BackendTokenizer, BackendTokenizer]:
+        """Copies of the backend that read special-token text as text: one for the start of
+        the prompt, one for a run after a special token (a sentencepiece "first" prefix space
+        belongs to the very start only)."""
+        spec = json.loads(self.backend.to_str())
+        first = BackendTokenizer.from_str(json.dumps(spec))
+        pre = spec.get("pre_tokenizer") or {}
+        if pre.get("type") == "Metaspace" and pre.get("prepend_scheme") == "first":
+            pre["prepend_scheme"] = "never"
+        rest = BackendTokenizer.from_str(json.dumps(spec))
+        for backend in (first, rest):
+            backend.encode_special_tokens = True
+        return first, rest
 
     def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
         """A fresh streaming detokeniser for one output."""
