@@ -20,6 +20,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as BackendTokenizer
 
 from prefixgate.gateway.engine.chat_template import ChatTemplate, ChatTemplateError
+from prefixgate.gateway.engine.template_sandbox import OutputTooLongError
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,31 @@ _GPT2_STYLE_PRE = frozenset({"default", "gpt2", "gpt-2", "smollm", "starcoder", 
 
 class TokenizerError(ValueError):
     """The vocabulary cannot be turned into a tokenizer (unknown model type, bad data...)."""
+
+
+class PromptTooLongError(ValueError):
+    """The text cannot fit ``max_tokens`` tokens, known without tokenizing it: every token
+    spells at most ``max_token_bytes`` UTF-8 bytes of it."""
+
+    def __init__(self, num_bytes: int, max_tokens: int, max_token_bytes: int):
+        super().__init__(
+            f"the prompt is {num_bytes} bytes or more; {max_tokens} tokens of this model spell at "
+            f"most {max_tokens * max_token_bytes} bytes ({max_token_bytes} bytes a token)")
+        self.num_bytes = num_bytes
+        self.max_tokens = max_tokens
+
+
+# pre-tokenizers that split text without dropping any of it (so tokens cover every byte)
+_KEEPING_PRE_TOKENIZERS = frozenset(
+    {"ByteLevel", "Metaspace", "Digits", "Split", "Punctuation", "UnicodeScripts", "Sequence"})
+
+
+def _keeps_every_byte(pre: dict[str, Any] | None) -> bool:
+    if pre is None:
+        return True
+    if pre.get("type") not in _KEEPING_PRE_TOKENIZERS or pre.get("behavior") == "Removed":
+        return False
+    return all(_keeps_every_byte(p) for p in pre.get("pretokenizers", ()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -396,14 +422,53 @@ class Tokenizer:
         """Number of token ids, added tokens included."""
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False,
+               max_tokens: int | None = None) -> list[int]:
         """Token ids of ``text``; special-token strings in it become their ids.
 
         ``add_special_tokens`` adds what the model's post-processor adds (BOS for llama2...).
+        ``max_tokens``: raise :class:`PromptTooLongError` without tokenizing when ``text``
+        provably needs more tokens than that.
         """
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        self.check_fits(text, max_tokens)
+        # NOTE: encode_batch releases the GIL while it works, encode holds it throughout (a
+        # long prompt would stall the server's event loop for its whole tokenization)
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int | None:
+        """The most UTF-8 bytes of input one token can stand for, or None when the pipeline
+        gives no such bound (a normalizer, a pre-tokenizer that drops text, fused unknowns)."""
+        spec = json.loads(self.backend.to_str())
+        model = spec.get("model") or {}
+        if (spec.get("normalizer") is not None or not _keeps_every_byte(spec.get("pre_tokenizer"))
+                or model.get("type") != "BPE"
+                or (model.get("fuse_unk") and not model.get("byte_fallback"))):
+            return None
+        pre = json.dumps(spec.get("pre_tokenizer"))
+        byte_level = '"ByteLevel"' in pre
+
+        def spelled(token: str) -> int:
+            if byte_level:
+                return len(token)  # one character of the byte alphabet per byte
+            if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", token):
+                return 1
+            return len(token.replace("▁", " ").encode())
+
+        longest = max(map(spelled, model.get("vocab") or {"": 0}))
+        added = max((len(t["content"].encode()) for t in spec.get("added_tokens") or ()), default=1)
+        return max(longest, added, 1)
+
+    def check_fits(self, text: str, max_tokens: int | None) -> None:
+        """Raise :class:`PromptTooLongError` when ``text`` cannot fit ``max_tokens`` tokens."""
+        bound = self.max_token_bytes
+        if max_tokens is None or bound is None or len(text) <= max_tokens:
+            return  # (a token spells at least one character)
+        num_bytes = len(text.encode("utf-8", "surrogatepass"))
+        if num_bytes > max_tokens * bound:
+            raise PromptTooLongError(num_bytes, max_tokens, bound)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``token_ids`` (invalid UTF-8 becomes U+FFFD)."""
@@ -437,21 +502,40 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        *,
+        max_prompt_tokens: int | None = None,
         **template_kwargs: Any,
     ) -> list[int]:
         """Token ids of :meth:`render_chat`: special tokens only where the template wrote them,
-        the messages' own text as plain text (see the class docstring)."""
+        the messages' own text as plain text (see the class docstring).
+
+        ``max_prompt_tokens``: raise :class:`PromptTooLongError` as soon as the prompt provably
+        needs more (while rendering, or before tokenizing).
+        """
+        max_tokens = max_prompt_tokens
+        if max_tokens is not None and self.max_token_bytes is not None:
+            # the render stops as soon as its text cannot fit (characters <= bytes)
+            template_kwargs["max_output_chars"] = max_tokens * self.max_token_bytes
         specials = self._special_pattern
         if self.parse_special_tokens or specials is None:
             return self.encode(
-                self.render_chat(messages, tools, add_generation_prompt, **template_kwargs))
+                self._render(messages, tools, add_generation_prompt, template_kwargs),
+                max_tokens=max_tokens)
         marker = _TextMarker(specials)
         marked_messages, marked_tools = marker.mark(messages), marker.mark(tools)
-        text = self.render_chat(marked_messages, marked_tools, add_generation_prompt,
-                                **template_kwargs)
+        text = self._render(marked_messages, marked_tools, add_generation_prompt, template_kwargs)
         if not marker.found:  # nothing to tell apart: every special token is the template's
-            return self.encode(text)
+            return self.encode(text, max_tokens=max_tokens)
+        self.check_fits(marker.unmark(text), max_tokens)
         return self._encode_marked(text, marker)
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                add_generation_prompt: bool, template_kwargs: dict[str, Any]) -> str:
+        try:
+            return self.render_chat(messages, tools, add_generation_prompt, **template_kwargs)
+        except OutputTooLongError as exc:
+            raise PromptTooLongError(exc.limit + 1, exc.limit // (self.max_token_bytes or 1),
+                                     self.max_token_bytes or 1) from exc
 
     def _encode_marked(self, text: str, marker: _TextMarker) -> list[int]:
         """``text`` split at the template's special tokens; the runs between them (the markers

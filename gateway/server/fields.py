@@ -77,14 +77,26 @@ FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Z
 # A lone surrogate cannot be encoded (the tokenizer, the JSON encoder of a response and the
 # logs all fail on it, as 500s); noncharacters are for a process's internal use, and the chat
 # renderer marks user text with them (gateway/engine/chat_template.py), so none may come in.
-_NONCHARACTERS = "\ufdd0-\ufdef" + "".join(
-    f"{chr(plane << 16 | 0xFFFE)}{chr(plane << 16 | 0xFFFF)}" for plane in range(17))
-UNSAFE_TEXT = re.compile(f"[\ud800-\udfff{_NONCHARACTERS}]")
+_BMP_UNSAFE = re.compile("[\ud800-\udfff\ufdd0-\ufdef\ufffe\uffff]")
+# (astral characters in a character class make re slow on every string: searched apart, only
+# in strings that have astral characters at all)
+_ASTRAL_UNSAFE = re.compile("|".join(
+    f"{chr(plane << 16 | 0xFFFE)}|{chr(plane << 16 | 0xFFFF)}" for plane in range(1, 17)))
+
+
+def unsafe_char(text: str) -> str | None:
+    """The first surrogate or noncharacter in ``text`` (None for most text, quickly)."""
+    if text.isascii():
+        return None
+    found = _BMP_UNSAFE.search(text)
+    if found is None and max(text) > "\uffff":
+        found = _ASTRAL_UNSAFE.search(text)
+    return found.group() if found else None
 
 
 def escape_unsafe(text: str) -> str:
     """``text`` with surrogates and noncharacters written as ``\\uXXXX`` (safe to echo)."""
-    return UNSAFE_TEXT.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+    return "".join(f"\\u{ord(c):04x}" if unsafe_char(c) else c for c in text)
 
 
 def find_unsafe_text(value: Any) -> tuple[str, str] | None:
@@ -94,14 +106,14 @@ def find_unsafe_text(value: Any) -> tuple[str, str] | None:
     while stack:
         path, item = stack.pop()
         if isinstance(item, str):
-            if found := UNSAFE_TEXT.search(item):
-                return path, found.group()
+            if found := unsafe_char(item):
+                return path, found
         elif isinstance(item, dict):
             for key, sub in reversed(item.items()):
                 name = escape_unsafe(str(key))
                 where = f"{path}.{name}" if path else name
-                if isinstance(key, str) and (found := UNSAFE_TEXT.search(key)):
-                    return where, found.group()
+                if isinstance(key, str) and (found := unsafe_char(key)):
+                    return where, found
                 stack.append((where, sub))
         elif isinstance(item, (list, tuple)):
             stack.extend((f"{path}[{i}]", sub) for i, sub in reversed(list(enumerate(item))))
