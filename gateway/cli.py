@@ -240,7 +240,7 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         help="on = special-token text inside messages (contents, tool results and arguments, "
         "names) becomes control tokens, as vLLM and llama.cpp do, so any user or pasted web "
         "page can forge a system turn; off = only the chat template's own structure makes "
-        "special tokens (default off; the router needs the same setting)",
+        "special tokens (default {default}; the router needs the same setting)",
     )
     model.add_argument(
         "--kv-tier-secret", metavar="SECRET",
