@@ -178,10 +178,10 @@ def test_entries_redis_drops_are_written_again(loaded_model, tokenizer, redis_se
     client.config_set("maxmemory-policy", "allkeys-lru")
     client.config_set("maxmemory", used + (4 << 20))
     try:
-        for i in range(64):
+        for i in range(16):
             client.set(f"junk:{i}", bytes(1 << 20))
         assert not written <= _entry_keys(client, namespace)  # some of ours are gone
-        client.delete(*[f"junk:{i}" for i in range(64)])
+        client.delete(*[f"junk:{i}" for i in range(16)])
         client.config_set("maxmemory", 0)
         _evict_into_the_tier(engine, tokenizer, "r3")
         assert written <= _entry_keys(client, namespace)
