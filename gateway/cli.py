@@ -88,6 +88,8 @@ DEFAULTS: dict[str, Any] = {
     "kv_tier": _ENGINE.kv_tier or "off",
     "kv_tier_size": _ENGINE.kv_tier_size_gb,
     "kv_tier_path": _ENGINE.kv_tier_path,
+    "kv_tier_secret": _SERVER.kv_tier_secret,
+    "parse_special_tokens": _switch(_ENGINE.parse_special_tokens),
     "retention_learn": _switch(_SERVER.retention_learn),
     "retention_tenant_budget": _ENGINE.retention_tenant_budget,
     **LIMIT_DEFAULTS,
@@ -272,6 +274,19 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     )
     model.add_argument(
         "--kv-tier-path", metavar="FILE", help="back the host tier by this file on local disk"
+    )
+    model.add_argument(
+        "--parse-special-tokens", choices=["on", "off"],
+        help="on = special-token text inside messages (contents, tool results and arguments, "
+        "names) becomes control tokens, as vLLM and llama.cpp do, so any user or pasted web "
+        "page can forge a system turn; off = only the chat template's own structure makes "
+        "special tokens (default {default}; the router needs the same setting)",
+    )
+    model.add_argument(
+        "--kv-tier-secret", metavar="SECRET",
+        help="the fleet secret Redis tier entries are authenticated with (a keyed MAC), so "
+        "nobody who can write to Redis can plant K/V; required with --kv-tier redis, the same "
+        "on every replica, at least 16 characters (prefer the environment variable)",
     )
     http = p.add_argument_group("HTTP and auth")
     http.add_argument("--host", help="bind address (default {default})")
@@ -478,6 +493,7 @@ def configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerSettings]:
         kv_tier=None if values["kv_tier"] == "off" else values["kv_tier"],
         kv_tier_size_gb=values["kv_tier_size"],
         kv_tier_path=values["kv_tier_path"],
+        parse_special_tokens=values["parse_special_tokens"] == "on",
     )
     settings = ServerSettings(
         host=values["host"],
@@ -491,6 +507,7 @@ def configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerSettings]:
         metrics_public=values["metrics_public"] == "on",
         log_level=values["log_level"],
         redis_url=values["redis_url"],
+        kv_tier_secret=values["kv_tier_secret"],
         replica_id=values["replica_id"],
         advertise_url=values["advertise_url"],
         heartbeat_ttl_s=values["heartbeat_ttl"],

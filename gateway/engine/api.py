@@ -240,7 +240,8 @@ class PinResult:
 class TokenizerLike(Protocol):
     eos_token_ids: tuple[int, ...]
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = False,
+               max_tokens: int | None = None) -> list[int]: ...
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
@@ -249,6 +250,8 @@ class TokenizerLike(Protocol):
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        *,
+        max_prompt_tokens: int | None = None,
     ) -> list[int]: ...
 
 

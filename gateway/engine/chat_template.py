@@ -19,7 +19,14 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from prefixgate.gateway.engine.template_sandbox import (
+    MAX_VALUE_CHARS,
+    BoundedSandbox,
+    OutputTooLongError,
+    TemplateLimitError,
+    render_bounded,
+)
 
 
 class ChatTemplateError(ValueError):
@@ -55,6 +62,8 @@ def _tojson(
     sort_keys: bool = False,
 ) -> str:
     # jinja's own tojson escapes <, >, & for HTML; chat prompts must keep them verbatim
+    if indent is not None and not 0 <= indent <= 16:
+        raise jinja2.exceptions.TemplateError(f"tojson indent must be in [0, 16], got {indent}")
     return json.dumps(
         value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
@@ -64,13 +73,13 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+def _environment() -> BoundedSandbox:
+    env = BoundedSandbox(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationBlock, jinja2.ext.loopcontrols],
     )
-    env.filters["tojson"] = _tojson
+    env.add_filter("tojson", _tojson)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
@@ -126,6 +135,7 @@ class ChatTemplate:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        max_output_chars: int = MAX_VALUE_CHARS,
         **template_kwargs: Any,
     ) -> str:
         """Render ``messages`` (OpenAI-style dicts: role, content, tool_calls...) to prompt text.
@@ -134,13 +144,16 @@ class ChatTemplate:
             messages: the conversation; roles system/user/assistant/tool are passed as given.
             tools: JSON-schema tool definitions, handed to the template unchanged.
             add_generation_prompt: append the header that opens the assistant's turn.
+            max_output_chars: stop (OutputTooLongError) once the text is longer than this.
             template_kwargs: extra variables some templates read (e.g. ``enable_thinking``).
 
         Returns:
             The prompt text, special tokens spelled out (tokenise it without adding more).
 
         Raises:
-            ChatTemplateError: bad messages, or the template raised (``raise_exception``).
+            ChatTemplateError: bad messages, or the template raised (``raise_exception``),
+                failed, or went over a bound of gateway/engine/template_sandbox.py.
+            OutputTooLongError: the text passed ``max_output_chars``.
         """
         if not isinstance(messages, list) or not messages:
             raise ChatTemplateError("messages must be a non-empty list of dicts")
@@ -160,6 +173,15 @@ class ChatTemplate:
             "add_generation_prompt": add_generation_prompt,
         }
         try:
-            return self._template.render(**variables)
+            return render_bounded(self._template, variables, max_output_chars)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from exc
+        except OutputTooLongError:
+            raise
+        except TemplateLimitError as exc:
+            raise ChatTemplateError(f"the chat template went over a limit: {exc}") from exc
+        except (ArithmeticError, LookupError, AttributeError, TypeError, ValueError,
+                RecursionError) as exc:
+            # the template is code from the model file: its failure fails this request alone
+            raise ChatTemplateError(
+                f"the chat template failed ({type(exc).__name__}: {exc})") from exc

@@ -63,6 +63,10 @@ class EngineConfig:
     kv_tier: str | None = None
     kv_tier_size_gb: float = 4.0
     kv_tier_path: str | None = None
+    # special-token text inside messages (contents, tool arguments, names) becomes control
+    # tokens, so any user or pasted tool result can forge a turn: off = only the chat
+    # template's own structure makes special tokens (gateway/engine/tokenizer.py)
+    parse_special_tokens: bool = False
     # speculative decoding (greedy and sampled requests): at most this many draft tokens a
     # step, looked up in the sequence's own context (gateway/engine/drafter.py); 0 = off
     num_speculative_tokens: int = 4

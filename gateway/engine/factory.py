@@ -42,6 +42,7 @@ def create_llm_engine(
         native_kernels=config.native_kernels,
         quantized_weights=config.quantized_weights,
     )
+    loaded.tokenizer.parse_special_tokens = config.parse_special_tokens
     if tier_store is None and config.kv_tier == "host":
         page_bytes = runner.kv_pool[:, :, 0].numel() * runner.kv_pool.element_size()
         tier_store = HostTier(int(config.kv_tier_size_gb * (1 << 30)), entry_slot_bytes(page_bytes),

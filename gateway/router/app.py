@@ -188,6 +188,7 @@ def create_router_app(settings: RouterSettings, *, tokenizer: Any = None,
 
         loaded = load_tokenizer_only(settings.model)
         tokenizer, model_id = loaded.tokenizer, loaded.model_id
+        tokenizer.parse_special_tokens = settings.parse_special_tokens
     state = RouterState(settings, tokenizer, model_id)
 
     @asynccontextmanager

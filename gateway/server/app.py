@@ -45,14 +45,15 @@ def create_app(
     model_name = settings.served_model_name or engine.model_name
     keys = KeyTable.from_settings(settings)
     pool = engine.cache_stats()  # once, before serving: pool geometry never changes
+    capacity = min(engine.max_model_len, pool.num_pages * pool.page_size)
     state = ServerState(
         engine=engine,
         settings=settings,
         model_name=model_name,
         keys=keys,
         metrics=GatewayMetrics(engine, model_name, settings.max_agent_labels),
-        tokenization=Tokenization(engine),
-        capacity=min(engine.max_model_len, pool.num_pages * pool.page_size),
+        tokenization=Tokenization(engine, capacity),
+        capacity=capacity,
         page_size=pool.page_size,
     )
 

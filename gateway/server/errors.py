@@ -103,6 +103,9 @@ def validation_error(exc: RequestValidationError) -> InvalidRequestError:
         detail = (first.get("ctx") or {}).get("error", "invalid JSON")
         return InvalidRequestError(f"Malformed JSON body: {detail}.", code="invalid_json")
     param = _param_path(tuple(first.get("loc", ())))
+    inner = (first.get("ctx") or {}).get("param")  # a path found inside the value (fields.py)
+    if inner:
+        param = f"{param}{'' if not param or inner.startswith('[') else '.'}{inner}"
     if not param:
         if kind == "missing":
             return InvalidRequestError("The request body is missing; send a JSON object.")

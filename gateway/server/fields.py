@@ -3,9 +3,11 @@ Anthropic Messages): the bounds of every size and sampling knob, in one place.""
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BeforeValidator, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 # --------------------------------------------------------------------------------------------
 # Shared field definitions (the bounds of every sampling knob, in one place)
@@ -67,3 +69,71 @@ Stop = Annotated[list[str], BeforeValidator(_stop_list), AfterValidator(_check_s
 
 # a function (tool) name, as OpenAI allows it
 FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+
+
+# --------------------------------------------------------------------------------------------
+# Text every surface accepts: valid Unicode scalar values that are not noncharacters
+# --------------------------------------------------------------------------------------------
+# A lone surrogate cannot be encoded (the tokenizer, the JSON encoder of a response and the
+# logs all fail on it, as 500s); noncharacters are for a process's internal use, and the chat
+# renderer marks user text with them (gateway/engine/chat_template.py), so none may come in.
+_BMP_UNSAFE = re.compile("[\ud800-\udfff\ufdd0-\ufdef\ufffe\uffff]")
+# (astral characters in a character class make re slow on every string: searched apart, only
+# in strings that have astral characters at all)
+_ASTRAL_UNSAFE = re.compile("|".join(
+    f"{chr(plane << 16 | 0xFFFE)}|{chr(plane << 16 | 0xFFFF)}" for plane in range(1, 17)))
+
+
+def unsafe_char(text: str) -> str | None:
+    """The first surrogate or noncharacter in ``text`` (None for most text, quickly)."""
+    if text.isascii():
+        return None
+    found = _BMP_UNSAFE.search(text)
+    if found is None and max(text) > "\uffff":
+        found = _ASTRAL_UNSAFE.search(text)
+    return found.group() if found else None
+
+
+def escape_unsafe(text: str) -> str:
+    """``text`` with surrogates and noncharacters written as ``\\uXXXX`` (safe to echo)."""
+    return "".join(f"\\u{ord(c):04x}" if unsafe_char(c) else c for c in text)
+
+
+def find_unsafe_text(value: Any) -> tuple[str, str] | None:
+    """The first string (or object key) under ``value`` holding a surrogate or noncharacter:
+    ``(path like messages[0].content, the character)``, or None. Iterative: JSON nests deep."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            if found := unsafe_char(item):
+                return path, found
+        elif isinstance(item, dict):
+            for key, sub in reversed(item.items()):
+                name = escape_unsafe(str(key))
+                where = f"{path}.{name}" if path else name
+                if isinstance(key, str) and (found := unsafe_char(key)):
+                    return where, found
+                stack.append((where, sub))
+        elif isinstance(item, (list, tuple)):
+            stack.extend((f"{path}[{i}]", sub) for i, sub in reversed(list(enumerate(item))))
+    return None
+
+
+class TextChecked(BaseModel):
+    """Base of every request body (each surface's top-level model): one scan of the raw body
+    rejects a lone surrogate or a noncharacter in any string field, metadata and keys
+    included, as a 400 naming the field (errors.validation_error reads ``param``)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        found = find_unsafe_text(data)
+        if found is not None:
+            path, char = found
+            kind = "a lone UTF-16 surrogate" if 0xD800 <= ord(char) <= 0xDFFF else "a noncharacter"
+            raise PydanticCustomError(
+                "unicode_text", "{detail}",
+                {"param": path, "detail": f"it contains {kind} (U+{ord(char):04X}); "
+                                          "send valid Unicode text"})
+        return data

@@ -149,6 +149,14 @@ def tier_store(engine_config: EngineConfig, settings: ServerSettings) -> Any:
         return None
     if not settings.redis_url:
         raise SystemExit("--kv-tier redis needs --redis-url")
+    if not settings.kv_tier_secret:
+        raise SystemExit("--kv-tier redis needs --kv-tier-secret (or PREFIXGATE_KV_TIER_SECRET): "
+                         "the fleet secret that authenticates tier entries, the same on every "
+                         "replica")
     from prefixgate.gateway.scaleout.kv_tier_redis import RedisTier
 
-    return RedisTier(settings.redis_url, int(engine_config.kv_tier_size_gb * (1 << 30)))
+    try:
+        return RedisTier(settings.redis_url, int(engine_config.kv_tier_size_gb * (1 << 30)),
+                         secret=settings.kv_tier_secret)
+    except ValueError as exc:
+        raise SystemExit(f"--kv-tier redis: {exc}") from exc

@@ -154,6 +154,8 @@ class ServerSettings:
     log_level: str = "info"
     # Scale-out (gateway/scaleout): publish the cache index, load and stats to Redis when set.
     redis_url: str | None = None
+    # authenticates the fleet's Redis KV tier entries (gateway/scaleout/kv_tier_redis.py)
+    kv_tier_secret: str | None = field(default=None, repr=False)
     replica_id: str | None = None  # None = <hostname>-<port>
     advertise_url: str | None = None  # None = http://<host>:<port>
     heartbeat_ttl_s: float = 3.0  # a router drops this replica when no beat came for this long

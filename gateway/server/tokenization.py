@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from prefixgate.gateway.engine.api import EngineLike, InvalidRequestError
+from prefixgate.gateway.engine.tokenizer import PromptTooLongError
 from prefixgate.gateway.server.tools import FunctionTool, native_messages, prepare_messages
 from prefixgate.gateway.server.tools.prompt import TOOL_CALL_OPEN, tool_json
 
@@ -39,16 +41,48 @@ def template_inputs(
     return prepare_messages(messages, tools, message_param=message_param), None
 
 
+# A request whose text is under this many characters takes the small lane (it never waits
+# behind a long prompt's rendering and tokenization).
+SMALL_REQUEST_CHARS = 64 * 1024
+WORKERS_PER_LANE = 2
+
+
+def _text_chars(value: Any) -> int:
+    """Characters of the strings a conversation holds (a cheap size, to pick a lane)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_chars(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_text_chars(v) for v in value)
+    return 0
+
+
 class Tokenization:
-    """Runs tokenizer calls on one worker thread: chat templates of long prompts take
-    milliseconds of pure Python, which must not stall every other stream on the event loop."""
+    """Runs tokenizer calls off the event loop, in two lanes of worker threads: small requests
+    never queue behind a long prompt. Chat templates are pure Python (they share the GIL with
+    the loop, in slices); the Rust tokenizer releases the GIL (Tokenizer.encode).
 
-    def __init__(self, engine: EngineLike):
+    A prompt that provably cannot fit ``capacity`` tokens is refused before it is tokenized
+    (and its rendering stops as soon as it cannot fit): every token spells at most
+    ``tokenizer.max_token_bytes`` bytes.
+    """
+
+    def __init__(self, engine: EngineLike, capacity: int | None = None):
         self.engine = engine
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixgate-tokenize")
+        self.capacity = capacity
+        self._small = ThreadPoolExecutor(WORKERS_PER_LANE, thread_name_prefix="prefixgate-tokenize")
+        self._large = ThreadPoolExecutor(WORKERS_PER_LANE,
+                                         thread_name_prefix="prefixgate-tokenize-large")
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+    async def run(self, fn: Callable[..., T], *args: Any, chars: int = 0) -> T:
+        pool = self._small if chars < SMALL_REQUEST_CHARS else self._large
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    def _too_long(self, exc: PromptTooLongError, param: str) -> InvalidRequestError:
+        return InvalidRequestError(
+            f"This model's maximum context length is {self.capacity} tokens, and the prompt "
+            f"cannot fit it: {exc}.", param=param, code="context_length_exceeded")
 
     async def chat(
         self,
@@ -57,14 +91,14 @@ class Tokenization:
         add_generation_prompt: bool,
     ) -> list[int]:
         tokenizer = self.engine.tokenizer
+        bounded = functools.partial(tokenizer.apply_chat_template, max_prompt_tokens=self.capacity)
         try:
-            return list(
-                await self.run(
-                    tokenizer.apply_chat_template, messages, tools, add_generation_prompt
-                )
-            )
+            return list(await self.run(bounded, messages, tools, add_generation_prompt,
+                                       chars=_text_chars(messages) + _text_chars(tools)))
         except InvalidRequestError:
             raise
+        except PromptTooLongError as exc:
+            raise self._too_long(exc, "messages") from exc
         except (ValueError, TypeError, KeyError) as exc:
             # Chat templates raise on unsupported role orders etc.; that is the client's input.
             raise InvalidRequestError(
@@ -93,8 +127,12 @@ class Tokenization:
                                                    message_param)
         return await self.chat(prepared, template_tools, add_generation_prompt)
 
-    async def text(self, text: str, add_special_tokens: bool) -> list[int]:
-        return list(await self.run(self.engine.tokenizer.encode, text, add_special_tokens))
+    async def text(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        try:
+            return list(await self.run(self.engine.tokenizer.encode, text, add_special_tokens,
+                                       self.capacity, chars=len(text)))
+        except PromptTooLongError as exc:
+            raise self._too_long(exc, param) from exc
 
     def check_token_ids(self, token_ids: Sequence[int], param: str) -> None:
         """Reject ids outside the vocabulary (the model's embedding lookup would fail on them)."""
@@ -110,11 +148,13 @@ class Tokenization:
     async def decode(self, token_ids: Sequence[int]) -> str:
         self.check_token_ids(token_ids, "tokens")
         try:
-            return await self.run(self.engine.tokenizer.decode, list(token_ids), False)
+            return await self.run(self.engine.tokenizer.decode, list(token_ids), False,
+                                  chars=len(token_ids))
         except (ValueError, IndexError, OverflowError, TypeError) as exc:
             raise InvalidRequestError(
                 f"Cannot decode these token ids: {exc}", param="tokens"
             ) from exc
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._small, self._large):
+            pool.shutdown(wait=False, cancel_futures=True)

@@ -150,3 +150,20 @@ def test_sentencepiece_vocab_without_merges_derives_them():
     ids = tok.encode("hello hé hello")
     assert "".join(_stream(tok, ids)) == tok.decode(ids) == "hello hé hello"
     assert tok.eos_token_ids == (2,)
+
+
+@pytest.mark.parametrize("text", [*VARIED_TEXTS, "#" * 5000, "\n" + " " * 5000, "日本語" * 999])
+def test_max_token_bytes_bounds_every_text(tokenizer, text):
+    """The refusal before tokenizing (Tokenizer.check_fits) rests on this: no token spells more
+    than max_token_bytes bytes of the input, so bytes / max_token_bytes <= tokens."""
+    from prefixgate.gateway.engine.tokenizer import PromptTooLongError
+
+    bound = tokenizer.max_token_bytes
+    assert bound is not None and 16 <= bound <= 128
+    tokens = len(tokenizer.encode(text))
+    assert len(text.encode()) <= tokens * bound
+    tokenizer.check_fits(text, tokens)  # it fits its own token count
+    if len(text.encode()) > bound:
+        limit = len(text.encode()) // bound - 1
+        with pytest.raises(PromptTooLongError):
+            tokenizer.encode(text, max_tokens=limit)

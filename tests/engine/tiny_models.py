@@ -116,8 +116,10 @@ def write_gguf(
     arch: str = "llama",
     qtype: GGMLQuantizationType = Q.F32,
     extra_tensor: tuple[str, np.ndarray, GGMLQuantizationType] | None = None,
+    chat_template: str | None = None,
 ) -> None:
-    """Write ``model`` (a tiny_hf_model) as a llama.cpp-style GGUF; matrices in ``qtype``."""
+    """Write ``model`` (a tiny_hf_model) as a llama.cpp-style GGUF; matrices in ``qtype``;
+    the default model's chat template unless ``chat_template`` is given."""
     cfg = model.config
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     writer = GGUFWriter(str(path), arch)
@@ -140,7 +142,7 @@ def write_gguf(
     writer.add_token_merges(vocab["ggml.merges"])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    writer.add_chat_template(vocab["chat_template"])
+    writer.add_chat_template(chat_template or vocab["chat_template"])
 
     names = {
         "model.embed_tokens.weight": "token_embd.weight",

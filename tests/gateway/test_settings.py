@@ -279,3 +279,18 @@ def test_bf16_on_a_cpu_without_bf16_instructions_is_a_usage_error(monkeypatch, c
     assert exit_info.value.code == 2  # refused before any model loads
     err = capsys.readouterr().err
     assert "AVX512-BF16 or AMX-BF16" in err and "--dtype fp32" in err
+
+
+def test_the_redis_tier_needs_its_secret():
+    from prefixgate.gateway.server.serve import tier_store
+
+    engine, settings = resolve(["serve", "--kv-tier", "redis", "--redis-url", "redis://127.0.0.1:1/0"], {})
+    with pytest.raises(SystemExit, match="--kv-tier-secret"):
+        tier_store(engine, settings)
+    engine, settings = resolve(["serve", "--kv-tier", "redis", "--redis-url", "redis://127.0.0.1:1/0"],
+                               {"PREFIXGATE_KV_TIER_SECRET": "short"})
+    with pytest.raises(SystemExit, match="at least 16"):
+        tier_store(engine, settings)
+    engine, settings = resolve(["serve", "--kv-tier", "redis", "--redis-url", "redis://127.0.0.1:1/0"],
+                               {"PREFIXGATE_KV_TIER_SECRET": "a-long-enough-fleet-secret"})
+    assert tier_store(engine, settings).name == "redis"  # (connects lazily)

@@ -100,3 +100,16 @@ def test_dockerfile():
     assert {".git", ".venv", "tests"} <= set(ignored)
     assert not {"gateway", "cache", "kernels", "agents", "README.md", "pyproject.toml"} & set(
         ignored)
+
+
+def test_the_kv_tier_secret_reaches_every_replica():
+    """With the Redis tier on, every replica gets the one fleet secret it authenticates with."""
+    host = {"PREFIXGATE_KV_TIER": "redis", "PREFIXGATE_KV_TIER_SECRET": "s3cret-of-the-fleet"}
+    parser = cli.build_parser()
+    for name in ("replica-a", "replica-b"):
+        env = {k: INTERPOLATION.sub(lambda m: host.get(m.group(1), m.group(3) or ""), str(v))
+               for k, v in SERVICES[name]["environment"].items()}
+        values = cli.resolve(parser.parse_args(["serve"]), parser, env, "serve")
+        engine, settings = cli.configs(values)
+        assert engine.kv_tier == "redis" and settings.kv_tier_secret == host["PREFIXGATE_KV_TIER_SECRET"]
+        assert "s3cret" not in repr(settings)

@@ -26,6 +26,7 @@ from prefixgate.gateway.server.fields import (
     MAX_TOOLS,
     FunctionName,
     Label,
+    TextChecked,
 )
 from prefixgate.gateway.server.tools import FunctionTool, ToolChoice
 from prefixgate.gateway.server.tools.grammar import check_schema
@@ -112,7 +113,7 @@ class OutputConfig(_Model):
     format: OutputFormat | None = None
 
 
-class CountTokensRequest(_Model):
+class CountTokensRequest(TextChecked, _Model):
     """The conversation part of a request (all that /v1/messages/count_tokens takes)."""
 
     model: str | None = None

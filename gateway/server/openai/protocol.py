@@ -48,6 +48,7 @@ from prefixgate.gateway.server.fields import (
     Stop,
     Temperature,
     Text,
+    TextChecked,
     TokenId,
     TopK,
     TopLogprobs,
@@ -66,7 +67,7 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class SamplingRequest(_Request):
+class SamplingRequest(TextChecked, _Request):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
     # the field an error about the prompt's length names (ContextLengthError's ``param``)
@@ -416,7 +417,7 @@ class CompletionRequest(SamplingRequest):
 # --------------------------------------------------------------------------------------------
 # Tokenizer and cache admin
 # --------------------------------------------------------------------------------------------
-class TokenizeRequest(_Request):
+class TokenizeRequest(TextChecked, _Request):
     """``{"prompt": ...}`` or ``{"messages": [...], "tools": [...]}`` — exactly one of them.
 
     ``tools`` and ``tool_choice`` act as in a chat request, so the ids match what it would send.
@@ -443,7 +444,7 @@ class TokenizeResponse(BaseModel):
     max_model_len: int
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(TextChecked, _Request):
     model: str | None = Field(default=None, max_length=MAX_LABEL_CHARS)
     tokens: list[TokenId] = Field(max_length=MAX_PROMPT_TOKENS)
 

@@ -30,6 +30,7 @@ from prefixgate.gateway.server.fields import (
     MAX_TOOLS,
     FunctionName,
     Label,
+    TextChecked,
 )
 from prefixgate.gateway.server.tools import FunctionTool, ToolChoice
 from prefixgate.gateway.server.tools.grammar import check_schema
@@ -134,7 +135,7 @@ def _check_tool_choice(choice: Any, info: ValidationInfo) -> Any:
     return choice
 
 
-class ResponsesRequest(_Model):
+class ResponsesRequest(TextChecked, _Model):
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = Field(default=None, max_length=MAX_INSTRUCTIONS_CHARS)
