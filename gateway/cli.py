@@ -258,6 +258,11 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         help="max_tokens of a request that sends none (Codex, aider); clamped to the context "
         "left (default: the rest of the context)",
     )
+    http.add_argument(
+        "--default-temperature",
+        type=float,
+        help="temperature of a request that sends none (Claude Code, Codex); default 1.0",
+    )
     http.add_argument("--host", help="bind address (default {default})")
     http.add_argument("--port", type=int, help="port (default {default}; 0 = any free port)")
     http.add_argument(
@@ -468,6 +473,7 @@ def configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerSettings]:
         served_model_name=values["served_model_name"],
         model_aliases=tuple(values["model_alias"]),
         default_max_tokens=values["default_max_tokens"],
+        default_temperature=values["default_temperature"],
         allowed_origins=tuple(values["allowed_origin"]),
         max_agent_labels=values["max_agent_labels"],
         stats_previews=values["stats_previews"] == "on",

@@ -26,6 +26,7 @@ from prefixgate.gateway.engine.api import (
 )
 from prefixgate.gateway.server.clients import ClientCounters
 from prefixgate.gateway.server.openai.protocol import SamplingRequest
+from prefixgate.gateway.server.settings import ServerSettings
 
 
 class ClientDisconnected(Exception):
@@ -41,13 +42,15 @@ def sampling_params(
     logprobs: bool,
     top_logprobs: int,
     *,
-    default_max_tokens: int | None = None,
+    settings: ServerSettings | None = None,
     clamp: bool = False,
     counters: ClientCounters | None = None,
 ) -> SamplingParams:
     """Map OpenAI fields to :class:`SamplingParams` (OpenAI defaults where a field is absent).
 
-    Without ``max_tokens`` the request gets ``default_max_tokens`` (``--default-max-tokens``),
+    ``settings`` gives the server's defaults for what a request leaves out (``temperature``:
+    ``--default-temperature``, else 1.0 as OpenAI's API).
+    Without ``max_tokens`` the request gets ``--default-max-tokens`` when set,
     else the rest of the context, as OpenAI's API does; either is cut to the room left. A
     ``max_tokens`` the request asked for is cut too when ``clamp`` (Anthropic's ``max_tokens``
     is a required cap: Claude Code sends 32,000-64,000); else it must fit (OpenAI, vLLM).
@@ -56,6 +59,8 @@ def sampling_params(
     # n > 1: every choice grows its own pages; leave each a share (and a page of slack).
     share = capacity if body.n == 1 else capacity // body.n - 2 * page_size
     param = getattr(body, "prompt_param", "messages")
+    default_max_tokens = settings.default_max_tokens if settings is not None else None
+    default_temperature = settings.default_temperature if settings is not None else None
     if max_tokens is None and default_max_tokens is not None:
         max_tokens, clamp = default_max_tokens, True
         if counters is not None:
@@ -70,7 +75,8 @@ def sampling_params(
         raise ContextLengthError(prompt_len, max_tokens, capacity, param=param)
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
+        temperature=body.temperature if body.temperature is not None
+        else 1.0 if default_temperature is None else default_temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=0 if body.top_k is None or body.top_k < 0 else body.top_k,
         min_p=0.0 if body.min_p is None else body.min_p,

@@ -161,6 +161,9 @@ class ServerSettings:
     # max_tokens of a request that sends none (None = the rest of the context, as OpenAI's API
     # does); clamped to what fits the context
     default_max_tokens: int | None = None
+    # temperature of a request that sends none (None = 1.0, as OpenAI's and Anthropic's APIs);
+    # Claude Code and Codex send none: a small local model may want it lower
+    default_temperature: float | None = None
     allowed_origins: tuple[str, ...] = ()  # CORS stays off unless origins are given
     max_agent_labels: int = 32  # distinct agent label values in /metrics; the rest are "__other__"
     max_stats_agents: int = 200  # agents listed in /v1/cache/stats; the rest are folded together
@@ -204,6 +207,8 @@ class ServerSettings:
         if self.heartbeat_ttl_s <= 0:
             raise ValueError(f"heartbeat_ttl_s must be > 0, got {self.heartbeat_ttl_s}")
         check_model_aliases(self.model_aliases)
+        if self.default_temperature is not None and not 0 <= self.default_temperature <= 2:
+            raise ValueError(f"default_temperature must be in [0, 2], got {self.default_temperature}")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.max_agent_labels < 0 or self.max_stats_agents < 0:

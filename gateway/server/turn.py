@@ -207,7 +207,7 @@ async def open_turn(request: Request, principal: Principal, turn: ChatTurn,
                            turn.parameters_param, scope=principal.tenant)
     params = sampling_params(turn, len(prompt), state.capacity, state.page_size,  # type: ignore[arg-type]
                              turn.max_tokens, False, 0,
-                             default_max_tokens=state.settings.default_max_tokens,
+                             settings=state.settings,
                              clamp=turn.clamp_max_tokens, counters=state.clients)
     agent = agent_of(request, turn.user)
     generation = GenerationRequest(

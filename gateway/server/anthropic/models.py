@@ -238,7 +238,7 @@ class MessagesRequest(CountTokensRequest):
             response_format=self.response_format(),
             max_tokens=self.max_tokens,
             clamp_max_tokens=True,  # a cap, not a demand: Claude Code sends 32k-64k
-            temperature=1.0 if self.temperature is None else self.temperature,
+            temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
             stop=list(self.stop_sequences),

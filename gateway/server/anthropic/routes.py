@@ -80,8 +80,8 @@ async def create_message(body: MessagesRequest, request: Request,
                          principal: Principal = Depends(authenticate)):
     state = server_state(request)
     chat_turn = body.turn()
-    turn = await open_turn(request, principal, chat_turn, body.model)
     state.clients.add("attribution_blocks_removed", body.attribution_removed)
+    turn = await open_turn(request, principal, chat_turn, body.model)
     message_id = "msg_" + uuid.uuid4().hex[:24]
     if body.stream:
         return SSEResponse(_stream(turn, message_id, state.model_name, state.page_size))

@@ -390,7 +390,7 @@ async def chat_completions(
         body.requested_max_tokens,
         body.logprobs,
         body.top_logprobs or 0,
-        default_max_tokens=state.settings.default_max_tokens,
+        settings=state.settings,
         counters=state.clients,
     )
     request_id = request.state.request_id
@@ -480,7 +480,7 @@ async def completions(
             body.max_tokens,
             body.logprobs is not None,
             body.logprobs or 0,
-            default_max_tokens=state.settings.default_max_tokens,
+            settings=state.settings,
             counters=state.clients,
         )
         generations.append(
