@@ -135,7 +135,7 @@ def test_codex_exec_completes_with_its_default_tools(npm_bin, gateway_url, tmp_p
     work.mkdir()
     before = _stats(gateway_url)["clients"]["hosted_tools_dropped"]
     done, seconds = _run([str(npm_bin / "codex"), "exec", "--skip-git-repo-check",
-                          "What is 2+2?"], env, work)
+                          "What is 2+2? Answer with one number."], env, work)
     print(f"codex exec: {seconds:.1f} s")
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
     assert done.stdout.strip(), done.stderr[-2000:]  # the final message
