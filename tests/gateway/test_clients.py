@@ -17,7 +17,7 @@ import pytest
 
 from prefixgate.gateway.engine.config import EngineConfig
 from prefixgate.gateway.server import ServerSettings
-from tests.live_gateway import live_servers
+from tests.live_gateway import live_servers, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -134,6 +134,9 @@ def test_an_exact_repeat_of_a_call_ends_the_turn_on_every_surface(gpt, claude, s
     assert message.stop_reason == "tool_use"
     assert [block.type for block in message.content] == ["tool_use"]
     assert clients_stats(server_url)["repeated_calls_cut"] == before + 4
+    with httpx.Client(base_url=server_url, timeout=30) as client:
+        stats = wait_idle(client)  # the requests ended early released every page
+    assert stats["pages_used"] == stats["pages_pinned"] == 0
 
 
 def test_the_cut_never_changes_a_turn_without_a_repeat(gpt):
