@@ -113,6 +113,11 @@ class ChoiceState:
     parser: GuardedParser | None = None  # a response that may hold tool calls
     token_ids: list[int] = field(default_factory=list)
 
+    @property
+    def final_finish_reason(self) -> str | None:
+        """The engine's finish reason, or "stop" for a turn cut at a repeated call."""
+        return self.parser.finish_reason(self.finish_reason) if self.parser else self.finish_reason
+
     def add(self, delta: Delta) -> None:
         self.token_ids.extend(delta.token_ids)
         self.text.append(delta.text)
@@ -370,6 +375,19 @@ async def _respond(
     return build(choices, usage)
 
 
+def repeat_guard(state: ServerState, engine_id: str, n: int) -> Callable[[], None] | None:
+    """What to do at a runaway repeat of a call (tools/repeats.py): end the request there.
+    None for n > 1: the choices share one engine request, so one cannot end alone."""
+    if n != 1:
+        return None
+
+    def on_repeat() -> None:
+        state.engine.finish_early(engine_id)
+        state.clients.add("repeated_calls_cut")
+
+    return on_repeat
+
+
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, principal: Principal = Depends(authenticate)
@@ -409,19 +427,13 @@ async def chat_completions(
     parse_tools = body.expects_tool_calls
     ttl = retention_ttl(request, body.retention_seconds) if parse_tools else 0.0
 
-    def on_repeat() -> None:  # a runaway repeat of a call: end the request there
-        state.engine.finish_early(engine_id)
-        state.clients.add("repeated_calls_cut")
-
-    # one choice can end alone; n > 1 choices share one request, so they are not guarded
-    guard = on_repeat if body.n == 1 else None
+    guard = repeat_guard(state, engine_id, body.n)
 
     def retain_tool_pauses(choices: dict[int, ChoiceState]) -> None:
         # a choice that ended in tool calls: its agent returns with the results and this prefix
         for c in choices.values():
             calls = c.parser.calls if c.parser is not None else parse_output("".join(c.text))[1]
-            finish = c.parser.finish_reason(c.finish_reason) if c.parser else c.finish_reason
-            if chat_finish_reason(finish, calls) == "tool_calls":
+            if chat_finish_reason(c.final_finish_reason, calls) == "tool_calls":
                 retain_tool_pause(request, principal.tenant, agent, body.cache_salt,
                                   [*prompt, *c.token_ids], ttl)
 
@@ -438,12 +450,11 @@ async def chat_completions(
         out = []
         for i, c in sorted(choices.items()):
             message, calls = chat_message(c, parse_tools)
-            finish = c.parser.finish_reason(c.finish_reason) if c.parser else c.finish_reason
             out.append(ChatChoice(
                 index=i,
                 message=message,
                 logprobs=chat_logprobs(c.logprobs) if body.logprobs else None,
-                finish_reason=chat_finish_reason(finish, calls),
+                finish_reason=chat_finish_reason(c.final_finish_reason, calls),
             ))
         if parse_tools:
             retain_tool_pauses(choices)
