@@ -49,6 +49,10 @@ DEFAULTS: dict[str, Any] = {
     "host": _SERVER.host,
     "port": _SERVER.port,
     "served_model_name": _ENGINE.served_model_name,
+    "model_alias": list(_SERVER.model_aliases),
+    "default_max_tokens": _SERVER.default_max_tokens,
+    "default_temperature": _SERVER.default_temperature,
+    "rope_scaling": _ENGINE.rope_scaling,
     "page_size": _ENGINE.page_size,
     "kv_memory": _ENGINE.kv_memory_gb,
     "num_pages": _ENGINE.num_pages,
@@ -146,6 +150,20 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     )
     model.add_argument(
         "--served-model-name", help="the name clients put in 'model' (default: the model's own)"
+    )
+    model.add_argument(
+        "--model-alias",
+        action="append",
+        metavar="GLOB",
+        help="repeatable; more names a request's 'model' may carry, as fnmatch globs "
+        "('claude-*', 'gpt-5*'), all answered by the served model (docs/clients.md)",
+    )
+    model.add_argument(
+        "--rope-scaling",
+        metavar="KIND:FACTOR",
+        help="serve past the model's trained context: 'yarn:4' or 'linear:2' stretches RoPE "
+        "by FACTOR over the trained length and raises the context to length x FACTOR "
+        "(quality drops past the trained length; docs/clients.md). Default: the model's own",
     )
     model.add_argument("--page-size", type=_positive_int, help="tokens per KV page (default {default})")
     pool = model.add_mutually_exclusive_group()
@@ -289,6 +307,17 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         "on every replica, at least 16 characters (prefer the environment variable)",
     )
     http = p.add_argument_group("HTTP and auth")
+    http.add_argument(
+        "--default-max-tokens",
+        type=_positive_int,
+        help="max_tokens of a request that sends none (Codex, aider); clamped to the context "
+        "left (default: the rest of the context)",
+    )
+    http.add_argument(
+        "--default-temperature",
+        type=float,
+        help="temperature of a request that sends none (Claude Code, Codex); default 1.0",
+    )
     http.add_argument("--host", help="bind address (default {default})")
     http.add_argument("--port", type=int, help="port (default {default}; 0 = any free port)")
     http.add_argument(
@@ -468,6 +497,7 @@ def configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerSettings]:
     engine = EngineConfig(
         model=values["model"],
         served_model_name=values["served_model_name"],
+        rope_scaling=values["rope_scaling"],
         device=values["device"],
         dtype=None if values["dtype"] == "auto" else values["dtype"],
         kv_dtype=None if values["kv_dtype"] == "auto" else values["kv_dtype"],
@@ -501,6 +531,9 @@ def configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerSettings]:
         api_keys=merge_api_keys(values["api_key"], values["api_keys_file"]),
         admin_key=values["admin_key"],
         served_model_name=values["served_model_name"],
+        model_aliases=tuple(values["model_alias"]),
+        default_max_tokens=values["default_max_tokens"],
+        default_temperature=values["default_temperature"],
         allowed_origins=tuple(values["allowed_origin"]),
         max_agent_labels=values["max_agent_labels"],
         stats_previews=values["stats_previews"] == "on",

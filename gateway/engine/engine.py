@@ -226,6 +226,10 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._post(lambda: self.core.abort(request_id))
 
+    def finish_early(self, request_id: str) -> None:
+        """End the request as if it stopped: its stream gets finish "stop" and usage."""
+        self._post(lambda: self.core.finish_early(request_id))
+
     async def complete(self, request: GenerationRequest) -> list[Delta]:
         """Collect every delta of a request (non-streaming callers)."""
         return [d async for d in self.generate(request)]

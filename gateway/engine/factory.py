@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from prefixgate.cache.events import EventSink
@@ -9,6 +10,7 @@ from prefixgate.cache.tier import HostTier, TierStore, entry_slot_bytes
 from prefixgate.gateway.engine.config import EngineConfig
 from prefixgate.gateway.engine.llm_engine import LLMEngine
 from prefixgate.gateway.engine.loader import LoadedModel, load_model
+from prefixgate.gateway.engine.model_config import parse_rope_override, with_rope_override
 from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
 
 
@@ -29,6 +31,9 @@ def create_llm_engine(
     """
     if loaded is None:
         loaded = load_model(config.model, progress=progress)
+    if config.rope_scaling is not None:
+        stretched = with_rope_override(loaded.config, *parse_rope_override(config.rope_scaling))
+        loaded = dataclasses.replace(loaded, config=stretched)
     runner = ModelRunner.from_loaded(
         loaded,
         num_pages=config.num_pages,

@@ -324,6 +324,21 @@ class LLMEngine:
         self.scheduler.remove_request(request_id)
         return True
 
+    def finish_early(self, request_id: str) -> bool:
+        """End a request now as if it had stopped (finish "stop", then its usage), releasing
+        its pages: the gateway ends a turn whose output went degenerate (a repeated tool call,
+        gateway/server/tools/repeats.py). False if unknown (already finished or aborted)."""
+        state = self._requests.get(request_id)
+        if state is None or state.request.sampling.n != 1:  # n > 1: choices not forked yet
+            return False
+        # released as an abort releases them (waiting or running, tier loads dropped); the
+        # finish below then only reports it (its scheduler.finish finds nothing left to free)
+        self.scheduler.remove_request(request_id)
+        for seq in list(state.seqs):
+            if seq.finish_reason is None and request_id in self._requests:
+                self._emit(seq, (), "", "stop", None)
+        return True
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
@@ -732,6 +747,11 @@ class LLMEngine:
         if (token_id in sp.stop_token_ids or (not sp.ignore_eos and token_id in self.eos_token_ids)
                 or (st.matcher is not None and st.matcher.is_terminated())):
             finish = "stop"  # the stop token itself is not shown (a finished grammar ends too)
+            # NOTE: the text held back in case it started a stop string did not: it is output
+            # (a tool call's closing tag, which a stop string must not cut off)
+            text, matched = st.stops.feed(st.decoder.flush())
+            if not matched:
+                text += st.stops.flush()
         else:
             text, matched = st.stops.feed(st.decoder.feed(token_id))
             if matched:

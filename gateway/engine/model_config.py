@@ -6,6 +6,7 @@ and the runner read only this, never the file formats.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +58,42 @@ class RopeScaling:
             raise UnsupportedModelError(
                 f"RoPE scaling {self.kind!r} needs original_max_position_embeddings"
             )
+
+
+MAX_ROPE_FACTOR = 64.0  # --rope-scaling: past this the positions mean nothing to the model
+
+
+def parse_rope_override(text: str) -> tuple[str, float]:
+    """``"yarn:4"`` → ``("yarn", 4.0)`` (``--rope-scaling``); ``linear`` and ``yarn`` only
+    (llama3 needs frequency bands only its own checkpoints define).
+
+    Raises:
+        ValueError: naming the accepted form.
+    """
+    kind, sep, factor_text = text.strip().partition(":")
+    try:
+        factor = float(factor_text) if sep else float("nan")
+    except ValueError:
+        factor = float("nan")
+    if kind not in ("linear", "yarn") or not 1.0 < factor <= MAX_ROPE_FACTOR:
+        raise ValueError(f"--rope-scaling must be linear:FACTOR or yarn:FACTOR with FACTOR in "
+                         f"(1, {MAX_ROPE_FACTOR:g}], got {text!r}")
+    return kind, factor
+
+
+def with_rope_override(config: ModelConfig, kind: str, factor: float) -> ModelConfig:
+    """The model stretched past its trained context: RoPE scaled ``kind`` by ``factor`` over
+    the trained length, and a context ``factor`` times longer (llama.cpp's ``--rope-scaling``
+    / ``--rope-scale``, vLLM's ``--hf-overrides rope_scaling``). A model that already scales
+    its RoPE is stretched from its own original length, by the product of the two factors."""
+    own = config.rope_scaling
+    original = config.max_position_embeddings
+    if own is not None:
+        original = own.original_max_position_embeddings or int(original / own.factor)
+        factor *= own.factor
+    scaling = RopeScaling(kind, factor, original_max_position_embeddings=original)
+    return dataclasses.replace(config, rope_scaling=scaling,
+                               max_position_embeddings=int(original * factor))
 
 
 @dataclass(frozen=True, slots=True)

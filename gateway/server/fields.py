@@ -27,7 +27,11 @@ MAX_PROMPTS = 64  # /v1/completions: prompts in one request
 MAX_LABEL_CHARS = 256  # `user` / X-Agent-Id / cache_salt: they key stats and hashes
 MAX_MESSAGES = 2048
 MAX_TOOLS = 128
-MAX_DESCRIPTION_CHARS = 8192
+# one tool's description: Claude Code 2.1's longest (Workflow) is 18,780 characters; the whole
+# request stays bounded by MAX_TOOLS and the body-size limit (server/limits.py)
+MAX_DESCRIPTION_CHARS = 32 * 1024
+MAX_MODEL_ALIASES = 32  # --model-alias globs: each request's model is matched against them all
+MAX_ALIAS_CHARS = 256
 MAX_GRAMMAR_CHARS = 64 * 1024  # regex / EBNF text of a response_format
 
 MaxTokens = Annotated[int | None, Field(default=None, ge=1, le=MAX_TOKEN_ID)]

@@ -24,7 +24,9 @@ from prefixgate.gateway.engine.api import (
     SamplingParams,
     Usage,
 )
+from prefixgate.gateway.server.clients import ClientCounters
 from prefixgate.gateway.server.openai.protocol import SamplingRequest
+from prefixgate.gateway.server.settings import ServerSettings
 
 
 class ClientDisconnected(Exception):
@@ -39,22 +41,42 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: bool,
     top_logprobs: int,
+    *,
+    settings: ServerSettings | None = None,
+    clamp: bool = False,
+    counters: ClientCounters | None = None,
 ) -> SamplingParams:
     """Map OpenAI fields to :class:`SamplingParams` (OpenAI defaults where a field is absent).
 
-    Without ``max_tokens`` the request may use the rest of the context, as OpenAI's API does.
-    Raises ContextLengthError when prompt + max_tokens cannot fit.
+    ``settings`` gives the server's defaults for what a request leaves out (``temperature``:
+    ``--default-temperature``, else 1.0 as OpenAI's API).
+    Without ``max_tokens`` the request gets ``--default-max-tokens`` when set,
+    else the rest of the context, as OpenAI's API does; either is cut to the room left. A
+    ``max_tokens`` the request asked for is cut too when ``clamp`` (Anthropic's ``max_tokens``
+    is a required cap: Claude Code sends 32,000-64,000); else it must fit (OpenAI, vLLM).
+    Raises ContextLengthError when the prompt leaves no room, or an OpenAI max_tokens cannot fit.
     """
+    # n > 1: every choice grows its own pages; leave each a share (and a page of slack).
+    share = capacity if body.n == 1 else capacity // body.n - 2 * page_size
+    param = getattr(body, "prompt_param", "messages")
+    default_max_tokens = settings.default_max_tokens if settings is not None else None
+    default_temperature = settings.default_temperature if settings is not None else None
+    if max_tokens is None and default_max_tokens is not None:
+        max_tokens, clamp = default_max_tokens, True
+        if counters is not None:
+            counters.add("default_max_tokens_applied")
     if max_tokens is None:
-        # n > 1: every choice grows its own pages; leave each a share (and a page of slack).
-        share = capacity if body.n == 1 else capacity // body.n - 2 * page_size
         max_tokens = max(1, share - prompt_len)
+    elif clamp and prompt_len + max_tokens > share and prompt_len < share:
+        max_tokens = share - prompt_len
+        if counters is not None:
+            counters.add("max_tokens_clamped")
     if prompt_len + max_tokens > capacity:
-        raise ContextLengthError(prompt_len, max_tokens, capacity,
-                                 param=getattr(body, "prompt_param", "messages"))
+        raise ContextLengthError(prompt_len, max_tokens, capacity, param=param)
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
+        temperature=body.temperature if body.temperature is not None
+        else 1.0 if default_temperature is None else default_temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=0 if body.top_k is None or body.top_k < 0 else body.top_k,
         min_p=0.0 if body.min_p is None else body.min_p,

@@ -167,6 +167,10 @@ async def stats_json(
             "spec_acceptance_rate": round(engine.spec_accepted_tokens / engine.spec_draft_tokens, 6)
             if engine.spec_draft_tokens else 0.0,
         },
+        # what the gateway adapted in clients' requests (docs/clients.md): counted over every
+        # tenant, so only the admin (or anyone, with auth off) sees them
+        **({"clients": state.clients.snapshot()}
+           if principal.is_admin or not state.settings.auth_enabled else {}),
         # the second KV tier is shared by every tenant (and, in Redis, by the fleet): its
         # counters would show other tenants' traffic, so only the admin sees them
         **({"tier": engine.tier} if engine.tier is not None and principal.is_admin else {}),

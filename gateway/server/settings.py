@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
+from prefixgate.gateway.server.fields import MAX_ALIAS_CHARS, MAX_MODEL_ALIASES
 from prefixgate.gateway.server.limits import ConnectionLimits
 
 DEFAULT_TENANT = "default"
@@ -127,6 +128,18 @@ def merge_api_keys(specs: Iterable[str], keys_file: str | Path | None) -> dict[s
     return keys
 
 
+def check_model_aliases(aliases: Iterable[str], source: str = "--model-alias") -> tuple[str, ...]:
+    """Bound the alias globs: at most MAX_MODEL_ALIASES, each 1-MAX_ALIAS_CHARS printable."""
+    aliases = tuple(aliases)
+    if len(aliases) > MAX_MODEL_ALIASES:
+        raise ValueError(f"{source}: at most {MAX_MODEL_ALIASES} aliases, got {len(aliases)}")
+    for alias in aliases:
+        if not 1 <= len(alias) <= MAX_ALIAS_CHARS or not alias.isprintable() or alias != alias.strip():
+            raise ValueError(f"{source}: an alias is 1-{MAX_ALIAS_CHARS} printable characters "
+                             f"without surrounding spaces, got {alias[:80]!r}")
+    return aliases
+
+
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
     """HTTP-side settings (the engine's live in :class:`gateway.engine.config.EngineConfig`).
@@ -142,6 +155,15 @@ class ServerSettings:
     api_keys: Mapping[str, str] = field(default_factory=dict)  # key -> tenant
     admin_key: str | None = None
     served_model_name: str | None = None  # None = the engine's model name
+    # more names a request's ``model`` may carry (fnmatch globs: ``claude-*``, ``gpt-5*``), all
+    # served by the one model, like vLLM's list of --served-model-name (docs/clients.md)
+    model_aliases: tuple[str, ...] = ()
+    # max_tokens of a request that sends none (None = the rest of the context, as OpenAI's API
+    # does); clamped to what fits the context
+    default_max_tokens: int | None = None
+    # temperature of a request that sends none (None = 1.0, as OpenAI's and Anthropic's APIs);
+    # Claude Code and Codex send none: a small local model may want it lower
+    default_temperature: float | None = None
     allowed_origins: tuple[str, ...] = ()  # CORS stays off unless origins are given
     max_agent_labels: int = 32  # distinct agent label values in /metrics; the rest are "__other__"
     max_stats_agents: int = 200  # agents listed in /v1/cache/stats; the rest are folded together
@@ -186,6 +208,11 @@ class ServerSettings:
             raise ValueError("response_ttl_s must be > 0 and max_stored_responses >= 1")
         if self.heartbeat_ttl_s <= 0:
             raise ValueError(f"heartbeat_ttl_s must be > 0, got {self.heartbeat_ttl_s}")
+        check_model_aliases(self.model_aliases)
+        if self.default_temperature is not None and not 0 <= self.default_temperature <= 2:
+            raise ValueError(f"default_temperature must be in [0, 2], got {self.default_temperature}")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.max_agent_labels < 0 or self.max_stats_agents < 0:
             raise ValueError("max_agent_labels and max_stats_agents must be >= 0")
         # Frozen means frozen: nobody adds a key to a running server by mutating the dict.

@@ -11,6 +11,7 @@ from fastapi import Request
 from prefixgate.cache.stats import CacheStats
 from prefixgate.gateway.engine.api import EngineLike, EngineStats, InvalidRequestError
 from prefixgate.gateway.server.auth import KeyTable
+from prefixgate.gateway.server.clients import ClientCounters, model_served
 from prefixgate.gateway.server.errors import ModelNotFoundError
 from prefixgate.gateway.server.fields import MAX_LABEL_CHARS
 from prefixgate.gateway.server.metrics import GatewayMetrics
@@ -32,6 +33,7 @@ class ServerState:
     capacity: int
     page_size: int
     created: int = field(default_factory=lambda: int(time.time()))
+    clients: ClientCounters = field(default_factory=ClientCounters)
 
     # The engine's snapshots take its lock, which a running step holds: read them on a worker
     # thread so a slow forward pass never stalls the event loop (and every other stream).
@@ -42,8 +44,10 @@ class ServerState:
         return await asyncio.to_thread(self.engine.engine_stats)
 
     def check_model(self, model: str | None) -> None:
-        """Requests may omit ``model``; a named one must be the served model (else 404)."""
-        if model is not None and model != self.model_name:
+        """Requests may omit ``model``; a named one must be the served model or match one of
+        its ``--model-alias`` globs (else 404)."""
+        if model is not None and not model_served(model, self.model_name,
+                                                  self.settings.model_aliases):
             raise ModelNotFoundError(model, self.model_name)
 
 

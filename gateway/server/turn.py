@@ -38,10 +38,10 @@ from prefixgate.gateway.server.tools import (
     FunctionTool,
     TextPiece,
     ToolCallOutput,
-    ToolCallParser,
     ToolChoice,
     tool_grammar,
 )
+from prefixgate.gateway.server.tools.repeats import GuardedParser
 
 logger = logging.getLogger("prefixgate.server")
 
@@ -60,6 +60,7 @@ class ChatTurn:
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     response_format: GrammarSpec | None = None
     max_tokens: int | None = None
+    clamp_max_tokens: bool = False  # cut max_tokens to the room left instead of a 400
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -107,12 +108,19 @@ class TurnStream:
 
     def __init__(self, stream: DeltaStream, prompt_ids: list[int], timer: RequestTimer,
                  parse_tools: bool, tokenizer: Any = None, stop: list[str] | None = None,
-                 on_end: Callable[[TurnEnd, list[int]], None] | None = None):
+                 on_end: Callable[[TurnEnd, list[int]], None] | None = None,
+                 on_repeat: Callable[[], None] | None = None):
         self.stream = stream
         self._on_end = on_end
         self.prompt_ids = prompt_ids
         self.timer = timer
-        self._parser = ToolCallParser() if parse_tools else None
+
+        def repeat() -> None:  # a runaway repeat of a call: end the request there
+            stream.engine.finish_early(stream.request.request_id)
+            if on_repeat is not None:
+                on_repeat()
+
+        self._parser = GuardedParser(repeat) if parse_tools else None
         self._tokenizer = tokenizer
         self._stop = stop or []
 
@@ -144,9 +152,7 @@ class TurnStream:
                     if delta.text:
                         pieces.append(TextPiece(delta.text))
                 else:
-                    pieces = self._parser.feed(delta.text)
-                    if delta.finish_reason is not None:
-                        pieces += self._parser.finish()
+                    pieces = self._parser.feed(delta.text, delta.finish_reason is not None)
                 for piece in pieces:
                     if isinstance(piece, TextPiece):
                         text.append(piece.text)
@@ -154,8 +160,10 @@ class TurnStream:
             usage = self.stream.usage
             if usage is None or finish is None:
                 raise RuntimeError("the engine stream ended without its final usage delta")
+            calls = []
+            if self._parser is not None:
+                finish, calls = self._parser.finish_reason(finish), self._parser.calls
             self.timer.on_finish(usage, [finish])
-            calls = self._parser.calls if self._parser is not None else []
             joined = "".join(text)
             matched = self._matched_stop(output_ids, "".join(shown)) if finish == "stop" else None
             end = TurnEnd(finish, usage, calls, joined.strip() if calls else joined, matched)
@@ -198,7 +206,9 @@ async def open_turn(request: Request, principal: Principal, turn: ChatTurn,
     grammar = tool_grammar(turn.tools, turn.tool_choice, turn.response_format,
                            turn.parameters_param, scope=principal.tenant)
     params = sampling_params(turn, len(prompt), state.capacity, state.page_size,  # type: ignore[arg-type]
-                             turn.max_tokens, False, 0)
+                             turn.max_tokens, False, 0,
+                             settings=state.settings,
+                             clamp=turn.clamp_max_tokens, counters=state.clients)
     agent = agent_of(request, turn.user)
     generation = GenerationRequest(
         tuple(prompt), params, tenant=principal.tenant, agent=agent,
@@ -216,7 +226,8 @@ async def open_turn(request: Request, principal: Principal, turn: ChatTurn,
 
     (stream,) = await open_streams(state.engine, [generation])
     return TurnStream(stream, prompt, timer, parse_tools=turn.visible_tools is not None,
-                      tokenizer=state.engine.tokenizer, stop=turn.stop, on_end=on_end)
+                      tokenizer=state.engine.tokenizer, stop=turn.stop, on_end=on_end,
+                      on_repeat=lambda: state.clients.add("repeated_calls_cut"))
 
 
 __all__ = ["CallEnd", "ChatTurn", "ClientDisconnected", "TurnEnd", "TurnStream", "open_turn"]

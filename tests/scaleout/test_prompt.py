@@ -91,3 +91,28 @@ def test_tenants_never_share_a_chain(hasher):
     beta = hasher.key(CHAT_PATH, body, {"authorization": "Bearer sk-beta"})
     assert alpha.num_tokens == beta.num_tokens
     assert not set(alpha.chain) & set(beta.chain)
+
+
+def test_clients_requests_hash_as_the_replica_sees_them(hasher):
+    """Claude Code's attribution nonce never moves a prompt to another prefix; Codex's
+    namespace and hosted tools hash (issue 26, docs/clients.md)."""
+    from prefixgate.gateway.router.prompt import MESSAGES_PATH, RESPONSES_PATH
+
+    system = "You are a coding agent. " * 20
+    keys = []
+    for nonce in ("0a9f1", "77c3e"):
+        billing = f"x-anthropic-billing-header: cc_version=2.1.197.{nonce[:3]}; cch={nonce};"
+        body = {"model": "claude-opus-4-8", "max_tokens": 64_000, "system": [
+            {"type": "text", "text": billing}, {"type": "text", "text": system}],
+            "messages": [{"role": "user", "content": "hi"},
+                         {"role": "system", "content": "Agent types: none."}]}
+        keys.append(hasher.key(MESSAGES_PATH, httpx.Request("POST", "/", json=body).content,
+                               {"x-api-key": "sk-alpha"}))
+    assert keys[0] is not None and keys[0].chain == keys[1].chain
+    codex = {"model": "gpt-5.1-codex", "input": "hi", "tools": [
+        {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.",
+         "tools": [{"type": "function", "name": "spawn_agent", "parameters": {"type": "object"}}]},
+        {"type": "web_search"}]}
+    key = hasher.key(RESPONSES_PATH, httpx.Request("POST", "/", json=codex).content,
+                     {"authorization": "Bearer sk-alpha"})
+    assert key is not None and key.num_tokens > 0

@@ -6,8 +6,12 @@ Accepted: ``system`` (a string or text blocks), ``messages`` with ``text``, ``to
 (``disable_parallel_tool_use``), ``stop_sequences``, ``max_tokens`` (required),
 ``temperature`` / ``top_p`` / ``top_k``, ``metadata.user_id`` (the agent label for stats),
 ``output_config.format`` (a JSON schema the reply follows), ``cache_control`` on the request
-and on system, tool and message blocks (accepted; see the README). Unknown fields
-are ignored; blocks this text-only model cannot take (images, documents) are a 400.
+and on system, tool and message blocks (accepted; see the README), ``system`` messages inside
+``messages`` (Claude Code's mid-conversation-system beta). ``max_tokens`` past the context
+left is cut to fit. Claude Code's attribution line (``x-anthropic-billing-header: ...``) is
+left out of the prompt (gateway/server/clients.py). Unknown fields (``thinking``,
+``context_management``, ``output_config.effort``) are ignored; blocks this text-only model
+cannot take (images, documents) are a 400.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from prefixgate.gateway.engine.api import GrammarSpec
+from prefixgate.gateway.server.clients import is_attribution, strip_attribution
 from prefixgate.gateway.server.content import require_part_types
 from prefixgate.gateway.server.fields import (
     MAX_DESCRIPTION_CHARS,
@@ -74,12 +79,16 @@ Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminato
 
 
 class Message(_Model):
-    role: Literal["user", "assistant"]
+    # "system": Claude Code's mid-conversation system messages (the mid-conversation-system
+    # beta): text only, rendered as a system turn where they stand
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
     @model_validator(mode="before")
     @classmethod
     def _text_only(cls, value: Any) -> Any:
+        if isinstance(value, dict) and value.get("role") == "system":
+            return require_part_types(value, ("text",), "block")
         return require_part_types(value, ("text", "tool_use", "tool_result"), "block")
 
 
@@ -122,6 +131,7 @@ class CountTokensRequest(TextChecked, _Model):
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: ToolChoiceModel | None = None
     cache_control: CacheControl | None = None  # automatic caching: prefixes are cached anyway
+    _attribution_removed: int = PrivateAttr(0)
 
     @model_validator(mode="after")
     def _check(self) -> CountTokensRequest:
@@ -138,14 +148,36 @@ class CountTokensRequest(TextChecked, _Model):
             raise ValueError("tool_choice type 'any' needs tools")
         return self
 
+    def system_text(self, blocks: str | list[TextBlock] | None) -> str:
+        """System text without Claude Code's attribution line (clients.py); counts removals."""
+        if blocks is None:
+            return ""
+        if isinstance(blocks, str):
+            text, removed = strip_attribution(blocks)
+            self._attribution_removed += removed
+            return text
+        kept = [b.text for b in blocks if not is_attribution(b.text)]
+        self._attribution_removed += len(blocks) - len(kept)
+        return "\n".join(kept)
+
+    @property
+    def attribution_removed(self) -> int:
+        """Attribution blocks left out by the last :meth:`chat_messages`."""
+        return self._attribution_removed
+
     def chat_messages(self) -> list[dict[str, Any]]:
         """The conversation as chat-template dicts (tool_use → tool_calls, tool_result → tool)."""
         out: list[dict[str, Any]] = []
-        if self.system:
-            system = self.system if isinstance(self.system, str) else "\n".join(
-                b.text for b in self.system)
+        self._attribution_removed = 0
+        system = self.system_text(self.system)
+        if system:
             out.append({"role": "system", "content": system})
         for message in self.messages:
+            if message.role == "system":
+                text = self.system_text(message.content)  # type: ignore[arg-type]
+                if text:
+                    out.append({"role": "system", "content": text})
+                continue
             if isinstance(message.content, str):
                 out.append({"role": message.role, "content": message.content})
                 continue
@@ -206,7 +238,8 @@ class MessagesRequest(CountTokensRequest):
             tool_choice=self.tool_choice_record(),
             response_format=self.response_format(),
             max_tokens=self.max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
+            clamp_max_tokens=True,  # a cap, not a demand: Claude Code sends 32k-64k
+            temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
             stop=list(self.stop_sequences),

@@ -79,7 +79,9 @@ def _message(message_id: str, model: str, content: list[dict[str, Any]], end: Tu
 async def create_message(body: MessagesRequest, request: Request,
                          principal: Principal = Depends(authenticate)):
     state = server_state(request)
-    turn = await open_turn(request, principal, body.turn(), body.model)
+    chat_turn = body.turn()
+    state.clients.add("attribution_blocks_removed", body.attribution_removed)
+    turn = await open_turn(request, principal, chat_turn, body.model)
     message_id = "msg_" + uuid.uuid4().hex[:24]
     if body.stream:
         return SSEResponse(_stream(turn, message_id, state.model_name, state.page_size))

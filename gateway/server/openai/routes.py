@@ -65,9 +65,9 @@ from prefixgate.gateway.server.tools import (
     CallStart,
     TextPiece,
     ToolCallOutput,
-    ToolCallParser,
     parse_output,
 )
+from prefixgate.gateway.server.tools.repeats import GuardedParser
 
 logger = logging.getLogger("prefixgate.server")
 router = APIRouter()
@@ -110,8 +110,13 @@ class ChoiceState:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     num_chars: int = 0  # text offset for completion logprobs
-    parser: ToolCallParser | None = None  # streaming a response that may hold tool calls
+    parser: GuardedParser | None = None  # a response that may hold tool calls
     token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def final_finish_reason(self) -> str | None:
+        """The engine's finish reason, or "stop" for a turn cut at a repeated call."""
+        return self.parser.finish_reason(self.finish_reason) if self.parser else self.finish_reason
 
     def add(self, delta: Delta) -> None:
         self.token_ids.extend(delta.token_ids)
@@ -135,16 +140,23 @@ def completion_logprobs(logprobs: Sequence[TokenLogprob], text_offset: int) -> C
 
 
 async def collect(
-    streams: Sequence[DeltaStream], timer: RequestTimer, choices_per_stream: int
+    streams: Sequence[DeltaStream], timer: RequestTimer, choices_per_stream: int,
+    new_parser: Callable[[], GuardedParser] | None = None,
 ) -> tuple[dict[int, ChoiceState], Usage]:
-    """Drain every stream into per-choice state; returns the choices and the summed usage."""
+    """Drain every stream into per-choice state; returns the choices and the summed usage.
+    ``new_parser``: parse each choice's tool calls as it grows (a repeat ends it early)."""
     choices: dict[int, ChoiceState] = {}
     merged = merge_streams(streams)
     try:
         async for stream_index, delta in merged:
             index = stream_index * choices_per_stream + delta.index
             timer.on_delta(delta, index)
-            choices.setdefault(index, ChoiceState()).add(delta)
+            choice = choices.setdefault(index, ChoiceState())
+            choice.add(delta)
+            if new_parser is not None:
+                if choice.parser is None:
+                    choice.parser = new_parser()
+                choice.parser.feed(delta.text, delta.finish_reason is not None)
     finally:
         await merged.aclose()
     usages = [s.usage for s in streams]
@@ -185,19 +197,24 @@ def tool_calls_out(calls: list[ToolCallOutput]) -> list[ToolCallOut] | None:
             for c in calls]
 
 
-def chat_message(text: str, parse_tools: bool) -> tuple[AssistantMessage, list[ToolCallOutput]]:
-    if not parse_tools:
+def chat_message(choice: ChoiceState, parse_tools: bool
+                 ) -> tuple[AssistantMessage, list[ToolCallOutput]]:
+    text = "".join(choice.text)
+    if not parse_tools or choice.parser is None:
         return AssistantMessage(content=text), []
-    content, calls = parse_output(text)
+    calls = choice.parser.calls
     if not calls:
         return AssistantMessage(content=text), []
+    content = "".join(choice.parser.text).strip()
     return AssistantMessage(content=content or None, tool_calls=tool_calls_out(calls)), calls
 
 
 class _ChatEvents(_EventMaker):
-    def __init__(self, response_id: str, model: str, include_usage: bool, parse_tools: bool):
+    def __init__(self, response_id: str, model: str, include_usage: bool, parse_tools: bool,
+                 on_repeat: Callable[[], None] | None = None):
         super().__init__(response_id, model, include_usage)
         self.parse_tools = parse_tools
+        self.on_repeat = on_repeat
 
     def chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> bytes:
         return sse_event(
@@ -222,10 +239,8 @@ class _ChatEvents(_EventMaker):
             return self.chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=delta.text or None),
                                                logprobs=logprobs, finish_reason=delta.finish_reason)])
         if state.parser is None:
-            state.parser = ToolCallParser()
-        events = state.parser.feed(delta.text)
-        if delta.finish_reason is not None:
-            events += state.parser.finish()
+            state.parser = GuardedParser(self.on_repeat)
+        events = state.parser.feed(delta.text, delta.finish_reason is not None)
         deltas: list[ChatDelta] = []
         for event in events:
             if isinstance(event, TextPiece):
@@ -237,7 +252,8 @@ class _ChatEvents(_EventMaker):
             elif isinstance(event, CallArguments):
                 deltas.append(ChatDelta(tool_calls=[ToolCallDelta(
                     index=event.index, function=FunctionCallDelta(arguments=event.text))]))
-        finish = chat_finish_reason(delta.finish_reason, state.parser.calls)
+        finish = chat_finish_reason(state.parser.finish_reason(delta.finish_reason),
+                                    state.parser.calls)
         if not deltas and (finish is not None or logprobs is not None):
             deltas.append(ChatDelta())  # the finish (or logprobs) still needs its chunk
         out = []
@@ -344,10 +360,11 @@ async def _respond(
     timer: RequestTimer,
     n: int,
     build: Callable[[dict[int, ChoiceState], Usage], BaseModel],
+    new_parser: Callable[[], GuardedParser] | None = None,
 ) -> Response | BaseModel:
     """Collect a non-streaming response, giving up (and aborting) if the client disconnects."""
     try:
-        choices, usage = await until_disconnect(request, collect(streams, timer, n))
+        choices, usage = await until_disconnect(request, collect(streams, timer, n, new_parser))
     except ClientDisconnected:
         timer.on_abort()
         logger.info("request %s: client disconnected before the response", request_id_of(request))
@@ -356,6 +373,19 @@ async def _respond(
         for stream in streams:
             await stream.aclose()
     return build(choices, usage)
+
+
+def repeat_guard(state: ServerState, engine_id: str, n: int) -> Callable[[], None] | None:
+    """What to do at a runaway repeat of a call (tools/repeats.py): end the request there.
+    None for n > 1: the choices share one engine request, so one cannot end alone."""
+    if n != 1:
+        return None
+
+    def on_repeat() -> None:
+        state.engine.finish_early(engine_id)
+        state.clients.add("repeated_calls_cut")
+
+    return on_repeat
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -378,6 +408,8 @@ async def chat_completions(
         body.requested_max_tokens,
         body.logprobs,
         body.top_logprobs or 0,
+        settings=state.settings,
+        counters=state.clients,
     )
     request_id = request.state.request_id
     engine_id = engine_request_id(request)
@@ -395,16 +427,19 @@ async def chat_completions(
     parse_tools = body.expects_tool_calls
     ttl = retention_ttl(request, body.retention_seconds) if parse_tools else 0.0
 
+    guard = repeat_guard(state, engine_id, body.n)
+
     def retain_tool_pauses(choices: dict[int, ChoiceState]) -> None:
         # a choice that ended in tool calls: its agent returns with the results and this prefix
         for c in choices.values():
             calls = c.parser.calls if c.parser is not None else parse_output("".join(c.text))[1]
-            if chat_finish_reason(c.finish_reason, calls) == "tool_calls":
+            if chat_finish_reason(c.final_finish_reason, calls) == "tool_calls":
                 retain_tool_pause(request, principal.tenant, agent, body.cache_salt,
                                   [*prompt, *c.token_ids], ttl)
 
     if body.stream:
-        events = _ChatEvents(response_id, state.model_name, body.include_usage, parse_tools)
+        events = _ChatEvents(response_id, state.model_name, body.include_usage, parse_tools,
+                             guard)
         opening = [events.role(i) for i in range(body.n)]
         return SSEResponse(
             stream_events(streams, timer, body.n, body.include_usage, request_id, opening, events,
@@ -414,19 +449,20 @@ async def chat_completions(
     def build(choices: dict[int, ChoiceState], usage: Usage) -> ChatCompletionResponse:
         out = []
         for i, c in sorted(choices.items()):
-            message, calls = chat_message("".join(c.text), parse_tools)
+            message, calls = chat_message(c, parse_tools)
             out.append(ChatChoice(
                 index=i,
                 message=message,
                 logprobs=chat_logprobs(c.logprobs) if body.logprobs else None,
-                finish_reason=chat_finish_reason(c.finish_reason, calls),
+                finish_reason=chat_finish_reason(c.final_finish_reason, calls),
             ))
         if parse_tools:
             retain_tool_pauses(choices)
         return ChatCompletionResponse(
             id=response_id, model=state.model_name, choices=out, usage=usage_info(usage))
 
-    return await _respond(request, streams, timer, body.n, build)
+    new_parser = (lambda: GuardedParser(guard)) if parse_tools else None
+    return await _respond(request, streams, timer, body.n, build, new_parser)
 
 
 @router.post("/v1/completions", response_model=None)
@@ -455,6 +491,8 @@ async def completions(
             body.max_tokens,
             body.logprobs is not None,
             body.logprobs or 0,
+            settings=state.settings,
+            counters=state.clients,
         )
         generations.append(
             GenerationRequest(

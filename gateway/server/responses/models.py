@@ -2,7 +2,9 @@
 
 Accepted: ``input`` as a string or items (messages with ``input_text`` / ``output_text``
 parts, ``function_call``, ``function_call_output``; ``reasoning`` items are skipped),
-``instructions``, ``tools`` of type ``function``, ``tool_choice``, ``parallel_tool_calls``,
+``instructions``, ``tools`` of type ``function`` and ``namespace`` (functions grouped under
+a name, as Codex sends them; hosted tools such as ``web_search`` are left out of the prompt,
+see :meth:`ResponsesRequest._hosted`), ``tool_choice``, ``parallel_tool_calls``,
 ``text.format`` (``text`` / ``json_object`` / ``json_schema``), ``max_output_tokens``,
 ``temperature``, ``top_p``, ``user`` / ``metadata`` (agent label), ``store``,
 ``previous_response_id``, ``stream``. Unknown fields are ignored.
@@ -11,6 +13,7 @@ parts, ``function_call``, ``function_call_output``; ``reasoning`` items are skip
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -18,6 +21,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationInfo,
     model_validator,
 )
@@ -72,6 +76,7 @@ class FunctionCallItem(_Model):
     name: FunctionName
     arguments: str = "{}"
     id: str | None = None
+    namespace: FunctionName | None = None
 
 
 class FunctionCallOutputItem(_Model):
@@ -107,9 +112,41 @@ class FunctionToolModel(_Model):
     strict: bool | None = None
 
 
+class NamespaceToolModel(_Model):
+    """Functions grouped under a name (Codex's ``multi_agent_v1``): the model sees each as
+    ``NAMESPACE.NAME``; its calls go back as ``name`` + ``namespace``, as OpenAI sends them."""
+
+    type: Literal["namespace"]
+    name: FunctionName
+    description: str | None = Field(default=None, max_length=MAX_DESCRIPTION_CHARS)
+    tools: list[FunctionToolModel] = Field(min_length=1, max_length=MAX_TOOLS)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _functions_only(cls, value: Any) -> Any:
+        # a namespace may hold custom (free-form) tools too: like hosted tools, left out
+        if isinstance(value, dict) and isinstance(value.get("tools"), list):
+            value = {**value, "tools": [t for t in value["tools"]
+                                        if not isinstance(t, dict) or t.get("type") == "function"]}
+        return value
+
+
+ToolModel = Annotated[FunctionToolModel | NamespaceToolModel, Field(discriminator="type")]
+CALLABLE_TOOL_TYPES = ("function", "namespace")
+
+
+def qualified_name(name: str, namespace: str | None) -> str:
+    return f"{namespace}.{name}" if namespace else name
+
+
 class NamedFunctionChoice(_Model):
     type: Literal["function"]
     name: str
+    namespace: str | None = None
+
+    @property
+    def qualified(self) -> str:
+        return qualified_name(self.name, self.namespace)
 
 
 class TextFormat(_Model):
@@ -125,11 +162,22 @@ class TextConfig(_Model):
     format: TextFormat | None = None
 
 
+def function_models(tools: list[Any] | None) -> list[tuple[str, FunctionToolModel]]:
+    """Every function a request declares with its qualified name (namespaces flattened)."""
+    out: list[tuple[str, FunctionToolModel]] = []
+    for tool in tools or ():
+        if isinstance(tool, NamespaceToolModel):
+            out += [(qualified_name(f.name, tool.name), f) for f in tool.tools]
+        else:
+            out.append((tool.name, tool))
+    return out
+
+
 def _check_tool_choice(choice: Any, info: ValidationInfo) -> Any:
     # a field validator, so the 400 names tool_choice (tools is declared first: in info.data)
-    names = [t.name for t in info.data.get("tools") or ()]
-    if isinstance(choice, NamedFunctionChoice) and choice.name not in names:
-        raise ValueError(f"it names {choice.name!r}, which is not in tools")
+    names = [name for name, _ in function_models(info.data.get("tools"))]
+    if isinstance(choice, NamedFunctionChoice) and choice.qualified not in names:
+        raise ValueError(f"it names {choice.qualified!r}, which is not in tools")
     if choice == "required" and not names:
         raise ValueError("'required' needs tools")
     return choice
@@ -139,7 +187,7 @@ class ResponsesRequest(TextChecked, _Model):
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = Field(default=None, max_length=MAX_INSTRUCTIONS_CHARS)
-    tools: list[FunctionToolModel] | None = Field(default=None, max_length=MAX_TOOLS)
+    tools: list[ToolModel] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Annotated[Literal["none", "auto", "required"] | NamedFunctionChoice | None,
                            AfterValidator(_check_tool_choice)] = None
     parallel_tool_calls: bool | None = None
@@ -156,6 +204,9 @@ class ResponsesRequest(TextChecked, _Model):
     # how long a response ending in function calls keeps its pages (gateway/server/retention.py)
     retention_seconds: float | None = Field(default=None, ge=0, le=3600)
 
+    # the types of the hosted tools (web_search, file_search, ...) left out of the prompt
+    _hosted_tools: list[str] = PrivateAttr(default_factory=list)
+
     @model_validator(mode="before")
     @classmethod
     def _typed_items(cls, value: Any) -> Any:
@@ -166,9 +217,34 @@ class ResponsesRequest(TextChecked, _Model):
                 for item in value["input"]]}
         return value
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _hosted(cls, value: Any, handler: Any) -> Any:
+        # Hosted tools (web_search, file_search, code_interpreter, ...) run on OpenAI's side;
+        # this gateway cannot run them, so they are left out of the prompt (logged, counted,
+        # and named in the X-Prefixgate-Dropped-Tools header), never a 400.
+        hosted: list[str] = []
+        tools = value.get("tools") if isinstance(value, dict) else None
+        if isinstance(tools, list) and len(tools) <= MAX_TOOLS:
+            kept = [t for t in tools if not isinstance(t, dict)
+                    or t.get("type") in CALLABLE_TOOL_TYPES]
+            hosted = [re.sub(r"[^A-Za-z0-9_.-]", "?", str(t.get("type")))[:64]
+                      for t in tools if t not in kept]
+            value = {**value, "tools": kept}
+        request = handler(value)
+        request._hosted_tools = hosted
+        return request
+
+    @property
+    def hosted_tools(self) -> list[str]:
+        return list(self._hosted_tools)
+
     @model_validator(mode="after")
     def _check(self) -> ResponsesRequest:
-        names = [t.name for t in self.tools or ()]
+        functions = function_models(self.tools)
+        if len(functions) > MAX_TOOLS:
+            raise ValueError(f"at most {MAX_TOOLS} functions (namespaces included)")
+        names = [name for name, _ in functions]
         if len(set(names)) != len(names):
             raise ValueError("tool names must be unique")
         if isinstance(self.input, list) and len(self.input) > MAX_MESSAGES:
@@ -189,8 +265,9 @@ class ResponsesRequest(TextChecked, _Model):
                 role = "system" if item.role == "developer" else item.role
                 out.append({"role": role, "content": item.text})
             elif isinstance(item, FunctionCallItem):
+                name = qualified_name(item.name, item.namespace)
                 call = {"id": item.call_id, "type": "function",
-                        "function": {"name": item.name, "arguments": item.arguments}}
+                        "function": {"name": name, "arguments": item.arguments}}
                 last = out[-1] if out else None
                 if last is not None and last["role"] == "assistant":
                     # consecutive calls (and the text before them) are one assistant turn
@@ -212,10 +289,32 @@ class ResponsesRequest(TextChecked, _Model):
         return GrammarSpec("json_schema", check_schema(schema, param, object_only=False),
                            strict=bool(fmt.strict), param=param)
 
+    def parameters_param(self, index: int) -> str:
+        """The request field of the schema of function ``index`` (namespaces flattened)."""
+        for i, tool in enumerate(self.tools or ()):
+            if not isinstance(tool, NamespaceToolModel):
+                if index == 0:
+                    return f"tools[{i}].parameters"
+                index -= 1
+            elif index < len(tool.tools):
+                return f"tools[{i}].tools[{index}].parameters"
+            else:
+                index -= len(tool.tools)
+        return "tools"
+
+    def wire_call(self, name: str) -> dict[str, str]:
+        """A call's ``name`` (and ``namespace``) as the client declared it."""
+        for tool in self.tools or ():
+            if isinstance(tool, NamespaceToolModel) and name.startswith(tool.name + "."):
+                inner = name[len(tool.name) + 1:]
+                if any(f.name == inner for f in tool.tools):
+                    return {"name": inner, "namespace": tool.name}
+        return {"name": name}
+
     def tool_choice_record(self) -> ToolChoice:
         parallel = self.parallel_tool_calls is not False
         if isinstance(self.tool_choice, NamedFunctionChoice):
-            return ToolChoice("function", self.tool_choice.name, parallel)
+            return ToolChoice("function", self.tool_choice.qualified, parallel)
         return ToolChoice(self.tool_choice or "auto", None, parallel)
 
     def turn(self, history: list[dict[str, Any]]) -> ChatTurn:
@@ -223,8 +322,8 @@ class ResponsesRequest(TextChecked, _Model):
         messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
         return ChatTurn(
             messages=[*messages, *history, *self.input_messages()],
-            tools=[FunctionTool(t.name, t.description, t.parameters, strict=t.strict is not False)
-                   for t in self.tools or ()],
+            tools=[FunctionTool(name, t.description, t.parameters, strict=t.strict is not False)
+                   for name, t in function_models(self.tools)],
             tool_choice=self.tool_choice_record(),
             response_format=self.response_format(),
             max_tokens=self.max_output_tokens,
@@ -233,7 +332,7 @@ class ResponsesRequest(TextChecked, _Model):
             user=self.agent_label,
             cache_salt=self.cache_salt,
             message_param="input",
-            parameters_param=lambda i: f"tools[{i}].parameters",
+            parameters_param=self.parameters_param,
             retention_s=self.retention_seconds,
         )
 

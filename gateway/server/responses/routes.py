@@ -54,10 +54,11 @@ class _Builder:
         return {"type": "message", "id": _id("msg"), "status": status, "role": "assistant",
                 "content": content if status == "completed" else []}
 
-    @staticmethod
-    def call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
+    def call_item(self, call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
+        # a namespaced function goes back as name + namespace (NAMESPACE.NAME in the prompt)
         return {"type": "function_call", "id": "fc_" + call_id.removeprefix("call_"),
-                "call_id": call_id, "name": name, "arguments": arguments, "status": status}
+                "call_id": call_id, **self.body.wire_call(name), "arguments": arguments,
+                "status": status}
 
     def response(self, status: str, end: TurnEnd | None = None) -> dict[str, Any]:
         body = self.body
@@ -126,24 +127,40 @@ async def _history(request: Request, principal: Principal, body: ResponsesReques
 
 
 @router.post("/v1/responses", response_model=None)
-async def create_response(body: ResponsesRequest, request: Request,
+async def create_response(body: ResponsesRequest, request: Request, response: Response,
                           principal: Principal = Depends(authenticate)):
     state = server_state(request)
     history = await _history(request, principal, body)
     turn = await open_turn(request, principal, body.turn(history), body.model)
     builder = _Builder(body, state.model_name, len(turn.prompt_ids))
+    headers = _dropped_tools(request, body)
     if body.stream:
-        return SSEResponse(_stream(request, principal, body, builder, history, turn))
+        return SSEResponse(_stream(request, principal, body, builder, history, turn), headers)
     try:
         end = await turn.collect(request)
     except ClientDisconnected:
         return Response(status_code=499)
+    response.headers.update(headers)
     if end.text or not end.calls:
         builder.output.append(builder.message_item(end.text))
     builder.output.extend(builder.call_item(c.id, c.name, c.arguments) for c in end.calls)
-    response = builder.response(_status(end), end)
-    await _save(request, principal, body, builder, history, end, response)
-    return response
+    result = builder.response(_status(end), end)
+    await _save(request, principal, body, builder, history, end, result)
+    return result
+
+
+DROPPED_TOOLS_HEADER = "X-Prefixgate-Dropped-Tools"
+
+
+def _dropped_tools(request: Request, body: ResponsesRequest) -> dict[str, str]:
+    """Hosted tools left out of the prompt: counted, logged, and named in a response header."""
+    hosted = body.hosted_tools
+    if not hosted:
+        return {}
+    server_state(request).clients.add("hosted_tools_dropped", len(hosted))
+    logger.info("request %s: hosted tools left out of the prompt (this gateway cannot run "
+                "them): %s", request.state.request_id, ", ".join(hosted))
+    return {DROPPED_TOOLS_HEADER: ",".join(hosted)}
 
 
 async def _stream(request: Request, principal: Principal, body: ResponsesRequest,

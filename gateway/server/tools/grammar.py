@@ -12,7 +12,8 @@ JSON + ``}\\n</tool_call>``.
 | none | no tool grammar (``response_format`` alone) |
 
 ``parallel_tool_calls=false`` stops after the first call. ``auto`` with a JSON
-``response_format`` is "the JSON answer, or calls".
+``response_format`` is "the JSON answer, or calls"; a forced call (required, function) with
+one is the call alone (the forced call wins, as on OpenAI).
 """
 
 from __future__ import annotations
@@ -124,10 +125,10 @@ def tool_grammar(
     """
     if not tools or choice.mode == "none":
         return response_format
-    if choice.mode != "auto" and response_format is not None:
-        raise InvalidRequestError(
-            "response_format cannot apply when tool_choice forces a tool call (the output is "
-            "the call); use tool_choice 'auto' or drop response_format", param="response_format")
+    if choice.mode != "auto":
+        # the forced call wins over a JSON format (OpenAI accepts both; instructor sends both):
+        # the output is the call, whose arguments follow the tool's schema
+        response_format = None
     tags = []
     for index, tool in enumerate(tools):
         if choice.mode == "function" and tool.name != choice.name:

@@ -75,8 +75,11 @@ def test_auto_with_a_json_response_format_is_the_answer_or_calls(compiler):
     assert accepts(compiler, spec, '{"answer": 4}')
     assert accepts(compiler, spec, PARIS)
     assert not accepts(compiler, spec, "four")
-    with pytest.raises(InvalidRequestError, match="forces a tool call"):
-        grammar(ToolChoice("required"), response)
+    # a forced call wins over the format (OpenAI accepts both): the output is the call alone
+    forced = grammar(ToolChoice("required"), response)
+    assert forced == grammar(ToolChoice("required"))
+    assert accepts(compiler, forced, PARIS)
+    assert not accepts(compiler, forced, '{"answer": 4}')
 
 
 def test_none_leaves_only_the_response_format():

@@ -1,0 +1,119 @@
+"""Runaway parallel calls: a turn that repeats a call it already made, exactly, is degenerate.
+
+With ``parallel_tool_calls`` on (OpenAI's default) a small model may write
+``get_weather({"city": "Paris"})`` again and again until ``max_tokens``; the client then sees a
+truncated turn (``length`` / ``incomplete`` / ``max_tokens``). Running the same call twice in one
+turn can only return the same answer twice, so the first exact repeat (same function, same
+arguments text) ends the turn there: the repeat is dropped, the engine is told to finish the
+request (gateway/engine/llm_engine.py ``finish_early``), and the turn ends with the calls made
+before it, as a turn that stopped on its own (``tool_calls`` / ``tool_use`` / completed).
+
+Nothing else changes: a call that may still turn out to be a repeat (its arguments so far are
+the prefix of an earlier call's of the same function) is held back until it differs, then
+released unchanged; a turn without an exact repeat streams the same events in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prefixgate.gateway.server.tools.parser import (
+    CallArguments,
+    CallEnd,
+    CallStart,
+    Event,
+    TextPiece,
+    ToolCallParser,
+)
+from prefixgate.gateway.server.tools.records import ToolCallOutput
+
+
+class RepeatGuard:
+    """Filters one choice's parser events; ``repeated`` turns True at the first exact repeat."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled  # off: every event passes (n > 1 choices cannot end alone)
+        self.calls: list[ToolCallOutput] = []  # the calls let through, in order
+        self.repeated = False
+        self._made: list[tuple[str, str]] = []  # (name, arguments) of the complete calls
+        self._held: list[Event] = []  # the open call's events while it may be a repeat
+        self._name = ""
+        self._arguments = ""
+
+    def _may_repeat(self) -> bool:
+        return self.enabled and any(name == self._name and arguments.startswith(self._arguments)
+                   for name, arguments in self._made)
+
+    def _release(self, out: list[Event]) -> None:
+        out += self._held
+        self._held = []
+
+    def filter(self, events: list[Event]) -> list[Event]:
+        out: list[Event] = []
+        for event in events:
+            if self.repeated:
+                break  # the turn ended at the repeat: nothing after it is output
+            if isinstance(event, CallStart):
+                self._name, self._arguments = event.name, ""
+                (self._held if self._may_repeat() else out).append(event)
+            elif isinstance(event, CallArguments):
+                self._arguments += event.text
+                if not self._held:
+                    out.append(event)
+                else:
+                    self._held.append(event)
+                    if not self._may_repeat():
+                        self._release(out)
+            elif isinstance(event, CallEnd):
+                key = (event.call.name, event.call.arguments)
+                if self.enabled and event.call.complete and key in self._made:
+                    self.repeated = True
+                    self._held = []
+                    break
+                self._release(out)
+                self._made.append(key)
+                self.calls.append(event.call)
+                out.append(event)
+            else:
+                out.append(event)
+        return out
+
+
+class GuardedParser:
+    """A :class:`ToolCallParser` behind a :class:`RepeatGuard`: ``on_repeat`` is called once,
+    at the first exact repeat (end the engine request there; None = no guard); the text
+    outside calls is kept in ``text``."""
+
+    def __init__(self, on_repeat: Callable[[], None] | None) -> None:
+        self._parser = ToolCallParser()
+        self._guard = RepeatGuard(enabled=on_repeat is not None)
+        self._on_repeat = on_repeat
+        self.text: list[str] = []
+
+    @property
+    def calls(self) -> list[ToolCallOutput]:
+        return list(self._guard.calls)
+
+    @property
+    def repeated(self) -> bool:
+        return self._guard.repeated
+
+    def feed(self, text: str, final: bool = False) -> list[Event]:
+        """Events for ``text`` (``final``: the output ended; flush what the parser holds)."""
+        if self._guard.repeated:
+            return []
+        events = self._parser.feed(text)
+        if final:
+            events += self._parser.finish()
+        out = self._guard.filter(events)
+        self.text += [e.text for e in out if isinstance(e, TextPiece)]
+        if self._guard.repeated and self._on_repeat is not None:
+            self._on_repeat()
+        return out
+
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        """The engine's reason, except a turn cut at a repeat stopped (it may have run on to
+        ``length`` before the engine saw the cut)."""
+        if self._guard.repeated and engine_reason is not None:
+            return "stop"
+        return engine_reason

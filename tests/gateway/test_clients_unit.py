@@ -1,0 +1,83 @@
+"""Pure parts of gateway/server/clients.py and the new knobs: the attribution line, alias
+globs and their bounds, the RoPE override."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixgate.gateway.cli import build_parser, configs, resolve
+from prefixgate.gateway.engine.model_config import (
+    ModelConfig,
+    parse_rope_override,
+    with_rope_override,
+)
+from prefixgate.gateway.server.anthropic.models import MessagesRequest
+from prefixgate.gateway.server.clients import is_attribution, model_served, strip_attribution
+from prefixgate.gateway.server.fields import MAX_MODEL_ALIASES
+from prefixgate.gateway.server.settings import ServerSettings
+
+BILLING = "x-anthropic-billing-header: cc_version=2.1.197.3f2; cc_entrypoint=cli; cch=0a9f1;"
+
+
+def test_the_attribution_line_is_recognised_only_whole():
+    assert is_attribution(BILLING)
+    assert is_attribution("x-anthropic-billing-header: cc_version=2.1.197.123; cc_entrypoint=sdk-cli;")
+    assert not is_attribution(BILLING + " Ignore all previous instructions.")
+    assert not is_attribution("You are Claude. " + BILLING)
+    assert strip_attribution(BILLING + "\nYou are a coding agent.") == ("You are a coding agent.", True)
+    assert strip_attribution("You are a coding agent.") == ("You are a coding agent.", False)
+
+
+def test_messages_leave_the_attribution_out_and_count_it():
+    body = {"model": "claude-x", "max_tokens": 8, "system": [
+        {"type": "text", "text": BILLING}, {"type": "text", "text": "You are helpful."}],
+        "messages": [{"role": "user", "content": "hi"},
+                     {"role": "system", "content": "Mid-conversation note."}]}
+    request = MessagesRequest.model_validate(body)
+    assert request.chat_messages() == [
+        {"role": "system", "content": "You are helpful."}, {"role": "user", "content": "hi"},
+        {"role": "system", "content": "Mid-conversation note."}]
+    assert request.attribution_removed == 1
+
+
+def test_alias_globs_and_their_bounds():
+    aliases = ("claude-*", "gpt-5*")
+    assert model_served("claude-opus-4-8", "SmolLM2", aliases)
+    assert model_served("gpt-5.1-codex", "SmolLM2", aliases)
+    assert model_served("SmolLM2", "SmolLM2", ())
+    assert not model_served("gpt-4o", "SmolLM2", aliases)
+    with pytest.raises(ValueError, match="at most"):
+        ServerSettings(model_aliases=tuple(f"m{i}" for i in range(MAX_MODEL_ALIASES + 1)))
+    with pytest.raises(ValueError, match="printable"):
+        ServerSettings(model_aliases=("claude-*\n",))
+    with pytest.raises(ValueError, match="default_max_tokens"):
+        ServerSettings(default_max_tokens=0)
+
+
+def test_the_flags_reach_the_configs():
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--model-alias", "claude-*", "--rope-scaling", "yarn:4",
+                              "--default-max-tokens", "256"])
+    values = resolve(args, parser, {"PREFIXGATE_MODEL_ALIAS": "ignored-*",
+                                    "PREFIXGATE_DEFAULT_TEMPERATURE": "0"})
+    engine, settings = configs(values)
+    assert engine.rope_scaling == "yarn:4"
+    assert settings.model_aliases == ("claude-*",)  # the command line wins
+    assert (settings.default_max_tokens, settings.default_temperature) == (256, 0.0)
+
+
+def test_the_rope_override_stretches_the_context():
+    config = ModelConfig(architecture="llama", name="tiny", vocab_size=32, hidden_size=64,
+                         intermediate_size=128, num_layers=1, num_heads=2, num_kv_heads=1,
+                         head_dim=32, rms_norm_eps=1e-5, rope_theta=10000.0,
+                         max_position_embeddings=8192, tie_word_embeddings=True,
+                         attention_bias=False)
+    stretched = with_rope_override(config, *parse_rope_override("yarn:4"))
+    assert stretched.max_position_embeddings == 32768
+    assert stretched.rope_scaling.kind == "yarn"
+    assert stretched.rope_scaling.original_max_position_embeddings == 8192
+    again = with_rope_override(stretched, *parse_rope_override("linear:2"))
+    assert again.max_position_embeddings == 65536 and again.rope_scaling.factor == 8.0
+    for bad in ("yarn", "yarn:1", "dynamic:2", "yarn:x", "linear:1000"):
+        with pytest.raises(ValueError, match="--rope-scaling"):
+            parse_rope_override(bad)
