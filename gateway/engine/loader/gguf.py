@@ -29,6 +29,7 @@ from prefixgate.gateway.engine.model_config import (
     UnsupportedModelError,
     check_weights,
 )
+from prefixgate.gateway.engine.models.registry import family_for, supported_architectures
 from prefixgate.gateway.engine.tokenizer import GGUFVocab, Tokenizer
 from prefixgate.kernels.quant import QuantizedTensor
 
@@ -44,9 +45,6 @@ SUPPORTED_TENSOR_TYPES: tuple[GGMLQuantizationType, ...] = (
 # kept in their blocks (see the module docstring); the K-quants are not (yet): their 256-weight
 # super-blocks with 6-bit sub-scales need their own kernel
 KEPT_QUANTIZED: dict[GGMLQuantizationType, str] = {_Q.Q4_0: "Q4_0", _Q.Q4_1: "Q4_1", _Q.Q8_0: "Q8_0"}
-
-# llama.cpp stores Q/K of these architectures with rows permuted for its rotary kernel
-_PERMUTED_QK_ARCHS = frozenset({"llama", "mistral", "smollm2"})
 
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -95,10 +93,10 @@ def _read_config(
     reader: GGUFReader, path: Path, tensor_shapes: dict[str, list[int]]
 ) -> ModelConfig:
     arch = _field_value(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in supported_architectures():
         raise UnsupportedModelError(
             f"{path.name}: GGUF architecture {arch!r} is not supported; supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{', '.join(supported_architectures())}"
         )
 
     def meta(suffix: str, default: Any = None) -> Any:
@@ -120,25 +118,27 @@ def _read_config(
         tensor = next(t for t in reader.tensors if t.name == _ROPE_FREQS)
         values = dequantize(tensor.data, tensor.tensor_type).reshape(-1)
         rope_factors = tuple(float(x) for x in values)
-    return ModelConfig(
-        architecture=arch,
-        name=_field_value(reader, "general.name") or path.stem,
-        vocab_size=int(vocab),
-        hidden_size=int(hidden),
-        intermediate_size=int(meta("feed_forward_length", 0)),
-        num_layers=int(meta("block_count")),
-        num_heads=int(num_heads),
-        num_kv_heads=int(meta("attention.head_count_kv", num_heads)),
-        head_dim=int(meta("attention.key_length", hidden // num_heads)),
-        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(meta("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(meta("context_length", 2048)),
-        tie_word_embeddings="output.weight" not in tensor_shapes,
-        attention_bias=SUPPORTED_ARCHITECTURES[arch] or "blk.0.attn_q.bias" in tensor_shapes,
-        attention_out_bias="blk.0.attn_output.bias" in tensor_shapes,
-        rope_scaling=_read_rope_scaling(meta),
-        rope_freq_factors=rope_factors,
-    )
+    fields: dict[str, Any] = {
+        "architecture": arch,
+        "name": _field_value(reader, "general.name") or path.stem,
+        "vocab_size": int(vocab),
+        "hidden_size": int(hidden),
+        "intermediate_size": int(meta("feed_forward_length", 0)),
+        "num_layers": int(meta("block_count")),
+        "num_heads": int(num_heads),
+        "num_kv_heads": int(meta("attention.head_count_kv", num_heads)),
+        "head_dim": int(meta("attention.key_length", hidden // num_heads)),
+        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(meta("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(meta("context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in tensor_shapes,
+        "attention_bias": SUPPORTED_ARCHITECTURES.get(arch, False)
+        or "blk.0.attn_q.bias" in tensor_shapes,
+        "attention_out_bias": "blk.0.attn_output.bias" in tensor_shapes,
+        "rope_scaling": _read_rope_scaling(meta),
+        "rope_freq_factors": rope_factors,
+    }
+    return ModelConfig(**(fields | family_for(arch).gguf_config(meta)))
 
 
 def _read_rope_scaling(meta: Any) -> RopeScaling | None:
@@ -196,12 +196,12 @@ def _read_vocab(reader: GGUFReader, path: Path) -> GGUFVocab:
     )
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, layer_tensors: dict[str, str] = _LAYER_TENSORS) -> str | None:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     match = _LAYER_NAME.match(gguf_name)
-    if match and match.group(2) in _LAYER_TENSORS:
-        return f"model.layers.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}"
+    if match and match.group(2) in layer_tensors:
+        return f"model.layers.{match.group(1)}.{layer_tensors[match.group(2)]}"
     return None
 
 
@@ -262,7 +262,14 @@ def load_gguf(
             f"{' ...' if len(unsupported) > 5 else ''}; supported: "
             f"{', '.join(t.name for t in SUPPORTED_TENSOR_TYPES)}"
         )
-    unknown = [t.name for t in reader.tensors if t.name != _ROPE_FREQS and _hf_name(t.name) is None]
+    family = family_for(config.architecture)
+    # the family's own tensors (q/k norms, experts, fused Phi tensors) over the Llama table
+    layer_tensors = {**_LAYER_TENSORS, **family.gguf_tensors}
+    unknown = [
+        t.name
+        for t in reader.tensors
+        if t.name != _ROPE_FREQS and _hf_name(t.name, layer_tensors) is None
+    ]
     if unknown:
         raise UnsupportedModelError(
             f"{path.name}: tensors this {config.architecture} loader does not know: "
@@ -270,7 +277,7 @@ def load_gguf(
         )
     tokenizer = Tokenizer.from_gguf_vocab(_read_vocab(reader, path))
 
-    permute = config.architecture in _PERMUTED_QK_ARCHS
+    permute = family.gguf_permuted_qk
     weights: dict[str, torch.Tensor] = {}
     bar = tqdm(
         reader.tensors,
@@ -280,7 +287,7 @@ def load_gguf(
         disable=(not sys.stderr.isatty()) if progress is None else not progress,
     )
     for tensor in bar:
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, layer_tensors)
         if name is None:  # rope_freqs: already folded into the config
             continue
         shape = tuple(reversed(shapes[tensor.name]))
@@ -302,5 +309,6 @@ def load_gguf(
         else:
             weights[name] = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
     bar.close()
+    weights = family.adapt_weights(weights, config, "gguf")
     check_weights(config, weights, source=path.name)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, path=path)
