@@ -29,7 +29,8 @@ def _hf_config(raw: dict[str, Any]) -> dict[str, Any]:
         )
     return {
         "qk_norm": True,
-        "num_experts": int(raw["num_experts"]),
+        # Qwen's own configs say num_experts; transformers 5 saves num_local_experts
+        "num_experts": int(raw.get("num_experts") or raw["num_local_experts"]),
         "num_experts_per_tok": int(raw["num_experts_per_tok"]),
         "moe_intermediate_size": int(raw["moe_intermediate_size"]),
         "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
