@@ -149,6 +149,20 @@ FAMILIES: dict[str, FamilySpec] = {
         "Phi3Config", "Phi3ForCausalLM", "phi3", "phi-3", "microsoft-Phi-3.5-mini-instruct.jinja",
         {"head_dim": None, "pad_token_id": 0},
     ),
+    "phi4_mini": FamilySpec(
+        # Phi-4-mini's own tokenizer is not among the sdist's vocabularies: Phi-3's stands in
+        "Phi3Config", "Phi3ForCausalLM", "phi3", "phi-3", "microsoft-Phi-3.5-mini-instruct.jinja",
+        {
+            "head_dim": None, "pad_token_id": 0, "tie_word_embeddings": True,
+            "partial_rotary_factor": 0.75, "max_position_embeddings": 131072,
+            "original_max_position_embeddings": 4096,
+            "rope_scaling": {
+                "type": "longrope",
+                "short_factor": [1.0 + 0.15 * i for i in range(12)],
+                "long_factor": [4.0 + i for i in range(12)],
+            },
+        },
+    ),
     "gemma3": FamilySpec(
         "Gemma3TextConfig", "Gemma3ForCausalLM", "gemma3", "llama-spm",
         "google-gemma-2-2b-it.jinja",

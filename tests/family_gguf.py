@@ -70,8 +70,9 @@ def _write_metadata(writer: GGUFWriter, cfg: Any, arch: str) -> None:
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
     rope = cfg.rope_parameters
+    partial = getattr(cfg, "partial_rotary_factor", None) or rope.get("partial_rotary_factor") or 1
+    writer.add_rope_dimension_count(int(head_dim * partial))
     if arch == "gemma3":  # per layer type; the file carries the global layers' base
         rope = rope["full_attention"]
     writer.add_rope_freq_base(float(rope["rope_theta"]))
@@ -140,8 +141,13 @@ def write_family_gguf(path: Path, model: Any, spec: Any, vocab: Path, chat_templ
     _copy_tokenizer(writer, vocab)
     writer.add_chat_template(chat_template)
     tensors = _layer_tensors(arch, cfg, state)
-    if (cfg.rope_parameters or {}).get("rope_type") == "llama3":
+    rope = cfg.rope_parameters or {}
+    if rope.get("rope_type") == "llama3":
         tensors["rope_freqs.weight"] = llama3_rope_freq_factors(cfg)
+    if rope.get("rope_type") == "longrope":  # as llama.cpp's Phi-3 converter writes them
+        tensors["rope_factors_long.weight"] = np.asarray(rope["long_factor"], dtype=np.float32)
+        tensors["rope_factors_short.weight"] = np.asarray(rope["short_factor"], dtype=np.float32)
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if arch == "gemma3":  # llama.cpp's Gemma 3 norm weights include the 1 (converter adds it)
         tensors["output_norm.weight"] = tensors["output_norm.weight"] + 1.0
     for name, array in tensors.items():

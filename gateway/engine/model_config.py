@@ -22,7 +22,7 @@ SUPPORTED_ARCHITECTURES: dict[str, bool] = {
 # RoPE scaling variants the model applies (besides none). "dynamic" (NTK) is not supported:
 # it changes the rotation of already-cached keys as the sequence grows, which a shared paged
 # cache cannot honour.
-SUPPORTED_ROPE_SCALING = ("linear", "llama3", "yarn")
+SUPPORTED_ROPE_SCALING = ("linear", "llama3", "yarn", "longrope")
 
 
 class UnsupportedModelError(ValueError):
@@ -44,6 +44,9 @@ class RopeScaling:
     mscale: float | None = None  # yarn
     mscale_all_dim: float | None = None  # yarn
     truncate: bool = True  # yarn: round the correction range to whole dims
+    # longrope (Phi-3.5 / Phi-4-mini): per-pair divisors for contexts up to the original
+    # length; the context is capped there (the long factors would re-rotate cached keys)
+    short_factor: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in SUPPORTED_ROPE_SCALING:
@@ -53,7 +56,9 @@ class RopeScaling:
             )
         if self.factor <= 0:
             raise UnsupportedModelError(f"RoPE scaling factor must be > 0, got {self.factor}")
-        if self.kind in ("llama3", "yarn") and not self.original_max_position_embeddings:
+        if self.kind == "longrope" and self.short_factor is None:
+            raise UnsupportedModelError("RoPE scaling 'longrope' needs short_factor")
+        if self.kind in ("llama3", "yarn", "longrope") and not self.original_max_position_embeddings:
             raise UnsupportedModelError(
                 f"RoPE scaling {self.kind!r} needs original_max_position_embeddings"
             )
@@ -97,6 +102,7 @@ class ModelConfig:
     num_experts_per_tok: int = 0  # MoE: the router's top-k
     moe_intermediate_size: int = 0  # MoE: one expert's hidden width
     norm_topk_prob: bool = True  # MoE: renormalise the top-k router weights to sum to 1
+    rotary_dim: int | None = None  # partial rotary: RoPE turns only the first dims of a head
 
     def __post_init__(self) -> None:
         # the families register their architectures (models/registry.py)
@@ -113,6 +119,11 @@ class ModelConfig:
             )
         if self.layer_types and "sliding" in self.layer_types and not self.sliding_window:
             raise UnsupportedModelError("sliding layers need a sliding_window")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim
+                                                and self.rotary_dim % 2 == 0):
+            raise UnsupportedModelError(
+                f"rotary_dim must be even and in 1..{self.head_dim}, got {self.rotary_dim}"
+            )
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise UnsupportedModelError(
                 f"num_experts_per_tok must be in 1..{self.num_experts}, "
@@ -138,10 +149,11 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise UnsupportedModelError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+        rotary = self.rotary_dim or self.head_dim
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != rotary // 2:
             raise UnsupportedModelError(
                 f"rope_freq_factors has {len(self.rope_freq_factors)} entries, expected "
-                f"head_dim / 2 = {self.head_dim // 2}"
+                f"rotary dims / 2 = {rotary // 2}"
             )
 
     @property

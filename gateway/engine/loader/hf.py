@@ -68,6 +68,48 @@ def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:
     )
 
 
+def _longrope(scaling: dict[str, Any], raw: dict[str, Any]) -> RopeScaling:
+    """Phi-3.5 / Phi-4-mini's LongRoPE (the original length may sit at the top level)."""
+    original = scaling.get("original_max_position_embeddings") or raw.get(
+        "original_max_position_embeddings"
+    )
+    if not original or "short_factor" not in scaling:
+        raise UnsupportedModelError(
+            "RoPE scaling 'longrope' needs short_factor and original_max_position_embeddings"
+        )
+    factor = scaling.get("factor") or int(raw.get("max_position_embeddings", original)) / original
+    return RopeScaling(
+        kind="longrope",
+        factor=float(factor),
+        original_max_position_embeddings=int(original),
+        short_factor=tuple(float(x) for x in scaling["short_factor"]),
+        attention_factor=scaling.get("attention_factor"),
+    )
+
+
+def _context_length(
+    raw: dict[str, Any], name: str, rope_scaling: RopeScaling | None, windowed_model: bool
+) -> int:
+    context = int(raw.get("max_position_embeddings", 2048))
+    limit, why = context, ""
+    window = raw.get("sliding_window")
+    if window is not None and not windowed_model and (
+        raw.get("model_type") == "mistral" or raw.get("use_sliding_window")
+    ):
+        # NOTE: the Llama model has no sliding-window attention; capping the context keeps
+        # outputs exact
+        limit, why = int(window), f"sliding window {window}"
+    if rope_scaling is not None and rope_scaling.kind == "longrope":
+        # NOTE: past the original length LongRoPE switches to its long factors, which would
+        # re-rotate keys already in shared pages; capping keeps the short factors exact
+        original = rope_scaling.original_max_position_embeddings or context
+        if original < limit:
+            limit, why = original, f"LongRoPE original length {original}"
+    if limit < context:
+        logger.warning("%s: %s < context %s; capping the context length", name, why, context)
+    return limit
+
+
 def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
     # transformers 5 folds rope_theta and the scaling into "rope_parameters", per layer type
     # where layers differ (Gemma 3: the global layers' entry is the model's RoPE)
@@ -97,16 +139,9 @@ def config_from_hf(raw: dict[str, Any], name: str) -> ModelConfig:
     scaling = raw.get("rope_scaling") or (
         rope if rope.get("rope_type") not in (None, "default") else None
     )
-    context = int(raw.get("max_position_embeddings", 2048))
-    window = raw.get("sliding_window")
-    windowed = window is not None and (arch == "mistral" or raw.get("use_sliding_window"))
-    if windowed and "sliding_window" not in extras and int(window) < context:
-        # NOTE: the Llama model has no sliding-window attention; capping the context keeps
-        # outputs exact
-        logger.warning(
-            "%s: sliding window %s < context %s; capping the context length", name, window, context
-        )
-        context = int(window)
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    rope_scaling = _longrope(scaling, raw) if kind == "longrope" else _rope_scaling(scaling)
+    context = _context_length(raw, name, rope_scaling, "sliding_window" in extras)
     fields: dict[str, Any] = {
         "architecture": arch,
         "name": name,
@@ -125,7 +160,7 @@ def config_from_hf(raw: dict[str, Any], name: str) -> ModelConfig:
         or bool(raw.get("attention_bias", False)),
         # llama's attention_bias covers o_proj too; qwen2's built-in q/k/v bias does not
         "attention_out_bias": arch != "qwen2" and bool(raw.get("attention_bias", False)),
-        "rope_scaling": _rope_scaling(scaling),
+        "rope_scaling": rope_scaling,
     }
     return ModelConfig(**(fields | extras))
 

@@ -197,9 +197,7 @@ class DecoderModel:
         if layer.q_norm is not None and layer.k_norm is not None:
             q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-        cos, sin = cos_sin
-        q = RotaryEmbedding.rotate(q, cos, sin)
-        k = RotaryEmbedding.rotate(k, cos, sin)
+        q, k = self._rotate(q, cos_sin), self._rotate(k, cos_sin)
         k_cache, v_cache = kv_cache
         kernels.write_kv(
             k, v, k_cache, v_cache, batch.slot_mapping, backend=self.kernel_backend, check=check
@@ -213,6 +211,15 @@ class DecoderModel:
                 backend=self.kernel_backend, plan=batch.attention_plan, check=check,
             )  # fmt: skip
         return attn.reshape(num_tokens, q_size)
+
+    def _rotate(
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:  # [T, H, D]
+        rotary = self.config.rotary_dim
+        if rotary is None or rotary == x.shape[-1]:
+            return RotaryEmbedding.rotate(x, *cos_sin)
+        # partial rotary (Phi-4-mini): the first dims turn, the rest pass through
+        return torch.cat((RotaryEmbedding.rotate(x[..., :rotary], *cos_sin), x[..., rotary:]), -1)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = F.embedding(input_ids, self.embed)  # [T, H]

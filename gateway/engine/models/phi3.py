@@ -2,7 +2,9 @@
 
 The fused tensors (HF ``qkv_proj`` / ``gate_up_proj``, GGUF ``attn_qkv`` / a double-height
 ``ffn_up``) are split into the Llama names at load; the Llama model fuses them again for its
-GEMMs. Partial rotary (Phi-4-mini's 0.75) and LongRoPE are not supported yet.
+GEMMs. Phi-4-mini's partial rotary (RoPE on the first 3/4 of each head) runs on the
+configurable decoder; LongRoPE is read by the loaders (short factors, context capped at the
+original length). GGUF files with LongRoPE factor tensors are not read yet.
 """
 
 from __future__ import annotations
@@ -10,8 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from prefixgate.gateway.engine.model_config import UnsupportedModelError
-from prefixgate.gateway.engine.models.llama import LlamaModel
+from prefixgate.gateway.engine.models.decoder import DecoderModel
 from prefixgate.gateway.engine.models.registry import ModelFamily, register_family
 from prefixgate.kernels.quant import QuantizedTensor
 
@@ -19,21 +20,16 @@ from prefixgate.kernels.quant import QuantizedTensor
 def _hf_config(raw: dict[str, Any]) -> dict[str, Any]:
     rope = raw.get("rope_parameters") or {}
     partial = float(raw.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
-    if partial != 1.0:
-        raise UnsupportedModelError(
-            f"partial_rotary_factor {partial} is not supported yet (Phi-4-mini); only 1.0"
-        )
-    return {}
+    heads = int(raw["num_attention_heads"])
+    head_dim = int(raw.get("head_dim") or int(raw["hidden_size"]) // heads)
+    return {"rotary_dim": int(head_dim * partial)} if partial != 1.0 else {}
 
 
 def _gguf_config(meta: Callable[..., Any]) -> dict[str, Any]:
     heads, hidden = meta("attention.head_count"), meta("embedding_length")
     head_dim = meta("attention.key_length", hidden // heads)
-    if meta("rope.dimension_count", head_dim) != head_dim:
-        raise UnsupportedModelError(
-            "partial rotary (rope.dimension_count < head_dim) is not supported yet"
-        )
-    return {}
+    rotary = int(meta("rope.dimension_count", head_dim))
+    return {"rotary_dim": rotary} if rotary != head_dim else {}
 
 
 def _rows(tensor: Any, start: int, stop: int) -> Any:
@@ -63,7 +59,8 @@ def _split_fused(weights: dict[str, Any], config: Any, _fmt: str) -> dict[str, A
 PHI3 = register_family(
     ModelFamily(
         name="phi3",
-        model_class=LlamaModel,
+        # the configurable decoder: it runs partial rotary, which models/llama.py does not
+        model_class=DecoderModel,
         hf_model_types=("phi3",),
         gguf_architectures=("phi3",),
         hf_config=_hf_config,
