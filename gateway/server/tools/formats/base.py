@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefixgate.gateway.engine.api import GrammarSpec
+from prefixgate.gateway.server.tools.grammar import schema_grammar
 from prefixgate.gateway.server.tools.parser import (
     CallArguments,
     CallEnd,
@@ -55,8 +56,11 @@ class ToolCallFormat:
         raise NotImplementedError
 
     def content(self, tool: FunctionTool) -> dict[str, Any]:
-        """The structural-tag element of a call's arguments."""
-        return {"type": "json_schema", "json_schema": tool.schema}
+        """The structural-tag element of a call's arguments: canonical JSON (``json.dumps``
+        spacing, the schema's key order), which is what templates' ``tojson`` re-renders, so
+        the next turn's prompt extends this one's tokens."""
+        return {"type": "grammar", "grammar": schema_grammar(
+            tool.schema, "tools", strict=tool.strict, object_only=True)}  # fmt: skip
 
     def find_call(self, text: str, start: int) -> int | None:
         """End offset of the call that begins at ``text[start:]`` (at the trigger); None
