@@ -116,8 +116,8 @@ class DecoderModel:
         weight = weight.float() + self.config.norm_weight_offset
         return weight.to(device=self.device, dtype=self.dtype).contiguous()
 
-    def _linear(self, weight: torch.Tensor) -> Linear:
-        return Linear(weight, None, native=self.native_ops and self.device.type == "cpu")
+    def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+        return Linear(weight, bias, native=self.native_ops and self.device.type == "cpu")
 
     def _optional_norm(self, name: str, present: bool) -> torch.Tensor | None:
         return self._norm_weight(name) if present else None
@@ -127,14 +127,20 @@ class DecoderModel:
         p = f"model.layers.{index}."
         attn, mlp = p + "self_attn.", p + "mlp."
         qkv = torch.cat([self._put(attn + f"{n}_proj.weight") for n in "qkv"])
+        qkv_bias = (
+            torch.cat([self._put(attn + f"{n}_proj.bias") for n in "qkv"])
+            if cfg.attention_bias
+            else None
+        )
+        o_bias = self._put(attn + "o_proj.bias") if cfg.attention_out_bias else None
         sandwich = cfg.sandwich_norms
         window = cfg.layer_window(index)
         return _Layer(
             input_norm=self._norm_weight(p + "input_layernorm.weight"),
-            qkv=self._linear(qkv),
+            qkv=self._linear(qkv, qkv_bias),
             q_norm=self._optional_norm(attn + "q_norm.weight", cfg.qk_norm),
             k_norm=self._optional_norm(attn + "k_norm.weight", cfg.qk_norm),
-            o=self._linear(self._put(attn + "o_proj.weight")),
+            o=self._linear(self._put(attn + "o_proj.weight"), o_bias),
             attn_out_norm=self._optional_norm(p + "post_attention_layernorm.weight", sandwich),
             mlp_norm=self._norm_weight(
                 p
