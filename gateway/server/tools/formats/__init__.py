@@ -4,12 +4,18 @@ here. ``format_for_template`` picks the one a chat template teaches; a flag can 
     hermes        <tool_call>{"name", "arguments"}</tool_call>   Hermes, Qwen2.5, Qwen3
     qwen3_coder   <tool_call><function=..><parameter=..>          Qwen3-Coder, Qwen3.5
     llama3_json   {"name", "parameters"}                         Llama 3.1 / 3.2 / 3.3
+    mistral       [TOOL_CALLS]NAME[ARGS]{json}                   Devstral, Mistral Small 3.2, Ministral 3
 """
 
 from __future__ import annotations
 
 # every format module registers itself on import
-from prefixgate.gateway.server.tools.formats import hermes, llama3_json, qwen3_coder  # noqa: F401
+from prefixgate.gateway.server.tools.formats import (  # noqa: F401
+    hermes,
+    llama3_json,
+    mistral,
+    qwen3_coder,
+)
 from prefixgate.gateway.server.tools.formats.base import (
     FormatStreamParser,
     ParsedCall,

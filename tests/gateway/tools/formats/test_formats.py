@@ -35,6 +35,7 @@ CALLS = {
     "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'
     "\n</tool_call>",
     "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}',
+    "mistral": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}',
     "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
     "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
 }
@@ -46,6 +47,10 @@ TEMPLATES = {
     "meta-llama-Llama-3.1-8B-Instruct.jinja": "llama3_json",
     "meta-llama-Llama-3.2-3B-Instruct.jinja": "llama3_json",
     "meta-llama-Llama-3.3-70B-Instruct.jinja": "llama3_json",
+    "unsloth-mistral-Devstral-Small-2507.jinja": "mistral",
+    "Mistral-Small-3.2-24B-Instruct-2506.jinja": "mistral",
+    "mistralai-Ministral-3-14B-Reasoning-2512.jinja": "mistral",
+    "mistralai-Mistral-Nemo-Instruct-2407.jinja": None,  # its [TOOL_CALLS][...] list: not yet
     "microsoft-Phi-3.5-mini-instruct.jinja": None,
     "google-gemma-2-2b-it.jinja": None,
 }
@@ -59,15 +64,19 @@ def test_format_is_picked_from_the_template(name):
 
 
 @pytest.mark.parametrize(
-    "name", ["Qwen-Qwen3-0.6B.jinja", "Qwen3-Coder.jinja", "meta-llama-Llama-3.1-8B-Instruct.jinja"]
-)
+    "name",
+    [
+        "Qwen-Qwen3-0.6B.jinja", "Qwen3-Coder.jinja", "meta-llama-Llama-3.1-8B-Instruct.jinja",
+        "unsloth-mistral-Devstral-Small-2507.jinja", "Mistral-Small-3.2-24B-Instruct-2506.jinja",
+    ],
+)  # fmt: skip
 def test_a_call_the_template_renders_parses_back(name):
     history = [
         {"role": "user", "content": "Weather in Paris for 3 days?"},
         {"role": "assistant", "content": "", "tool_calls": [{
-            "id": "call_1", "type": "function",
+            "id": "call12345", "type": "function",
             "function": {"name": "get_weather", "arguments": ARGS}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "call12345", "content": "sunny"},
     ]  # fmt: skip
     tools = [{"type": "function", "function": {
         "name": WEATHER.name, "description": WEATHER.description, "parameters": WEATHER.schema}}]
