@@ -68,6 +68,9 @@ _LAYER_TENSORS = {
 }
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
 _ROPE_FREQS = "rope_freqs.weight"
+_ROPE_SHORT = "rope_factors_short.weight"
+# RoPE tables llama.cpp stores as tensors; they become config fields, not weights
+_ROPE_TENSORS = frozenset({_ROPE_FREQS, _ROPE_SHORT, "rope_factors_long.weight"})
 
 
 def _field_value(reader: GGUFReader, key: str) -> Any:
@@ -113,11 +116,6 @@ def _read_config(
     vocab = meta("vocab_size") or (embed_shape[1] if embed_shape else None)
     if vocab is None:
         vocab = len(_field_value(reader, "tokenizer.ggml.tokens") or ())
-    rope_factors = None
-    if _ROPE_FREQS in tensor_shapes:
-        tensor = next(t for t in reader.tensors if t.name == _ROPE_FREQS)
-        values = dequantize(tensor.data, tensor.tensor_type).reshape(-1)
-        rope_factors = tuple(float(x) for x in values)
     fields: dict[str, Any] = {
         "architecture": arch,
         "name": _field_value(reader, "general.name") or path.stem,
@@ -135,10 +133,39 @@ def _read_config(
         "attention_bias": SUPPORTED_ARCHITECTURES.get(arch, False)
         or "blk.0.attn_q.bias" in tensor_shapes,
         "attention_out_bias": "blk.0.attn_output.bias" in tensor_shapes,
-        "rope_scaling": _read_rope_scaling(meta),
-        "rope_freq_factors": rope_factors,
     }
+    fields |= _read_rope(reader, path, tensor_shapes, meta)
     return ModelConfig(**(fields | family_for(arch).gguf_config(meta)))
+
+
+def _small_tensor(reader: GGUFReader, name: str) -> tuple[float, ...]:
+    tensor = next(t for t in reader.tensors if t.name == name)
+    return tuple(float(x) for x in dequantize(tensor.data, tensor.tensor_type).reshape(-1))
+
+
+def _read_rope(
+    reader: GGUFReader, path: Path, tensor_shapes: dict[str, list[int]], meta: Any
+) -> dict[str, Any]:
+    """The RoPE fields: scaling from metadata, llama.cpp's per-pair tables from tensors."""
+    fields: dict[str, Any] = {"rope_scaling": _read_rope_scaling(meta), "rope_freq_factors": None}
+    if _ROPE_FREQS in tensor_shapes:
+        fields["rope_freq_factors"] = _small_tensor(reader, _ROPE_FREQS)
+    if _ROPE_SHORT in tensor_shapes:  # LongRoPE (Phi-3.5, Phi-4-mini)
+        context = int(meta("context_length", 2048))
+        original = int(meta("rope.scaling.original_context_length") or context)
+        attention = meta("rope.scaling.attn_factor")
+        fields["rope_scaling"] = RopeScaling(
+            kind="longrope",
+            factor=context / original,
+            original_max_position_embeddings=original,
+            short_factor=_small_tensor(reader, _ROPE_SHORT),
+            attention_factor=float(attention) if attention is not None else None,
+        )
+        if original < context:
+            # NOTE: the long factors would re-rotate cached keys; the short ones are exact
+            logger.warning("%s: LongRoPE: capping the context %s at %s", path.name, context, original)
+            fields["max_position_embeddings"] = original
+    return fields
 
 
 def _read_rope_scaling(meta: Any) -> RopeScaling | None:
@@ -268,7 +295,7 @@ def load_gguf(
     unknown = [
         t.name
         for t in reader.tensors
-        if t.name != _ROPE_FREQS and _hf_name(t.name, layer_tensors) is None
+        if t.name not in _ROPE_TENSORS and _hf_name(t.name, layer_tensors) is None
     ]
     if unknown:
         raise UnsupportedModelError(
@@ -288,7 +315,7 @@ def load_gguf(
     )
     for tensor in bar:
         name = _hf_name(tensor.name, layer_tensors)
-        if name is None:  # rope_freqs: already folded into the config
+        if name is None:  # a RoPE table: already folded into the config
             continue
         shape = tuple(reversed(shapes[tensor.name]))
         qtype = KEPT_QUANTIZED.get(tensor.tensor_type) if keep_quantized else None

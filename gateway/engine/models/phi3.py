@@ -4,7 +4,7 @@ The fused tensors (HF ``qkv_proj`` / ``gate_up_proj``, GGUF ``attn_qkv`` / a dou
 ``ffn_up``) are split into the Llama names at load; the Llama model fuses them again for its
 GEMMs. Phi-4-mini's partial rotary (RoPE on the first 3/4 of each head) runs on the
 configurable decoder; LongRoPE is read by the loaders (short factors, context capped at the
-original length). GGUF files with LongRoPE factor tensors are not read yet.
+original length; from GGUF, llama.cpp's ``rope_factors_short`` tensor).
 """
 
 from __future__ import annotations
