@@ -1,6 +1,6 @@
 """Per-family fixtures: the cached tiny model (tests/family_fixtures.py), loaded once per run.
 
-``family_case(name)`` gives the HF-loaded runner, transformers on the same safetensors (the
+``family_case(name)`` (module-scoped) gives the HF-loaded runner, transformers on the same safetensors (the
 oracle) and a chat prompt rendered by the family's real template with its real tokenizer.
 """
 
@@ -41,7 +41,6 @@ def make_runner(loaded: LoadedModel) -> ModelRunner:
     )
 
 
-@functools.cache
 def _case(name: str) -> FamilyCase:
     fixture = family_fixture(name)
     loaded = load_model(fixture.hf_dir)
@@ -49,6 +48,8 @@ def _case(name: str) -> FamilyCase:
     return FamilyCase(fixture, loaded, make_runner(loaded), fixture.hf_model(), prompt)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def family_case():
-    return _case
+    """``family_case(name)``: built once per test module, then released (six families'
+    models, runners and oracles do not all stay in memory for the whole run)."""
+    return functools.cache(_case)
