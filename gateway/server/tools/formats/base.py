@@ -72,6 +72,12 @@ class ToolCallFormat:
         """The call in ``call_text`` (trigger to end); None when it is not a well-formed call."""
         raise NotImplementedError
 
+    def parse_calls(self, call_text: str, tools: Sequence[FunctionTool] = ()) -> list[ParsedCall]:
+        """Every call in one span from the trigger to its end (formats that wrap several calls
+        in one block override this); empty when it is not a well-formed call."""
+        call = self.parse_call(call_text, tools)
+        return [] if call is None else [call]
+
     # ---- grammar ---------------------------------------------------------------------------
 
     def grammar(self, tools: Sequence[FunctionTool], choice: ToolChoice) -> GrammarSpec | None:
@@ -163,14 +169,15 @@ class FormatStreamParser:
             events.append(TextPiece(text))
 
     def _emit_call(self, events: list[Event], call_text: str, *, complete: bool) -> None:
-        parsed = self.format.parse_call(call_text, self.tools)
-        if parsed is None:  # not a call after all (unconstrained text): it is content
+        parsed = self.format.parse_calls(call_text, self.tools)
+        if not parsed:  # not a call after all (unconstrained text): it is content
             if complete:
                 self._emit_text(events, call_text)
                 return
-            parsed = ParsedCall("", "")
-        call = ToolCallOutput(len(self._calls), new_call_id(), parsed.name, parsed.arguments,
-                              complete=complete)  # fmt: skip
-        self._calls.append(call)
-        events += [CallStart(call.index, call.id, call.name),
-                   CallArguments(call.index, call.arguments), CallEnd(call)]  # fmt: skip
+            parsed = [ParsedCall("", "")]
+        for one in parsed:
+            call = ToolCallOutput(len(self._calls), new_call_id(), one.name, one.arguments,
+                                  complete=complete)  # fmt: skip
+            self._calls.append(call)
+            events += [CallStart(call.index, call.id, call.name),
+                       CallArguments(call.index, call.arguments), CallEnd(call)]  # fmt: skip

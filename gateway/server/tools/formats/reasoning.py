@@ -33,6 +33,11 @@ def reasoning_for_template(template: str | None) -> ReasoningFormat | None:
     return next((fmt for fmt in _REASONING.values() if fmt.detect(template)), None)
 
 
+def starts_inside(fmt: ReasoningFormat, prompt_text: str) -> bool:
+    """Whether the rendered prompt opened the span itself (DeepSeek R1, QwQ)."""
+    return prompt_text.rstrip().endswith(fmt.start)
+
+
 def _partial_suffix(text: str, token: str) -> int:
     for size in range(min(len(text), len(token) - 1), 0, -1):
         if token.startswith(text[-size:]):

@@ -36,6 +36,8 @@ CALLS = {
     "\n</tool_call>",
     "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}',
     "mistral": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}',
+    "deepseek_r1": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+    '```json\n{"city": "Paris", "days": 3}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
     "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
     "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
 }
@@ -51,6 +53,8 @@ TEMPLATES = {
     "Mistral-Small-3.2-24B-Instruct-2506.jinja": "mistral",
     "mistralai-Ministral-3-14B-Reasoning-2512.jinja": "mistral",
     "mistralai-Mistral-Nemo-Instruct-2407.jinja": None,  # its [TOOL_CALLS][...] list: not yet
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja": "deepseek_r1",
+    "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja": "deepseek_r1",
     "microsoft-Phi-3.5-mini-instruct.jinja": None,
     "google-gemma-2-2b-it.jinja": None,
 }
@@ -68,6 +72,7 @@ def test_format_is_picked_from_the_template(name):
     [
         "Qwen-Qwen3-0.6B.jinja", "Qwen3-Coder.jinja", "meta-llama-Llama-3.1-8B-Instruct.jinja",
         "unsloth-mistral-Devstral-Small-2507.jinja", "Mistral-Small-3.2-24B-Instruct-2506.jinja",
+        "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
     ],
 )  # fmt: skip
 def test_a_call_the_template_renders_parses_back(name):
@@ -138,9 +143,11 @@ def test_registry_lists_the_formats():
 
 def test_reasoning_split_whole_and_streamed_and_a_call_after_it():
     from prefixgate.gateway.server.tools.formats.reasoning import (
+        THINK,
         ReasoningSplitter,
         reasoning_for_template,
         split_reasoning,
+        starts_inside,
     )
 
     assert reasoning_for_template(template("Qwen-Qwen3-0.6B.jinja")).name == "think"
@@ -155,6 +162,10 @@ def test_reasoning_split_whole_and_streamed_and_a_call_after_it():
     pieces = [splitter.feed(ch) for ch in text] + [splitter.finish()]
     assert ("".join(p[0] for p in pieces), "".join(p[1] for p in pieces)) == (reasoning, content)
     # DeepSeek R1's prompt opens the span; no span at all is all content
+    r1 = ChatTemplate(template("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"))
+    hi = [{"role": "user", "content": "hi"}]
+    assert starts_inside(THINK, r1.render(hi, enable_thinking=True))
+    assert not starts_inside(THINK, r1.render(hi, enable_thinking=False))  # it closes the span
     assert split_reasoning("plan</think>answer", starts_inside=True) == ("plan", "answer")
     assert split_reasoning("just an answer <think> here") == ("", "just an answer <think> here")
     assert split_reasoning("<think>cut short") == ("cut short", "")
