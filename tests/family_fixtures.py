@@ -238,7 +238,7 @@ def _build_family(name: str, tmp: Path) -> None:
     hf_dir = tmp / "hf"
     model.save_pretrained(str(hf_dir))
     _save_tokenizer(vocab, hf_dir, chat_template)
-    write_family_gguf(tmp / f"{name}.gguf", model, spec, vocab, chat_template)
+    write_family_gguf(tmp / f"{name}.gguf", model.config, spec, vocab, chat_template)
 
 
 def family_fixture(name: str) -> FamilyFixture:
@@ -246,6 +246,28 @@ def family_fixture(name: str) -> FamilyFixture:
     target = fixture_root() / f"family-v{FIXTURE_VERSION}" / name
     _build_once(target, lambda tmp: _build_family(name, tmp))
     return FamilyFixture(name, target / "hf", target / f"{name}.gguf")
+
+
+def quantized_gguf(name: str, qtype_name: str = "Q8_0") -> Path:
+    """Family ``name``'s GGUF with its 2-D matrices in ``qtype_name`` (cached beside it)."""
+    from gguf import GGMLQuantizationType
+    from transformers import AutoConfig
+
+    from tests.family_gguf import write_family_gguf
+
+    fixture = family_fixture(name)
+    spec = FAMILIES[name]
+
+    def build(tmp: Path) -> None:
+        cfg = AutoConfig.from_pretrained(str(fixture.hf_dir))
+        write_family_gguf(
+            tmp / f"{name}-{qtype_name}.gguf", cfg, spec, vocab_gguf(spec.vocab),
+            template(spec.template), hf_dir=fixture.hf_dir,
+            qtype=GGMLQuantizationType[qtype_name],
+        )  # fmt: skip
+
+    target = fixture.hf_dir.parent / qtype_name
+    return _build_once(target, build) / f"{name}-{qtype_name}.gguf"
 
 
 def llama3_rope_freq_factors(config: Any) -> np.ndarray:

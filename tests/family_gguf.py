@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf.quants import quantize
 from safetensors.torch import load_file
 
 _GLOBAL = {
@@ -128,12 +129,16 @@ def _layer_tensors(arch: str, cfg: Any, state: dict[str, torch.Tensor]) -> dict[
     return out
 
 
-def write_family_gguf(path: Path, model: Any, spec: Any, vocab: Path, chat_template: str) -> None:
-    """Write ``model`` (saved next to ``path`` under ``hf/``) as llama.cpp would convert it."""
+def write_family_gguf(
+    path: Path, cfg: Any, spec: Any, vocab: Path, chat_template: str, *,
+    hf_dir: Path | None = None, qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
+) -> None:
+    """Write the model saved in ``hf_dir`` (default: ``hf/`` beside ``path``) as llama.cpp
+    would convert it; 2-D matrices in ``qtype``."""
     from tests.family_fixtures import llama3_rope_freq_factors
 
-    cfg, arch = model.config, spec.gguf_arch
-    state = load_file(str(path.parent / "hf" / "model.safetensors"))
+    arch = spec.gguf_arch
+    state = load_file(str((hf_dir or path.parent / "hf") / "model.safetensors"))
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     writer = GGUFWriter(str(path), arch)
@@ -151,7 +156,11 @@ def write_family_gguf(path: Path, model: Any, spec: Any, vocab: Path, chat_templ
     if arch == "gemma3":  # llama.cpp's Gemma 3 norm weights include the 1 (converter adds it)
         tensors["output_norm.weight"] = tensors["output_norm.weight"] + 1.0
     for name, array in tensors.items():
-        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        if qtype != GGMLQuantizationType.F32 and array.ndim == 2 and array.shape[1] % 32 == 0:
+            writer.add_tensor(name, quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

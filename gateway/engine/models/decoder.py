@@ -26,7 +26,8 @@ from prefixgate.gateway.engine.models.linear import Linear
 from prefixgate.gateway.engine.models.llama import rms_norm
 from prefixgate.gateway.engine.models.moe import MoEMLP
 from prefixgate.gateway.engine.models.rope import RotaryEmbedding
-from prefixgate.kernels.quant import QuantizedTensor
+from prefixgate.kernels.cpu.ops import quant_native_available
+from prefixgate.kernels.quant import QuantizedTensor, cat_rows
 from prefixgate.kernels.sliding_window import paged_attention_windowed
 
 
@@ -60,8 +61,9 @@ class _Layer(NamedTuple):
 class DecoderModel:
     """Weights on ``device`` in ``dtype`` plus the forward pass (same arguments as LlamaModel).
 
-    Quantized GGUF matrices are dequantized here (exactly); the native fused ops of llama.py
-    are not used, the linear layers take the native GEMM when ``native_ops`` is on.
+    Quantized GGUF matrices (Q4_0/Q4_1/Q8_0) stay in their ggml blocks where the native CPU
+    kernel computes (fp32, ``native_ops``, ``quantized_weights``), as in llama.py; elsewhere,
+    and for embeddings and MoE experts, they are dequantized here (exactly).
     """
 
     def __init__(
@@ -76,20 +78,25 @@ class DecoderModel:
         native_ops: bool = False,
         quantized_weights: bool = True,
     ) -> None:
-        del quantized_weights  # every matrix is dequantized here
         check_weights(config, weights, source=config.name)
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
         self.kernel_backend = kernels.backend_name(self.device, kernel_backend)
         self.native_ops = native_ops
+        self.quantized = (
+            quantized_weights
+            and native_ops
+            and self.device.type == "cpu"
+            and dtype == torch.float32
+            and quant_native_available()
+        )
         self.scale = config.attention_scale
         self.max_positions = max_positions or config.max_position_embeddings
         self._weights = weights
-        embed = self._put("model.embed_tokens.weight")
-        self.embed = embed
-        head = embed if config.tie_word_embeddings else self._put("lm_head.weight")
-        self.lm_head = self._linear(head)
+        self.embed = self._put("model.embed_tokens.weight")
+        head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        self.lm_head = self._linear(self._matrix([head]))
         self.final_norm = self._norm_weight("model.norm.weight")
         self.ropes = [RotaryEmbedding(config, self.max_positions, self.device, dtype)]
         if config.rope_local_theta is not None:
@@ -109,6 +116,15 @@ class DecoderModel:
             tensor = tensor.dequantize()
         return tensor.to(device=self.device, dtype=self.dtype).contiguous()
 
+    def _matrix(self, names: list[str]) -> torch.Tensor | QuantizedTensor:
+        """The named matrices stacked by rows (fused q|k|v, gate|up), in blocks when they can be."""
+        parts = [self._weights[name] for name in names]
+        if self.quantized and all(
+            isinstance(t, QuantizedTensor) and t.qtype == parts[0].qtype for t in parts
+        ):
+            return parts[0] if len(parts) == 1 else cat_rows(parts)  # type: ignore[arg-type]
+        return torch.cat([self._put(name) for name in names])
+
     def _norm_weight(self, name: str) -> torch.Tensor:
         # Gemma's norms scale by 1 + w (in fp32, as the reference); folded in once here
         weight = self._weights[name]
@@ -116,7 +132,9 @@ class DecoderModel:
         weight = weight.float() + self.config.norm_weight_offset
         return weight.to(device=self.device, dtype=self.dtype).contiguous()
 
-    def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+    def _linear(
+        self, weight: torch.Tensor | QuantizedTensor, bias: torch.Tensor | None = None
+    ) -> Linear:
         return Linear(weight, bias, native=self.native_ops and self.device.type == "cpu")
 
     def _optional_norm(self, name: str, present: bool) -> torch.Tensor | None:
@@ -126,7 +144,7 @@ class DecoderModel:
         cfg = self.config
         p = f"model.layers.{index}."
         attn, mlp = p + "self_attn.", p + "mlp."
-        qkv = torch.cat([self._put(attn + f"{n}_proj.weight") for n in "qkv"])
+        qkv = self._matrix([attn + f"{n}_proj.weight" for n in "qkv"])
         qkv_bias = (
             torch.cat([self._put(attn + f"{n}_proj.bias") for n in "qkv"])
             if cfg.attention_bias
@@ -140,7 +158,7 @@ class DecoderModel:
             qkv=self._linear(qkv, qkv_bias),
             q_norm=self._optional_norm(attn + "q_norm.weight", cfg.qk_norm),
             k_norm=self._optional_norm(attn + "k_norm.weight", cfg.qk_norm),
-            o=self._linear(self._put(attn + "o_proj.weight"), o_bias),
+            o=self._linear(self._matrix([attn + "o_proj.weight"]), o_bias),
             attn_out_norm=self._optional_norm(p + "post_attention_layernorm.weight", sandwich),
             mlp_norm=self._norm_weight(
                 p
@@ -171,11 +189,9 @@ class DecoderModel:
                 top_k=cfg.num_experts_per_tok,
                 normalize=cfg.norm_topk_prob,
             )
-        gate_up = torch.cat(
-            [self._put(prefix + "gate_proj.weight"), self._put(prefix + "up_proj.weight")]
-        )
+        gate_up = self._matrix([prefix + "gate_proj.weight", prefix + "up_proj.weight"])
         return DenseMLP(
-            self._linear(gate_up), self._linear(self._put(prefix + "down_proj.weight")),
+            self._linear(gate_up), self._linear(self._matrix([prefix + "down_proj.weight"])),
             cfg.activation,
         )  # fmt: skip
 

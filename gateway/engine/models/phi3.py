@@ -33,8 +33,9 @@ def _gguf_config(meta: Callable[..., Any]) -> dict[str, Any]:
 
 
 def _rows(tensor: Any, start: int, stop: int) -> Any:
-    if isinstance(tensor, QuantizedTensor):
-        tensor = tensor.dequantize()
+    if isinstance(tensor, QuantizedTensor):  # whole rows of blocks: still in blocks
+        data = tensor.data[start:stop].clone()
+        return QuantizedTensor(tensor.qtype, data, (stop - start, tensor.shape[1]))
     return tensor[start:stop].contiguous()
 
 

@@ -39,3 +39,22 @@ def test_qwen3_with_attention_biases_matches_transformers(tmp_path):
     with torch.inference_mode():
         reference = model(torch.tensor([ids])).logits[0, -1]
     assert (ours - reference).abs().max().item() < PREFILL_ATOL
+
+
+@pytest.mark.parametrize("name", ["gemma3", "phi3"])
+def test_q8_0_gguf_computes_in_its_blocks_like_dequantized(name):
+    from prefixgate.gateway.engine.loader import load_gguf
+    from prefixgate.kernels.cpu.ops import quant_native_available
+    from tests.engine.test_fidelity import LAYOUT_ATOL
+    from tests.family_fixtures import quantized_gguf
+
+    path = quantized_gguf(name, "Q8_0")
+    ids = list(range(200, 245))
+    blocks = make_runner(load_gguf(path))
+    dense = make_runner(load_gguf(path, keep_quantized=False))
+    if quant_native_available():  # fused q|k|v (Phi: split from attn_qkv) stays in its blocks
+        assert blocks.model.layers[0].qkv.quant == "Q8_0"
+    assert dense.model.layers[0].qkv.quant is None
+    ours = blocks.execute([SeqChunk(ids, 0, [0, 1, 2], True)])[0]
+    reference = dense.execute([SeqChunk(ids, 0, [0, 1, 2], True)])[0]
+    assert (ours - reference).abs().max().item() < LAYOUT_ATOL
