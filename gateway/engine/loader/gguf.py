@@ -252,6 +252,33 @@ def require_gguf_file(path: Path) -> None:
         )
 
 
+def _check_tensors(
+    reader: GGUFReader, path: Path, architecture: str, layer_tensors: dict[str, str]
+) -> None:
+    """Raise UnsupportedModelError for a tensor type or a tensor name we do not read."""
+    unsupported = [
+        f"{t.name} ({t.tensor_type.name})"
+        for t in reader.tensors
+        if t.tensor_type not in SUPPORTED_TENSOR_TYPES
+    ]
+    if unsupported:
+        raise UnsupportedModelError(
+            f"{path.name}: tensor type not supported: {', '.join(unsupported[:5])}"
+            f"{' ...' if len(unsupported) > 5 else ''}; supported: "
+            f"{', '.join(t.name for t in SUPPORTED_TENSOR_TYPES)}"
+        )
+    unknown = [
+        t.name
+        for t in reader.tensors
+        if t.name not in _ROPE_TENSORS and _hf_name(t.name, layer_tensors) is None
+    ]
+    if unknown:
+        raise UnsupportedModelError(
+            f"{path.name}: tensors this {architecture} loader does not know: "
+            f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}"
+        )
+
+
 def load_gguf(
     path: str | Path, *, progress: bool | None = None, keep_quantized: bool = True
 ) -> LoadedModel:
@@ -278,30 +305,10 @@ def load_gguf(
     # ggml lists dims fastest-first; numpy/torch order is the reverse
     shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
     config = _read_config(reader, path, shapes)
-    unsupported = [
-        f"{t.name} ({t.tensor_type.name})"
-        for t in reader.tensors
-        if t.tensor_type not in SUPPORTED_TENSOR_TYPES
-    ]
-    if unsupported:
-        raise UnsupportedModelError(
-            f"{path.name}: tensor type not supported: {', '.join(unsupported[:5])}"
-            f"{' ...' if len(unsupported) > 5 else ''}; supported: "
-            f"{', '.join(t.name for t in SUPPORTED_TENSOR_TYPES)}"
-        )
     family = family_for(config.architecture)
     # the family's own tensors (q/k norms, experts, fused Phi tensors) over the Llama table
     layer_tensors = {**_LAYER_TENSORS, **family.gguf_tensors}
-    unknown = [
-        t.name
-        for t in reader.tensors
-        if t.name not in _ROPE_TENSORS and _hf_name(t.name, layer_tensors) is None
-    ]
-    if unknown:
-        raise UnsupportedModelError(
-            f"{path.name}: tensors this {config.architecture} loader does not know: "
-            f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}"
-        )
+    _check_tensors(reader, path, config.architecture, layer_tensors)
     tokenizer = Tokenizer.from_gguf_vocab(_read_vocab(reader, path))
 
     permute = family.gguf_permuted_qk
