@@ -134,7 +134,7 @@ def write_family_gguf(
     hf_dir: Path | None = None, qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
 ) -> None:
     """Write the model saved in ``hf_dir`` (default: ``hf/`` beside ``path``) as llama.cpp
-    would convert it; 2-D matrices in ``qtype``."""
+    would convert it; matrices (and stacked experts) in ``qtype``."""
     from tests.family_fixtures import llama3_rope_freq_factors
 
     arch = spec.gguf_arch
@@ -157,7 +157,7 @@ def write_family_gguf(
         tensors["output_norm.weight"] = tensors["output_norm.weight"] + 1.0
     for name, array in tensors.items():
         array = np.ascontiguousarray(array, dtype=np.float32)
-        if qtype != GGMLQuantizationType.F32 and array.ndim == 2 and array.shape[1] % 32 == 0:
+        if qtype != GGMLQuantizationType.F32 and array.ndim >= 2 and array.shape[-1] % 32 == 0:
             writer.add_tensor(name, quantize(array, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, array)

@@ -326,8 +326,9 @@ def load_gguf(
             continue
         shape = tuple(reversed(shapes[tensor.name]))
         qtype = KEPT_QUANTIZED.get(tensor.tensor_type) if keep_quantized else None
-        if qtype is not None and len(shape) == 2:
-            array = np.asarray(tensor.data).reshape(shape[0], -1)  # a row's blocks, as bytes
+        rows = int(np.prod(shape[:-1]))  # MoE experts [E, I, H]: E * I rows of blocks
+        if qtype is not None and len(shape) in (2, 3):
+            array = np.asarray(tensor.data).reshape(rows, -1)  # a row's blocks, as bytes
         else:
             qtype = None
             array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
@@ -339,7 +340,8 @@ def load_gguf(
         # copy them out
         if qtype is not None:
             data = torch.from_numpy(np.array(array, dtype=np.uint8, copy=True))
-            weights[name] = QuantizedTensor(qtype, data, (shape[0], shape[1]))
+            # a stacked [E, I, H] stays one [E * I, H] block matrix; its family regroups it
+            weights[name] = QuantizedTensor(qtype, data, (rows, shape[-1]))
         else:
             weights[name] = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
     bar.close()

@@ -24,7 +24,7 @@ from prefixgate.gateway.engine.model_config import ModelConfig, check_weights
 from prefixgate.gateway.engine.models.forward_batch import ForwardBatch
 from prefixgate.gateway.engine.models.linear import Linear
 from prefixgate.gateway.engine.models.llama import rms_norm
-from prefixgate.gateway.engine.models.moe import MoEMLP
+from prefixgate.gateway.engine.models.moe import MoEMLP, StackedExperts
 from prefixgate.gateway.engine.models.rope import RotaryEmbedding
 from prefixgate.kernels.cpu.ops import quant_native_available
 from prefixgate.kernels.quant import QuantizedTensor, cat_rows
@@ -111,19 +111,27 @@ class DecoderModel:
     # ---- loading -----------------------------------------------------------------------
 
     def _put(self, name: str) -> torch.Tensor:
-        tensor = self._weights[name]
-        if isinstance(tensor, QuantizedTensor):
+        return self._place(self._weights[name])
+
+    def _place(self, tensor: torch.Tensor | QuantizedTensor | StackedExperts) -> torch.Tensor:
+        if isinstance(tensor, QuantizedTensor | StackedExperts):
             tensor = tensor.dequantize()
         return tensor.to(device=self.device, dtype=self.dtype).contiguous()
 
     def _matrix(self, names: list[str]) -> torch.Tensor | QuantizedTensor:
         """The named matrices stacked by rows (fused q|k|v, gate|up), in blocks when they can be."""
-        parts = [self._weights[name] for name in names]
+        return self._join([self._weights[name] for name in names])
+
+    def _join(self, parts: list[torch.Tensor | QuantizedTensor]) -> torch.Tensor | QuantizedTensor:
         if self.quantized and all(
             isinstance(t, QuantizedTensor) and t.qtype == parts[0].qtype for t in parts
         ):
             return parts[0] if len(parts) == 1 else cat_rows(parts)  # type: ignore[arg-type]
-        return torch.cat([self._put(name) for name in names])
+        return torch.cat([self._place(t) for t in parts])
+
+    def _expert_parts(self, name: str) -> list[torch.Tensor | QuantizedTensor]:
+        stacked = self._weights[name]  # [E, rows, cols]: in blocks per expert, or a tensor
+        return list(stacked.parts) if isinstance(stacked, StackedExperts) else list(stacked)
 
     def _norm_weight(self, name: str) -> torch.Tensor:
         # Gemma's norms scale by 1 + w (in fp32, as the reference); folded in once here
@@ -177,15 +185,16 @@ class DecoderModel:
     def _mlp(self, prefix: str) -> DenseMLP | MoEMLP:
         cfg = self.config
         if cfg.num_experts:
-            experts = prefix + "experts."
-            gate_up = torch.cat(
-                [self._put(experts + "gate_proj.weight"), self._put(experts + "up_proj.weight")],
-                dim=1,
-            )  # [E, 2I, H]
+            gates, ups, downs = (
+                self._expert_parts(f"{prefix}experts.{n}_proj.weight") for n in ("gate", "up", "down")
+            )
+            experts = [
+                (self._linear(self._join([gate, up])), self._linear(self._join([down])))
+                for gate, up, down in zip(gates, ups, downs, strict=True)
+            ]
             return MoEMLP(
                 self._put(prefix + "gate.weight"),
-                gate_up,
-                self._put(experts + "down_proj.weight"),
+                experts,
                 top_k=cfg.num_experts_per_tok,
                 normalize=cfg.norm_topk_prob,
             )

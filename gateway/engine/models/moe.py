@@ -8,32 +8,74 @@ renormalisation of the k weights, each expert's output scaled by its weight and 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+from prefixgate.kernels.quant import QuantizedTensor
+
+# x [n, in] -> [n, out]: a Linear (models/linear.py), or any callable computing one
+Projection = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class StackedExperts:
+    """Experts' matrices still in ggml blocks, one ``[I, H]`` QuantizedTensor per expert, read
+    as the stacked ``[E, I, H]`` weight they are (``shape``; ``dequantize()``)."""
+
+    parts: tuple[QuantizedTensor, ...]
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (len(self.parts), *self.parts[0].shape)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.stack([part.dequantize() for part in self.parts])
+
+    @classmethod
+    def from_rows(cls, stacked: QuantizedTensor, num_experts: int) -> StackedExperts:
+        """Split an ``[E * I, H]`` block matrix into its experts (whole rows of blocks)."""
+        rows = stacked.shape[0] // num_experts
+        return cls(tuple(
+            QuantizedTensor(stacked.qtype, stacked.data[e * rows : (e + 1) * rows].clone(),
+                            (rows, stacked.shape[1]))
+            for e in range(num_experts)
+        ))  # fmt: skip
 
 
 class MoEMLP:
     """Args:
-    router: ``[E, H]``; gate_up: ``[E, 2I, H]`` (gate rows first); down: ``[E, H, I]``.
+    router: ``[E, H]``.
+    experts: per expert ``(gate_up, down)``: ``H -> 2I`` (gate rows first) and ``I -> H``.
     top_k: experts per token; normalize: renormalise the top-k weights to sum to 1.
     """
 
     def __init__(
         self,
         router: torch.Tensor,
-        gate_up: torch.Tensor,
-        down: torch.Tensor,
+        experts: Sequence[tuple[Projection, Projection]],
         *,
         top_k: int,
         normalize: bool,
     ) -> None:
         self.router = router
-        self.gate_up = gate_up
-        self.down = down
+        self.experts = list(experts)
         self.top_k = top_k
         self.normalize = normalize
         self.num_experts = router.shape[0]
-        self.inter = down.shape[2]
+
+    @classmethod
+    def from_stacked(
+        cls, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, **kwargs: object
+    ) -> MoEMLP:
+        """From stacked tensors: ``gate_up [E, 2I, H]``, ``down [E, H, I]`` (plain matmuls)."""
+        experts = [
+            (lambda x, w=gate_up[e]: F.linear(x, w), lambda x, w=down[e]: F.linear(x, w))
+            for e in range(router.shape[0])
+        ]
+        return cls(router, experts, **kwargs)  # type: ignore[arg-type]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k ``(weights [T, k] in x's dtype, experts [T, k] int64)`` for ``x [T, H]``."""
@@ -56,9 +98,11 @@ class MoEMLP:
             if count == 0:
                 continue
             rows = token_of[start : start + count]
-            gate_up = F.linear(x.index_select(0, rows), self.gate_up[expert])  # [n, 2I]
-            act = F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :]
-            y = F.linear(act, self.down[expert])  # [n, H]
+            gate_up_proj, down_proj = self.experts[expert]
+            gate_up = gate_up_proj(x.index_select(0, rows))  # [n, 2I]
+            inter = gate_up.shape[1] // 2
+            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            y = down_proj(act)  # [n, H]
             out.index_add_(0, rows, y * weight_of[start : start + count, None])
             start += count
         return out

@@ -15,6 +15,7 @@ import torch
 
 from prefixgate.gateway.engine.model_config import UnsupportedModelError
 from prefixgate.gateway.engine.models.decoder import DecoderModel
+from prefixgate.gateway.engine.models.moe import StackedExperts
 from prefixgate.gateway.engine.models.qwen3 import QK_NORM_TENSORS
 from prefixgate.gateway.engine.models.registry import ModelFamily, register_family
 from prefixgate.kernels.quant import QuantizedTensor
@@ -51,8 +52,13 @@ def _gguf_config(meta: Callable[..., Any]) -> dict[str, Any]:
 
 
 def _stack_experts(weights: dict[str, Any], config: Any, fmt: str) -> dict[str, Any]:
-    if fmt != "hf":
-        return weights
+    if fmt != "hf":  # GGUF experts come stacked; in blocks as one [E * I, H] matrix each
+        return {
+            name: StackedExperts.from_rows(tensor, config.num_experts)
+            if isinstance(tensor, QuantizedTensor) and ".mlp.experts." in name
+            else tensor
+            for name, tensor in weights.items()
+        }
     parts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     out: dict[str, Any] = {}
     for name, tensor in weights.items():

@@ -41,7 +41,7 @@ def test_qwen3_with_attention_biases_matches_transformers(tmp_path):
     assert (ours - reference).abs().max().item() < PREFILL_ATOL
 
 
-@pytest.mark.parametrize("name", ["gemma3", "phi3"])
+@pytest.mark.parametrize("name", ["gemma3", "phi3", "qwen3_moe"])
 def test_q8_0_gguf_computes_in_its_blocks_like_dequantized(name):
     from prefixgate.gateway.engine.loader import load_gguf
     from prefixgate.kernels.cpu.ops import quant_native_available
@@ -54,6 +54,8 @@ def test_q8_0_gguf_computes_in_its_blocks_like_dequantized(name):
     dense = make_runner(load_gguf(path, keep_quantized=False))
     if quant_native_available():  # fused q|k|v (Phi: split from attn_qkv) stays in its blocks
         assert blocks.model.layers[0].qkv.quant == "Q8_0"
+        if name == "qwen3_moe":  # and each expert's gate|up and down
+            assert {p.quant for e in blocks.model.layers[0].mlp.experts for p in e} == {"Q8_0"}
     assert dense.model.layers[0].qkv.quant is None
     ours = blocks.execute([SeqChunk(ids, 0, [0, 1, 2], True)])[0]
     reference = dense.execute([SeqChunk(ids, 0, [0, 1, 2], True)])[0]
