@@ -10,7 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-# Architectures the Llama-family model code runs. Values: does the file store q/k/v biases.
+# The Llama-family architectures (models/llama_family.py registers them with the rest).
+# Values: does the file store q/k/v biases.
 # GGUF and HF spell them the same way; "smollm2" is plain llama.
 SUPPORTED_ARCHITECTURES: dict[str, bool] = {
     "llama": False,
@@ -66,7 +67,8 @@ class RopeScaling:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder (llama, mistral, qwen2, smollm2)."""
+    """Shape and numerics of a decoder of any registered family (models/registry.py); the
+    fields after ``rope_freq_factors`` are what the families beyond Llama add."""
 
     architecture: str
     name: str
