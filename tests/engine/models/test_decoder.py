@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
 import torch
 import transformers
 
-from prefixgate.gateway.engine.loader import load_model
+from prefixgate.gateway.engine.loader import load_gguf, load_model
+from prefixgate.gateway.engine.models.moe import StackedExperts
 from prefixgate.gateway.engine.runner import SeqChunk
+from prefixgate.kernels.cpu.ops import quant_native_available
+from prefixgate.kernels.quant import QuantizedTensor
 from tests.engine.models.conftest import make_runner
-from tests.engine.test_fidelity import PREFILL_ATOL
-from tests.family_fixtures import family_fixture
+from tests.engine.test_fidelity import LAYOUT_ATOL, PREFILL_ATOL
+from tests.family_fixtures import family_fixture, quantized_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -43,15 +47,15 @@ def test_qwen3_with_attention_biases_matches_transformers(tmp_path):
 
 @pytest.mark.parametrize("name", ["gemma3", "phi3", "qwen3_moe"])
 def test_q8_0_gguf_computes_in_its_blocks_like_dequantized(name):
-    from prefixgate.gateway.engine.loader import load_gguf
-    from prefixgate.kernels.cpu.ops import quant_native_available
-    from tests.engine.test_fidelity import LAYOUT_ATOL
-    from tests.family_fixtures import quantized_gguf
-
-    path = quantized_gguf(name, "Q8_0")
+    loaded = load_gguf(quantized_gguf(name, "Q8_0"))
     ids = list(range(200, 245))
-    blocks = make_runner(load_gguf(path))
-    dense = make_runner(load_gguf(path, keep_quantized=False))
+    blocks = make_runner(loaded)
+    # the same file's values dequantized (one read of the file: big vocabularies parse slowly)
+    dense_weights = {
+        key: value.dequantize() if isinstance(value, QuantizedTensor | StackedExperts) else value
+        for key, value in loaded.weights.items()
+    }
+    dense = make_runner(dataclasses.replace(loaded, weights=dense_weights))
     if quant_native_available():  # fused q|k|v (Phi: split from attn_qkv) stays in its blocks
         assert blocks.model.layers[0].qkv.quant == "Q8_0"
         if name == "qwen3_moe":  # and each expert's gate|up and down
