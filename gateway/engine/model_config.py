@@ -11,7 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-# Architectures the Llama-family model code runs. Values: does the file store q/k/v biases.
+# The Llama-family architectures (models/llama_family.py registers them with the rest).
+# Values: does the file store q/k/v biases.
 # GGUF and HF spell them the same way; "smollm2" is plain llama.
 SUPPORTED_ARCHITECTURES: dict[str, bool] = {
     "llama": False,
@@ -23,7 +24,7 @@ SUPPORTED_ARCHITECTURES: dict[str, bool] = {
 # RoPE scaling variants the model applies (besides none). "dynamic" (NTK) is not supported:
 # it changes the rotation of already-cached keys as the sequence grows, which a shared paged
 # cache cannot honour.
-SUPPORTED_ROPE_SCALING = ("linear", "llama3", "yarn")
+SUPPORTED_ROPE_SCALING = ("linear", "llama3", "yarn", "longrope")
 
 
 class UnsupportedModelError(ValueError):
@@ -45,6 +46,9 @@ class RopeScaling:
     mscale: float | None = None  # yarn
     mscale_all_dim: float | None = None  # yarn
     truncate: bool = True  # yarn: round the correction range to whole dims
+    # longrope (Phi-3.5 / Phi-4-mini): per-pair divisors for contexts up to the original
+    # length; the context is capped there (the long factors would re-rotate cached keys)
+    short_factor: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in SUPPORTED_ROPE_SCALING:
@@ -54,7 +58,9 @@ class RopeScaling:
             )
         if self.factor <= 0:
             raise UnsupportedModelError(f"RoPE scaling factor must be > 0, got {self.factor}")
-        if self.kind in ("llama3", "yarn") and not self.original_max_position_embeddings:
+        if self.kind == "longrope" and self.short_factor is None:
+            raise UnsupportedModelError("RoPE scaling 'longrope' needs short_factor")
+        if self.kind in ("llama3", "yarn", "longrope") and not self.original_max_position_embeddings:
             raise UnsupportedModelError(
                 f"RoPE scaling {self.kind!r} needs original_max_position_embeddings"
             )
@@ -98,7 +104,8 @@ def with_rope_override(config: ModelConfig, kind: str, factor: float) -> ModelCo
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder (llama, mistral, qwen2, smollm2)."""
+    """Shape and numerics of a decoder of any registered family (models/registry.py); the
+    fields after ``rope_freq_factors`` are what the families beyond Llama add."""
 
     architecture: str
     name: str
@@ -119,11 +126,47 @@ class ModelConfig:
     # llama.cpp's per-dimension frequency divisors (GGUF ``rope_freqs.weight``), [head_dim / 2]
     rope_freq_factors: tuple[float, ...] | None = None
 
+    # --- what other families add (defaults: the Llama family) ---
+    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (qwen3, gemma3)
+    norm_weight_offset: float = 0.0  # Gemma stores norm weights as offsets from 1
+    activation: str = "silu"  # the MLP gate's activation: "silu" or "gelu_tanh" (GeGLU)
+    embedding_scale: float | None = None  # Gemma multiplies embeddings by sqrt(hidden)
+    sandwich_norms: bool = False  # Gemma: norms after attention and after the MLP too
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (else head_dim)
+    sliding_window: int | None = None  # tokens a sliding layer sees, itself included
+    layer_types: tuple[str, ...] | None = None  # per layer "sliding" or "full" (None: all full)
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers (Gemma 3)
+    num_experts: int = 0  # MoE: experts per layer (0: a dense MLP)
+    num_experts_per_tok: int = 0  # MoE: the router's top-k
+    moe_intermediate_size: int = 0  # MoE: one expert's hidden width
+    norm_topk_prob: bool = True  # MoE: renormalise the top-k router weights to sum to 1
+    rotary_dim: int | None = None  # partial rotary: RoPE turns only the first dims of a head
+
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
+        # the families register their architectures (models/registry.py)
+        from prefixgate.gateway.engine.models.registry import require_architecture
+
+        require_architecture(self.architecture)
+        if self.activation not in ("silu", "gelu_tanh"):
             raise UnsupportedModelError(
-                f"architecture {self.architecture!r} is not supported; supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"activation {self.activation!r} is not supported; supported: silu, gelu_tanh"
+            )
+        if self.layer_types is not None and len(self.layer_types) != self.num_layers:
+            raise UnsupportedModelError(
+                f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
+            )
+        if self.layer_types and "sliding" in self.layer_types and not self.sliding_window:
+            raise UnsupportedModelError("sliding layers need a sliding_window")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim
+                                                and self.rotary_dim % 2 == 0):
+            raise UnsupportedModelError(
+                f"rotary_dim must be even and in 1..{self.head_dim}, got {self.rotary_dim}"
+            )
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise UnsupportedModelError(
+                f"num_experts_per_tok must be in 1..{self.num_experts}, "
+                f"got {self.num_experts_per_tok}"
             )
         for field_name in (
             "vocab_size",
@@ -145,11 +188,23 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise UnsupportedModelError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+        rotary = self.rotary_dim or self.head_dim
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != rotary // 2:
             raise UnsupportedModelError(
                 f"rope_freq_factors has {len(self.rope_freq_factors)} entries, expected "
-                f"head_dim / 2 = {self.head_dim // 2}"
+                f"rotary dims / 2 = {rotary // 2}"
             )
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale of q.k."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_window(self, layer: int) -> int | None:
+        """How many tokens layer ``layer`` attends to (itself included); None: all."""
+        if self.layer_types is None or self.layer_types[layer] != "sliding":
+            return None
+        return self.sliding_window
 
     @property
     def q_size(self) -> int:
@@ -179,7 +234,7 @@ class ModelConfig:
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF parameter name -> shape, for every tensor a Llama-family model of ``config`` needs."""
-    h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+    h, q, kv = config.hidden_size, config.q_size, config.kv_size
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (config.vocab_size, h),
         "model.norm.weight": (h,),
@@ -195,10 +250,8 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             prefix + "self_attn.k_proj.weight": (kv, h),
             prefix + "self_attn.v_proj.weight": (kv, h),
             prefix + "self_attn.o_proj.weight": (h, q),
-            prefix + "mlp.gate_proj.weight": (inter, h),
-            prefix + "mlp.up_proj.weight": (inter, h),
-            prefix + "mlp.down_proj.weight": (h, inter),
         }
+        shapes |= _family_layer_shapes(config, prefix)
         if config.attention_bias:
             shapes |= {
                 prefix + "self_attn.q_proj.bias": (q,),
@@ -207,6 +260,38 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             }
         if config.attention_out_bias:
             shapes[prefix + "self_attn.o_proj.bias"] = (h,)
+    return shapes
+
+
+def _family_layer_shapes(config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    """The MLP's tensors and what the newer families add to a layer."""
+    h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {}
+    if config.num_experts:
+        # experts stacked (GGUF's layout; the HF loader stacks the per-expert tensors)
+        experts, moe = config.num_experts, config.moe_intermediate_size
+        shapes |= {
+            prefix + "mlp.gate.weight": (experts, h),
+            prefix + "mlp.experts.gate_proj.weight": (experts, moe, h),
+            prefix + "mlp.experts.up_proj.weight": (experts, moe, h),
+            prefix + "mlp.experts.down_proj.weight": (experts, h, moe),
+        }
+    else:
+        shapes |= {
+            prefix + "mlp.gate_proj.weight": (inter, h),
+            prefix + "mlp.up_proj.weight": (inter, h),
+            prefix + "mlp.down_proj.weight": (h, inter),
+        }
+    if config.qk_norm:
+        shapes |= {
+            prefix + "self_attn.q_norm.weight": (d,),
+            prefix + "self_attn.k_norm.weight": (d,),
+        }
+    if config.sandwich_norms:
+        shapes |= {
+            prefix + "pre_feedforward_layernorm.weight": (h,),
+            prefix + "post_feedforward_layernorm.weight": (h,),
+        }
     return shapes
 
 

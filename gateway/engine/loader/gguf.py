@@ -29,6 +29,7 @@ from prefixgate.gateway.engine.model_config import (
     UnsupportedModelError,
     check_weights,
 )
+from prefixgate.gateway.engine.models.registry import family_for, supported_architectures
 from prefixgate.gateway.engine.tokenizer import GGUFVocab, Tokenizer
 from prefixgate.kernels.quant import QuantizedTensor
 
@@ -44,9 +45,6 @@ SUPPORTED_TENSOR_TYPES: tuple[GGMLQuantizationType, ...] = (
 # kept in their blocks (see the module docstring); the K-quants are not (yet): their 256-weight
 # super-blocks with 6-bit sub-scales need their own kernel
 KEPT_QUANTIZED: dict[GGMLQuantizationType, str] = {_Q.Q4_0: "Q4_0", _Q.Q4_1: "Q4_1", _Q.Q8_0: "Q8_0"}
-
-# llama.cpp stores Q/K of these architectures with rows permuted for its rotary kernel
-_PERMUTED_QK_ARCHS = frozenset({"llama", "mistral", "smollm2"})
 
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -70,6 +68,9 @@ _LAYER_TENSORS = {
 }
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
 _ROPE_FREQS = "rope_freqs.weight"
+_ROPE_SHORT = "rope_factors_short.weight"
+# RoPE tables llama.cpp stores as tensors; they become config fields, not weights
+_ROPE_TENSORS = frozenset({_ROPE_FREQS, _ROPE_SHORT, "rope_factors_long.weight"})
 
 
 def _field_value(reader: GGUFReader, key: str) -> Any:
@@ -95,10 +96,10 @@ def _read_config(
     reader: GGUFReader, path: Path, tensor_shapes: dict[str, list[int]]
 ) -> ModelConfig:
     arch = _field_value(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in supported_architectures():
         raise UnsupportedModelError(
             f"{path.name}: GGUF architecture {arch!r} is not supported; supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{', '.join(supported_architectures())}"
         )
 
     def meta(suffix: str, default: Any = None) -> Any:
@@ -115,30 +116,56 @@ def _read_config(
     vocab = meta("vocab_size") or (embed_shape[1] if embed_shape else None)
     if vocab is None:
         vocab = len(_field_value(reader, "tokenizer.ggml.tokens") or ())
-    rope_factors = None
+    fields: dict[str, Any] = {
+        "architecture": arch,
+        "name": _field_value(reader, "general.name") or path.stem,
+        "vocab_size": int(vocab),
+        "hidden_size": int(hidden),
+        "intermediate_size": int(meta("feed_forward_length", 0)),
+        "num_layers": int(meta("block_count")),
+        "num_heads": int(num_heads),
+        "num_kv_heads": int(meta("attention.head_count_kv", num_heads)),
+        "head_dim": int(meta("attention.key_length", hidden // num_heads)),
+        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(meta("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(meta("context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in tensor_shapes,
+        "attention_bias": SUPPORTED_ARCHITECTURES.get(arch, False)
+        or "blk.0.attn_q.bias" in tensor_shapes,
+        "attention_out_bias": "blk.0.attn_output.bias" in tensor_shapes,
+    }
+    fields |= _read_rope(reader, path, tensor_shapes, meta)
+    return ModelConfig(**(fields | family_for(arch).gguf_config(meta)))
+
+
+def _small_tensor(reader: GGUFReader, name: str) -> tuple[float, ...]:
+    tensor = next(t for t in reader.tensors if t.name == name)
+    return tuple(float(x) for x in dequantize(tensor.data, tensor.tensor_type).reshape(-1))
+
+
+def _read_rope(
+    reader: GGUFReader, path: Path, tensor_shapes: dict[str, list[int]], meta: Any
+) -> dict[str, Any]:
+    """The RoPE fields: scaling from metadata, llama.cpp's per-pair tables from tensors."""
+    fields: dict[str, Any] = {"rope_scaling": _read_rope_scaling(meta), "rope_freq_factors": None}
     if _ROPE_FREQS in tensor_shapes:
-        tensor = next(t for t in reader.tensors if t.name == _ROPE_FREQS)
-        values = dequantize(tensor.data, tensor.tensor_type).reshape(-1)
-        rope_factors = tuple(float(x) for x in values)
-    return ModelConfig(
-        architecture=arch,
-        name=_field_value(reader, "general.name") or path.stem,
-        vocab_size=int(vocab),
-        hidden_size=int(hidden),
-        intermediate_size=int(meta("feed_forward_length", 0)),
-        num_layers=int(meta("block_count")),
-        num_heads=int(num_heads),
-        num_kv_heads=int(meta("attention.head_count_kv", num_heads)),
-        head_dim=int(meta("attention.key_length", hidden // num_heads)),
-        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(meta("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(meta("context_length", 2048)),
-        tie_word_embeddings="output.weight" not in tensor_shapes,
-        attention_bias=SUPPORTED_ARCHITECTURES[arch] or "blk.0.attn_q.bias" in tensor_shapes,
-        attention_out_bias="blk.0.attn_output.bias" in tensor_shapes,
-        rope_scaling=_read_rope_scaling(meta),
-        rope_freq_factors=rope_factors,
-    )
+        fields["rope_freq_factors"] = _small_tensor(reader, _ROPE_FREQS)
+    if _ROPE_SHORT in tensor_shapes:  # LongRoPE (Phi-3.5, Phi-4-mini)
+        context = int(meta("context_length", 2048))
+        original = int(meta("rope.scaling.original_context_length") or context)
+        attention = meta("rope.scaling.attn_factor")
+        fields["rope_scaling"] = RopeScaling(
+            kind="longrope",
+            factor=context / original,
+            original_max_position_embeddings=original,
+            short_factor=_small_tensor(reader, _ROPE_SHORT),
+            attention_factor=float(attention) if attention is not None else None,
+        )
+        if original < context:
+            # NOTE: the long factors would re-rotate cached keys; the short ones are exact
+            logger.warning("%s: LongRoPE: capping the context %s at %s", path.name, context, original)
+            fields["max_position_embeddings"] = original
+    return fields
 
 
 def _read_rope_scaling(meta: Any) -> RopeScaling | None:
@@ -196,12 +223,12 @@ def _read_vocab(reader: GGUFReader, path: Path) -> GGUFVocab:
     )
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, layer_tensors: dict[str, str] = _LAYER_TENSORS) -> str | None:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     match = _LAYER_NAME.match(gguf_name)
-    if match and match.group(2) in _LAYER_TENSORS:
-        return f"model.layers.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}"
+    if match and match.group(2) in layer_tensors:
+        return f"model.layers.{match.group(1)}.{layer_tensors[match.group(2)]}"
     return None
 
 
@@ -222,6 +249,33 @@ def require_gguf_file(path: Path) -> None:
         raise UnsupportedModelError(
             f"{path}: not a GGUF file (magic {magic!r}); pass a .gguf file or a Hugging Face "
             "model directory"
+        )
+
+
+def _check_tensors(
+    reader: GGUFReader, path: Path, architecture: str, layer_tensors: dict[str, str]
+) -> None:
+    """Raise UnsupportedModelError for a tensor type or a tensor name we do not read."""
+    unsupported = [
+        f"{t.name} ({t.tensor_type.name})"
+        for t in reader.tensors
+        if t.tensor_type not in SUPPORTED_TENSOR_TYPES
+    ]
+    if unsupported:
+        raise UnsupportedModelError(
+            f"{path.name}: tensor type not supported: {', '.join(unsupported[:5])}"
+            f"{' ...' if len(unsupported) > 5 else ''}; supported: "
+            f"{', '.join(t.name for t in SUPPORTED_TENSOR_TYPES)}"
+        )
+    unknown = [
+        t.name
+        for t in reader.tensors
+        if t.name not in _ROPE_TENSORS and _hf_name(t.name, layer_tensors) is None
+    ]
+    if unknown:
+        raise UnsupportedModelError(
+            f"{path.name}: tensors this {architecture} loader does not know: "
+            f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}"
         )
 
 
@@ -251,26 +305,13 @@ def load_gguf(
     # ggml lists dims fastest-first; numpy/torch order is the reverse
     shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
     config = _read_config(reader, path, shapes)
-    unsupported = [
-        f"{t.name} ({t.tensor_type.name})"
-        for t in reader.tensors
-        if t.tensor_type not in SUPPORTED_TENSOR_TYPES
-    ]
-    if unsupported:
-        raise UnsupportedModelError(
-            f"{path.name}: tensor type not supported: {', '.join(unsupported[:5])}"
-            f"{' ...' if len(unsupported) > 5 else ''}; supported: "
-            f"{', '.join(t.name for t in SUPPORTED_TENSOR_TYPES)}"
-        )
-    unknown = [t.name for t in reader.tensors if t.name != _ROPE_FREQS and _hf_name(t.name) is None]
-    if unknown:
-        raise UnsupportedModelError(
-            f"{path.name}: tensors this {config.architecture} loader does not know: "
-            f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}"
-        )
+    family = family_for(config.architecture)
+    # the family's own tensors (q/k norms, experts, fused Phi tensors) over the Llama table
+    layer_tensors = {**_LAYER_TENSORS, **family.gguf_tensors}
+    _check_tensors(reader, path, config.architecture, layer_tensors)
     tokenizer = Tokenizer.from_gguf_vocab(_read_vocab(reader, path))
 
-    permute = config.architecture in _PERMUTED_QK_ARCHS
+    permute = family.gguf_permuted_qk
     weights: dict[str, torch.Tensor] = {}
     bar = tqdm(
         reader.tensors,
@@ -280,13 +321,14 @@ def load_gguf(
         disable=(not sys.stderr.isatty()) if progress is None else not progress,
     )
     for tensor in bar:
-        name = _hf_name(tensor.name)
-        if name is None:  # rope_freqs: already folded into the config
+        name = _hf_name(tensor.name, layer_tensors)
+        if name is None:  # a RoPE table: already folded into the config
             continue
         shape = tuple(reversed(shapes[tensor.name]))
         qtype = KEPT_QUANTIZED.get(tensor.tensor_type) if keep_quantized else None
-        if qtype is not None and len(shape) == 2:
-            array = np.asarray(tensor.data).reshape(shape[0], -1)  # a row's blocks, as bytes
+        rows = int(np.prod(shape[:-1]))  # MoE experts [E, I, H]: E * I rows of blocks
+        if qtype is not None and len(shape) in (2, 3):
+            array = np.asarray(tensor.data).reshape(rows, -1)  # a row's blocks, as bytes
         else:
             qtype = None
             array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
@@ -298,9 +340,11 @@ def load_gguf(
         # copy them out
         if qtype is not None:
             data = torch.from_numpy(np.array(array, dtype=np.uint8, copy=True))
-            weights[name] = QuantizedTensor(qtype, data, (shape[0], shape[1]))
+            # a stacked [E, I, H] stays one [E * I, H] block matrix; its family regroups it
+            weights[name] = QuantizedTensor(qtype, data, (rows, shape[-1]))
         else:
             weights[name] = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
     bar.close()
+    weights = family.adapt_weights(weights, config, "gguf")
     check_weights(config, weights, source=path.name)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, path=path)

@@ -26,6 +26,7 @@ from prefixgate.gateway.engine.model_config import (
     check_weights,
     expected_weight_shapes,
 )
+from prefixgate.gateway.engine.models.registry import family_for, supported_architectures
 from prefixgate.gateway.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -67,53 +68,101 @@ def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:
     )
 
 
+def _longrope(scaling: dict[str, Any], raw: dict[str, Any]) -> RopeScaling:
+    """Phi-3.5 / Phi-4-mini's LongRoPE (the original length may sit at the top level)."""
+    original = scaling.get("original_max_position_embeddings") or raw.get(
+        "original_max_position_embeddings"
+    )
+    if not original or "short_factor" not in scaling:
+        raise UnsupportedModelError(
+            "RoPE scaling 'longrope' needs short_factor and original_max_position_embeddings"
+        )
+    factor = scaling.get("factor") or int(raw.get("max_position_embeddings", original)) / original
+    return RopeScaling(
+        kind="longrope",
+        factor=float(factor),
+        original_max_position_embeddings=int(original),
+        short_factor=tuple(float(x) for x in scaling["short_factor"]),
+        attention_factor=scaling.get("attention_factor"),
+    )
+
+
+def _context_length(
+    raw: dict[str, Any], name: str, rope_scaling: RopeScaling | None, windowed_model: bool
+) -> int:
+    context = int(raw.get("max_position_embeddings", 2048))
+    limit, why = context, ""
+    window = raw.get("sliding_window")
+    if window is not None and not windowed_model and (
+        raw.get("model_type") == "mistral" or raw.get("use_sliding_window")
+    ):
+        # NOTE: the Llama model has no sliding-window attention; capping the context keeps
+        # outputs exact
+        limit, why = int(window), f"sliding window {window}"
+    if rope_scaling is not None and rope_scaling.kind == "longrope":
+        # NOTE: past the original length LongRoPE switches to its long factors, which would
+        # re-rotate keys already in shared pages; capping keeps the short factors exact
+        original = rope_scaling.original_max_position_embeddings or context
+        if original < limit:
+            limit, why = original, f"LongRoPE original length {original}"
+    if limit < context:
+        logger.warning("%s: %s < context %s; capping the context length", name, why, context)
+    return limit
+
+
+def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
+    # transformers 5 folds rope_theta and the scaling into "rope_parameters", per layer type
+    # where layers differ (Gemma 3: the global layers' entry is the model's RoPE)
+    rope = raw.get("rope_parameters") or {}
+    return rope.get("full_attention", rope)
+
+
 def config_from_hf(raw: dict[str, Any], name: str) -> ModelConfig:
-    """Translate a HF ``config.json`` dict (llama / mistral / qwen2) to a :class:`ModelConfig`."""
+    """Translate a HF ``config.json`` dict to a :class:`ModelConfig` (any registered family)."""
     arch = raw.get("model_type")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in supported_architectures():
         raise UnsupportedModelError(
             f"{name}: model_type {arch!r} is not supported; supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{', '.join(supported_architectures())}"
         )
-    activation = raw.get("hidden_act", "silu")
-    if activation != "silu":
-        raise UnsupportedModelError(f"{name}: hidden_act {activation!r} is not supported (silu)")
+    family = family_for(arch)
+    activation = raw.get("hidden_act") or raw.get("hidden_activation") or "silu"
+    if activation not in family.activations:
+        raise UnsupportedModelError(
+            f"{name}: hidden_act {activation!r} is not supported ({', '.join(family.activations)})"
+        )
     if raw.get("mlp_bias"):
         raise UnsupportedModelError(f"{name}: mlp_bias is not supported")
+    extras = family.hf_config(raw)
     hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
-    # transformers 5 folds rope_theta and the scaling into "rope_parameters"
-    rope = raw.get("rope_parameters") or {}
+    rope = _rope_parameters(raw)
     scaling = raw.get("rope_scaling") or (
         rope if rope.get("rope_type") not in (None, "default") else None
     )
-    context = int(raw.get("max_position_embeddings", 2048))
-    window = raw.get("sliding_window")
-    windowed = window is not None and (arch == "mistral" or raw.get("use_sliding_window"))
-    if windowed and int(window) < context:
-        # NOTE: no sliding-window attention here; capping the context keeps outputs exact
-        logger.warning(
-            "%s: sliding window %s < context %s; capping the context length", name, window, context
-        )
-        context = int(window)
-    return ModelConfig(
-        architecture=arch,
-        name=name,
-        vocab_size=int(raw["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(raw["intermediate_size"]),
-        num_layers=int(raw["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=int(raw.get("head_dim") or hidden // heads),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 10000.0))),
-        max_position_embeddings=context,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=SUPPORTED_ARCHITECTURES[arch] or bool(raw.get("attention_bias", False)),
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    rope_scaling = _longrope(scaling, raw) if kind == "longrope" else _rope_scaling(scaling)
+    context = _context_length(raw, name, rope_scaling, "sliding_window" in extras)
+    fields: dict[str, Any] = {
+        "architecture": arch,
+        "name": name,
+        "vocab_size": int(raw["vocab_size"]),
+        "hidden_size": hidden,
+        "intermediate_size": int(raw["intermediate_size"]),
+        "num_layers": int(raw["num_hidden_layers"]),
+        "num_heads": heads,
+        "num_kv_heads": int(raw.get("num_key_value_heads") or heads),
+        "head_dim": int(raw.get("head_dim") or hidden // heads),
+        "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
+        "rope_theta": float(raw.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        "max_position_embeddings": context,
+        "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False)),
+        "attention_bias": SUPPORTED_ARCHITECTURES.get(arch, False)
+        or bool(raw.get("attention_bias", False)),
         # llama's attention_bias covers o_proj too; qwen2's built-in q/k/v bias does not
-        attention_out_bias=arch != "qwen2" and bool(raw.get("attention_bias", False)),
-        rope_scaling=_rope_scaling(scaling),
-    )
+        "attention_out_bias": arch != "qwen2" and bool(raw.get("attention_bias", False)),
+        "rope_scaling": rope_scaling,
+    }
+    return ModelConfig(**(fields | extras))
 
 
 def _weight_files(directory: Path) -> list[Path]:
@@ -187,9 +236,13 @@ def load_hf(directory: str | Path, *, progress: bool | None = None) -> LoadedMod
     ):
         with safe_open(str(file), framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118 - safe_open is not a dict
-                if key in needed:
+                if not key.endswith("rotary_emb.inv_freq"):
                     weights[key] = handle.get_tensor(key)
-                elif not key.endswith("rotary_emb.inv_freq") and key != "lm_head.weight":
-                    logger.warning("%s: ignoring unknown tensor %s", directory.name, key)
+    # the family renames/splits/stacks its own tensors (Phi's fused qkv, MoE experts)
+    weights = family_for(config.architecture).adapt_weights(weights, config, "hf")
+    for key in [k for k in weights if k not in needed]:
+        if key != "lm_head.weight":
+            logger.warning("%s: ignoring unknown tensor %s", directory.name, key)
+        del weights[key]
     check_weights(config, weights, source=str(directory))
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, path=directory)

@@ -1,21 +1,24 @@
-"""Model code, one file per architecture family; ``build_model`` picks by architecture."""
+"""Model code, one file per architecture family; each family registers itself
+(models/registry.py) and ``build_model`` picks by architecture."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
-from prefixgate.gateway.engine.model_config import (
-    SUPPORTED_ARCHITECTURES,
-    ModelConfig,
-    UnsupportedModelError,
-)
+from prefixgate.gateway.engine.model_config import ModelConfig
 from prefixgate.gateway.engine.models.forward_batch import ForwardBatch
 from prefixgate.gateway.engine.models.llama import LlamaModel
+from prefixgate.gateway.engine.models.registry import families, family_for
 
-# architecture -> model class; every supported one is a Llama variant today
-MODEL_CLASSES: dict[str, type[LlamaModel]] = dict.fromkeys(SUPPORTED_ARCHITECTURES, LlamaModel)
+# every family module registers itself on import; the Llama family first, so messages that
+# list the supported architectures start with the common ones
+# isort: off
+from prefixgate.gateway.engine.models import llama_family  # noqa: F401, E402
+from prefixgate.gateway.engine.models import qwen3, qwen3_moe, gemma3, phi3  # noqa: F401, E402
+# isort: on
 
 
 def build_model(
@@ -28,13 +31,9 @@ def build_model(
     kernel_backend: str | None = None,
     native_ops: bool = False,
     quantized_weights: bool = True,
-) -> LlamaModel:
-    """Instantiate the model class of ``config.architecture`` with ``weights`` on ``device``."""
-    cls = MODEL_CLASSES.get(config.architecture)
-    if cls is None:
-        raise UnsupportedModelError(
-            f"no model code for {config.architecture!r}; supported: {', '.join(MODEL_CLASSES)}"
-        )
+) -> Any:
+    """Instantiate the model class of ``config.architecture``'s family on ``device``."""
+    cls = family_for(config.architecture).model_class
     return cls(
         config,
         weights,
@@ -47,4 +46,4 @@ def build_model(
     )
 
 
-__all__ = ["MODEL_CLASSES", "ForwardBatch", "LlamaModel", "build_model"]
+__all__ = ["ForwardBatch", "LlamaModel", "build_model", "families", "family_for"]

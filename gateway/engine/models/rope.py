@@ -65,9 +65,25 @@ def _llama3(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
+def _longrope(inv_freq: torch.Tensor, scaling: RopeScaling) -> tuple[torch.Tensor, float]:
+    # the short factors: exact while the context stays within the original length
+    assert scaling.short_factor is not None and scaling.original_max_position_embeddings
+    factors = torch.tensor(scaling.short_factor, dtype=torch.float32)
+    attention = scaling.attention_factor
+    if attention is None:
+        original = scaling.original_max_position_embeddings
+        attention = (
+            math.sqrt(1 + math.log(scaling.factor) / math.log(original))
+            if scaling.factor > 1
+            else 1.0
+        )
+    return inv_freq / factors, float(attention)
+
+
 def inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Per-pair rotation speeds ``[head_dim / 2]`` (fp32) and the cos/sin scale (yarn)."""
-    dim, base = config.head_dim, config.rope_theta
+    """Per-pair rotation speeds ``[rotary_dim / 2]`` (fp32) and the cos/sin scale (yarn,
+    longrope)."""
+    dim, base = config.rotary_dim or config.head_dim, config.rope_theta
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     attention = 1.0
     scaling = config.rope_scaling
@@ -78,6 +94,8 @@ def inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
             inv_freq = _llama3(inv_freq, scaling)
         elif scaling.kind == "yarn":
             inv_freq, attention = _yarn(inv_freq, scaling, dim, base)
+        elif scaling.kind == "longrope":
+            inv_freq, attention = _longrope(inv_freq, scaling)
     if config.rope_freq_factors is not None:
         inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
     return inv_freq, attention

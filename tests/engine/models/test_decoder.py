@@ -1,0 +1,66 @@
+"""models/decoder.py options the family fixtures do not cover, against transformers."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from prefixgate.gateway.engine.loader import load_gguf, load_model
+from prefixgate.gateway.engine.models.moe import StackedExperts
+from prefixgate.gateway.engine.runner import SeqChunk
+from prefixgate.kernels.cpu.ops import quant_native_available
+from prefixgate.kernels.quant import QuantizedTensor
+from tests.engine.models.conftest import make_runner
+from tests.engine.test_fidelity import LAYOUT_ATOL, PREFILL_ATOL
+from tests.family_fixtures import family_fixture, quantized_gguf
+
+pytestmark = pytest.mark.slow
+
+
+def test_qwen3_with_attention_biases_matches_transformers(tmp_path):
+    torch.manual_seed(3)
+    config = transformers.Qwen3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_bias=True,
+    )  # fmt: skip
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(str(tmp_path))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(family_fixture("qwen3").hf_dir / name, tmp_path / name)
+    loaded = load_model(tmp_path)
+    assert loaded.config.attention_bias and loaded.config.attention_out_bias
+    ids = list(range(100, 140))
+    runner = make_runner(loaded)
+    ours = runner.execute([SeqChunk(ids, 0, [0, 1, 2], True)])[0]
+    with torch.inference_mode():
+        reference = model(torch.tensor([ids])).logits[0, -1]
+    assert (ours - reference).abs().max().item() < PREFILL_ATOL
+
+
+@pytest.mark.parametrize("name", ["gemma3", "phi3", "qwen3_moe"])
+def test_q8_0_gguf_computes_in_its_blocks_like_dequantized(name):
+    loaded = load_gguf(quantized_gguf(name, "Q8_0"))
+    ids = list(range(200, 245))
+    blocks = make_runner(loaded)
+    # the same file's values dequantized (one read of the file: big vocabularies parse slowly)
+    dense_weights = {
+        key: value.dequantize() if isinstance(value, QuantizedTensor | StackedExperts) else value
+        for key, value in loaded.weights.items()
+    }
+    dense = make_runner(dataclasses.replace(loaded, weights=dense_weights))
+    if quant_native_available():  # fused q|k|v (Phi: split from attn_qkv) stays in its blocks
+        assert blocks.model.layers[0].qkv.quant == "Q8_0"
+        if name == "qwen3_moe":  # and each expert's gate|up and down
+            assert {p.quant for e in blocks.model.layers[0].mlp.experts for p in e} == {"Q8_0"}
+    assert dense.model.layers[0].qkv.quant is None
+    ours = blocks.execute([SeqChunk(ids, 0, [0, 1, 2], True)])[0]
+    reference = dense.execute([SeqChunk(ids, 0, [0, 1, 2], True)])[0]
+    assert (ours - reference).abs().max().item() < LAYOUT_ATOL

@@ -1,0 +1,37 @@
+"""models/registry.py: every family registered once, and what an unsupported model is told."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixgate.gateway.engine.loader.hf import config_from_hf
+from prefixgate.gateway.engine.model_config import UnsupportedModelError
+from prefixgate.gateway.engine.models import build_model, families, family_for
+from prefixgate.gateway.engine.models.registry import ModelFamily, register_family
+
+
+def test_families_are_registered_by_both_spellings():
+    assert set(families()) >= {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma3", "phi3"}
+    assert family_for("qwen3moe") is family_for("qwen3_moe")
+    assert family_for("gemma3") is family_for("gemma3_text")
+
+
+def test_unsupported_architecture_names_what_is_supported():
+    with pytest.raises(UnsupportedModelError) as info:
+        config_from_hf({"model_type": "falcon_h1"}, "m")
+    message = str(info.value)
+    assert "'falcon_h1' is not supported" in message
+    for name in ("llama", "qwen3", "qwen3_moe", "gemma3_text", "phi3"):
+        assert name in message
+
+
+def test_an_architecture_cannot_be_claimed_twice():
+    with pytest.raises(ValueError, match="registered twice"):
+        register_family(ModelFamily("other", object, ("qwen3",), ()))
+
+
+def test_build_model_uses_the_family_class():
+    assert build_model.__module__.endswith("models")
+    assert family_for("qwen2").model_class.__name__ == "LlamaModel"
+    assert family_for("phi3").model_class.__name__ == "DecoderModel"
+    assert family_for("gemma3").model_class.__name__ == "DecoderModel"
