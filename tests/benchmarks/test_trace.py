@@ -2,6 +2,7 @@
 replays (closed and open loop) against the live test gateway."""
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,7 @@ def test_bad_flags_and_a_bad_trace_end_in_a_usage_error(tmp_path, capsys):
     assert "line 1: KeyError" in err and "must divide" in err and "No such file" in err
 
 
+@pytest.mark.skipif(not bench.DEFAULT_TRACE.exists(), reason="the shared public trace is absent")
 def test_quick_preset_fills_only_what_the_flags_left(tmp_path):
     parser = bench.base_parser("t")
     bench.add_workload_arguments(parser)
@@ -91,19 +93,30 @@ def test_quick_preset_fills_only_what_the_flags_left(tmp_path):
     assert workload["longest_request_tokens"] < 8192  # fits the default model's context
 
 
-def _tiny_replay() -> list[tw.ReplayRequest]:
-    """Two sessions of the public trace, two turns each, a few output tokens, short pauses."""
-    requests = tw.load_trace(bench.DEFAULT_TRACE)
+TINY_TRACE = [  # two sessions of two turns; the second turn extends the first's blocks
+    {"timestamp": 0, "input_length": 5120, "output_length": 3, "hash_ids": list(range(10))},
+    {"timestamp": 0, "input_length": 5120, "output_length": 3, "hash_ids": list(range(10, 20))},
+    {"timestamp": 1000, "input_length": 5632, "output_length": 3, "hash_ids": [*range(10), 20]},
+    {"timestamp": 1500, "input_length": 5632, "output_length": 3,
+     "hash_ids": [*range(10, 20), 21]},
+]
+
+
+def _tiny_replay(tmp_path: Path) -> list[tw.ReplayRequest]:
+    """Two sessions, two turns each, a few output tokens, short pauses (a trace in the public
+    one's format written here, so the test needs nothing outside the checkout)."""
+    path = tmp_path / "tiny.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in TINY_TRACE))
+    requests = tw.load_trace(path)
     links = tw.link_sessions(requests)
     positions = tw.select(requests, links, tw.Selection(sessions=2, max_turns=2))
     scaling = tw.Scaling(scale=128, max_output=3, time_scale=0.002)  # 4-token blocks
     return tw.build_replay(requests, links, positions, scaling)
 
 
-@pytest.mark.skipif(not bench.DEFAULT_TRACE.exists(), reason="the shared public trace is absent")
 @pytest.mark.parametrize("mode", ["closed", "open"])
-def test_replay_against_the_live_gateway(gateway, mode):
-    replay = _tiny_replay()
+def test_replay_against_the_live_gateway(gateway, mode, tmp_path: Path):
+    replay = _tiny_replay(tmp_path)
     assert [r.turn for r in replay].count(1) >= 2
     wall_s, outcomes = asyncio.run(bench.replay_requests(gateway.open_url, gateway.model,
                                                          replay, mode, timeout_s=120))
@@ -127,7 +140,7 @@ def test_replay_against_the_live_gateway(gateway, mode):
 
 
 def test_run_server_reports_a_quick_replay(gateway, tmp_path: Path):
-    replay = _tiny_replay()[:2]
+    replay = _tiny_replay(tmp_path)[:2]
     summary = bench.run_server("prefixgate", gateway.open_url, gateway.model, replay, "open", 120)
     assert summary["ok"] == 2 and summary["warmup_error"] is None
     assert summary["cache_stats"] is not None and len(summary["outcomes"]) == 2
