@@ -27,14 +27,13 @@ from prefixgate.cache.errors import (
     OutOfPagesError,
     UnknownSequenceError,
 )
-from prefixgate.cache.events import EventSink
+from prefixgate.cache.events import EventSink, PageCopied, PrefixQueried
 from prefixgate.cache.hashing import BlockHash, BlockHasher, HashedBlock, HashFn
 from prefixgate.cache.page import Page
 from prefixgate.cache.retention import TenantShareRetention
 from prefixgate.cache.sequence import CacheSequence, SequenceBlocks
-from prefixgate.cache.stats import CacheStats, HitCounter, HitStats, SharedPrefix
+from prefixgate.cache.stats import CacheStats, CacheStatsCollector, fragmentation, top_prefixes
 
-OTHER_LABEL = "other"  # per-agent counters beyond max_tracked_agents are folded into this one
 
 class PrefixMatch(NamedTuple):
     """Result of a prefix lookup (no side effects)."""
@@ -77,7 +76,10 @@ class KVCacheManager:
     ):
         if not 0 <= watermark < 1:
             raise InvalidArgumentError(f"watermark must be in [0, 1), got {watermark}")
-        self.pool = BlockPool(num_pages, page_size, enable_caching=enable_caching, event_sink=event_sink)
+        # counters live in the collector, fed by the manager's and the pool's events
+        self.collector = CacheStatsCollector(max_tracked_agents)
+        self.pool = BlockPool(num_pages, page_size, enable_caching=enable_caching,
+                              event_sink=event_sink, stats_sink=self.collector.record)
         self.page_size = page_size
         self.num_pages = num_pages
         self.enable_caching = enable_caching
@@ -86,13 +88,6 @@ class KVCacheManager:
         self._seqs: dict[Hashable, SequenceBlocks] = {}
         # In-flight prefix dedup: hash of a block some live sequence will compute -> that sequence.
         self._pending: dict[bytes, Hashable] = {}
-        self._max_tracked_agents = max_tracked_agents
-        self._total = HitCounter()
-        self._per_tenant: dict[str, HitCounter] = {}
-        # Keyed by (tenant, agent): a tenant's view lists only its own agents; the admin's
-        # per-agent view sums a label over tenants.
-        self._per_agent: dict[tuple[str, str], HitCounter] = {}
-        self.num_cow_copies = 0
         self._evicted: list[tuple[int, HashedBlock]] = []  # see capture_evictions()
         self._evicted_hashes: set[BlockHash] = set()  # the same blocks, by hash
         self._unwritten: set[int] = set()  # installed from the tier, load not written yet
@@ -216,8 +211,8 @@ class KVCacheManager:
             for block in blocks[len(pages) :]:
                 self._pending.setdefault(block.block_hash, seq_id)
         if count_query:
-            self._record_query(seq.tenant, seq.agent, len(token_ids), match.num_cached_tokens,
-                               retention_hit)
+            self.collector.record(PrefixQueried(seq.tenant, seq.agent, len(token_ids),
+                                                match.num_cached_tokens, retention_hit))
         return Allocation(match.num_cached_tokens, tuple(entry.block_table))
 
     def _retention_hit_tokens(self, pages: list[Page], num_cached_tokens: int) -> int:
@@ -271,7 +266,7 @@ class KVCacheManager:
             entry.block_table[block_index] = new.page_id
             self.pool.release((old,))
             pairs.append((old.page_id, new.page_id))
-            self.num_cow_copies += 1
+            self.collector.record(PageCopied(old.page_id, new.page_id))
         for page in self.pool.allocate(num_new_pages):
             entry.block_table.append(page.page_id)
         return pairs
@@ -533,20 +528,15 @@ class KVCacheManager:
     # ------------------------------------------------------------------ stats
 
     def stats(self, top_k: int = 5) -> CacheStats:
-        """An immutable snapshot of pool state and hit counters."""
+        """An immutable snapshot of pool state (read now) and the collector's counters.
+
+        Args:
+            top_k: shared prefixes kept per tenant (``CacheStats.top_prefixes``).
+        """
         pages = self.pool.pages
         used = sum(1 for p in pages if p.ref_count > 0)
         cached_free = sum(1 for p in pages if p.ref_count == 0 and p.block_hash is not None)
-        filled: dict[int, int] = {}
-        for entry in self._seqs.values():
-            computed = entry.seq.num_computed
-            for b, page_id in enumerate(entry.block_table):
-                n = min(self.page_size, max(0, computed - b * self.page_size))
-                if n > filled.get(page_id, -1):
-                    filled[page_id] = n
-        allocated = len(filled) * self.page_size
-        fragmentation = (allocated - sum(filled.values())) / allocated if allocated else 0.0
-        retained_per_tenant = self.retention.retained_per_tenant(pages)
+        live = self._seqs.values()
         return CacheStats(
             num_pages=self.num_pages,
             page_size=self.page_size,
@@ -554,22 +544,13 @@ class KVCacheManager:
             pages_cached_free=cached_free,
             pages_free=self.num_pages - used - cached_free,
             pages_pinned=sum(1 for p in pages if p.pinned),
-            fragmentation=fragmentation,
-            evictions=self.pool.num_evictions,
-            cow_copies=self.num_cow_copies,
+            fragmentation=fragmentation(live, self.page_size),
             num_sequences=len(self._seqs),
-            total=self._total.frozen(),
-            per_tenant={k: v.frozen() for k, v in self._per_tenant.items()},
-            per_agent=self._agents_summed(),
-            per_tenant_agent=self._agents_by_tenant(),
-            top_prefixes=self._top_prefixes(top_k),
+            top_prefixes=top_prefixes(live, self.page_size, top_k),
             pages_retained=sum(1 for p in pages if p.retain_until > 0),
-            retained_evicted=self.pool.num_retained_evicted,
-            retention_expiries=self.pool.num_retention_expiries,
-            retention_reclaimed=self.pool.num_retention_reclaimed,
-            retained_per_tenant=retained_per_tenant,
+            retained_per_tenant=self.retention.retained_per_tenant(pages),
             pages_protected=self.pool.num_protected_pages,
-            protected_evicted=self.pool.num_protected_evicted,
+            **self.collector.counters()._asdict(),
         )
 
     # ------------------------------------------------------------------ integrity
@@ -702,59 +683,3 @@ class KVCacheManager:
                 break
             pages.append(page)
         return pages
-
-    def _record_query(self, tenant: str, agent: str | None, query: int, hit: int,
-                      retention_hit: int = 0) -> None:
-        self._total.record(query, hit, retention_hit)
-        self._per_tenant.setdefault(tenant, HitCounter()).record(query, hit, retention_hit)
-        if agent is not None:
-            key = (tenant, agent)
-            if key not in self._per_agent and len(self._per_agent) >= self._max_tracked_agents:
-                key = (tenant, OTHER_LABEL)  # the cap bounds memory; the fold stays per tenant
-            self._per_agent.setdefault(key, HitCounter()).record(query, hit, retention_hit)
-
-    def _agents_summed(self) -> dict[str, HitStats]:
-        summed: dict[str, HitCounter] = {}
-        for (_, agent), counter in self._per_agent.items():
-            summed.setdefault(agent, HitCounter()).add(counter)
-        return {agent: counter.frozen() for agent, counter in summed.items()}
-
-    def _agents_by_tenant(self) -> dict[str, dict[str, HitStats]]:
-        by_tenant: dict[str, dict[str, HitStats]] = {}
-        for (tenant, agent), counter in self._per_agent.items():
-            by_tenant.setdefault(tenant, {})[agent] = counter.frozen()
-        return by_tenant
-
-    def _top_prefixes(self, top_k: int) -> tuple[SharedPrefix, ...]:
-        """The ``top_k`` busiest shared prefixes of EACH tenant, busiest first overall."""
-        # NOTE: grouped by tenant too, so a group never mixes tenants even if a hash collided
-        # across salts; a tenant's view then filters by SharedPrefix.tenant alone.
-        groups: dict[tuple[str, int], list[SequenceBlocks]] = {}
-        for entry in self._seqs.values():
-            if entry.num_registered and entry.block_table:
-                groups.setdefault((entry.seq.tenant, entry.block_table[0]), []).append(entry)
-        found = []
-        for (tenant, _), members in groups.items():
-            if len(members) < 2:
-                continue
-            length = min(m.num_registered for m in members)
-            head = members[0].block_table
-            shared = 0
-            while shared < length and all(m.block_table[shared] == head[shared] for m in members):
-                shared += 1
-            found.append(
-                SharedPrefix(
-                    token_ids=tuple(members[0].seq.token_ids[: min(32, shared * self.page_size)]),
-                    num_tokens=shared * self.page_size,
-                    num_sharers=len(members),
-                    tenant=tenant,
-                )
-            )
-        found.sort(key=lambda s: (s.num_sharers * s.num_tokens, s.num_sharers), reverse=True)
-        per_tenant: dict[str, int] = {}
-        kept = []
-        for prefix in found:
-            if per_tenant.get(prefix.tenant, 0) < top_k:
-                per_tenant[prefix.tenant] = per_tenant.get(prefix.tenant, 0) + 1
-                kept.append(prefix)
-        return tuple(kept)
