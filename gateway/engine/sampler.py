@@ -245,7 +245,7 @@ def verify(logits: torch.Tensor, rows: Sequence[SampleRow], drafts: Sequence[Seq
     results: list[tuple[list[int], int, int]] = []  # (emitted tokens, accepted, first row)
     for j, draft in enumerate(drafts):
         at = starts[j]
-        tokens, n = _verify_drafts(draft, at, rows[at], target, greedy_ids, accept)
+        tokens, n = _verify_sequence(draft, at, rows[at], target, greedy_ids, accept)
         results.append((tokens, n, at))
     dead = [False] * len(results)
     if token_bitmask is not None:  # accepted drafts are allowed; the token after them may not be
@@ -277,8 +277,8 @@ def _plain_acceptances(target: Target, rows: Sequence[SampleRow], drafts: Sequen
     return dict(zip(at_rows, keep.tolist(), strict=True))
 
 
-def _verify_drafts(draft: Sequence[int], at: int, row: SampleRow, target: Target,
-                   greedy_ids: list[int], accept: dict[int, bool]) -> tuple[list[int], int]:
+def _verify_sequence(draft: Sequence[int], at: int, row: SampleRow, target: Target,
+                     greedy_ids: list[int], accept: dict[int, bool]) -> tuple[list[int], int]:
     """One sequence's drafts (its logits rows from ``at``): (emitted tokens, drafts accepted)."""
     probs = target.probs
     n = 0
