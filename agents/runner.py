@@ -22,7 +22,7 @@ from typing import NamedTuple
 import httpx
 
 from prefixgate.agents.ideal import SentPrompt, ideal_hits
-from prefixgate.agents.workload import Agent, Workload
+from prefixgate.agents.workload import Agent, SwarmConfig, Workload
 
 
 class Endpoint(NamedTuple):
@@ -271,13 +271,7 @@ async def run_workload(workload: Workload, endpoint: Endpoint, *, page_size: int
             replies: list[str] = []
             for turn in range(agent.turns):
                 messages = agent.messages(replies)
-                body = {"messages": messages, "max_tokens": config.max_tokens,
-                        "temperature": config.temperature, "stream": True,
-                        "stream_options": {"include_usage": True}, "user": agent.agent_id}
-                if model is not None:
-                    body["model"] = model
-                if agent.tools:
-                    body["tools"] = list(agent.tools)
+                body = _turn_body(agent, messages, config, model)
                 async with semaphore:
                     record = RequestRecord(agent_id=agent.agent_id, group=agent.group, turn=turn,
                                            send_index=next(send_order),
@@ -294,12 +288,33 @@ async def run_workload(workload: Workload, endpoint: Endpoint, *, page_size: int
         records.sort(key=lambda r: r.send_index)
         status = "skipped"
         if tokenize:
-            token_ids = await _tokenize(client, sent, config.concurrency)
-            status = token_ids if isinstance(token_ids, str) else "ok"
-            if not isinstance(token_ids, str):
-                _fill_ideal(records, token_ids, page_size)
+            status = await _tokenize_ideal(client, sent, records, config.concurrency, page_size)
     return RunResult(label=endpoint.label, url=endpoint.root, wall_s=wall_s, records=records,
                      tokenize=status, model=model)
+
+
+def _turn_body(agent: Agent, messages: list[dict], config: SwarmConfig,
+               model: str | None) -> dict:
+    """The chat/completions body of one turn: streamed, with usage, tagged with the agent."""
+    body = {"messages": messages, "max_tokens": config.max_tokens,
+            "temperature": config.temperature, "stream": True,
+            "stream_options": {"include_usage": True}, "user": agent.agent_id}
+    if model is not None:
+        body["model"] = model
+    if agent.tools:
+        body["tools"] = list(agent.tools)
+    return body
+
+
+async def _tokenize_ideal(client: httpx.AsyncClient, sent: list[tuple[list[dict], tuple[dict, ...]]],
+                          records: list[RequestRecord], concurrency: int, page_size: int) -> str:
+    """Tokenise what was sent and fill each record's ideal hit; returns the tokenize status
+    ("ok" or what failed)."""
+    token_ids = await _tokenize(client, sent, concurrency)
+    if isinstance(token_ids, str):
+        return token_ids
+    _fill_ideal(records, token_ids, page_size)
+    return "ok"
 
 
 def _fill_ideal(records: list[RequestRecord], token_ids: list[list[int]], page_size: int) -> None:

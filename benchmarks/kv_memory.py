@@ -21,14 +21,14 @@ import random
 import time
 
 from benchmarks.common import base_parser, median_time, print_table, write_json
-from prefixgate.cache import KVCacheManager
+from prefixgate.cache import KVCacheManager, TokenSequence
 
 PAGE_SIZE = 16
 CONTEXT = 8192
 
 
 def _run(m: KVCacheManager, seq_id, tokens) -> None:
-    alloc = m.allocate(seq_id, tokens)
+    alloc = m.allocate(TokenSequence(seq_id, list(tokens)))
     n = len(tokens) - alloc.num_cached_tokens
     m.prepare_write(seq_id, n)
     m.commit_computed(seq_id, n)

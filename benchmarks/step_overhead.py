@@ -14,10 +14,10 @@ Runs, in one process on one engine (prompts cached once):
     headline ``overhead_pct`` = (step - forward) / step, per step, median.
   * ``greedy``, ``sampled`` (temperature ``--temperature`` 0.8, unseeded): every phase of the
     step timed (exclusive times, so a step's phases sum to it; ``other`` is the rest of
-    ``LLMEngine.step`` itself): schedule, chunks (the runner's records), inputs (the runner's
-    tensors), attention_plan (the kernel backend's per-step metadata), forward (the model
+    ``LLMEngine.step`` itself): schedule (the scheduler's chunks are the runner's records
+    too), inputs (the runner's tensors), attention_plan (the kernel backend's per-step metadata), forward (the model
     call, attention included), commit, sample,
-    output (``_on_token``'s own logic), append (token into sequence + cache), detokenize,
+    output (``_on_token``'s own logic), append (token into the sequence), detokenize,
     stop_strings, emit (deltas, finishing), sink (the consumer's callback).
   * ``async``: greedy through the async engine (engine.py) with ``--batch`` concurrent
     ``generate()`` consumers on an event loop: the same phases plus the stream fan-out to the
@@ -68,7 +68,7 @@ from prefixgate.gateway.engine.stop_strings import StopStringMatcher
 NEVER_MATCHING_STOPS = ("<END_OF_ANSWER>", "[[stop here]]")
 WORDS = ["agent", "tool", "cache", "page", "prefix", "token", "retry", "request", "schema", "build", "test", "deploy", "log", "metric", "queue", "worker", "session", "result", "error", "timeout", "search", "file", "patch", "review", "merge", "branch", "commit", "plan", "step", "budget", "memory", "report", "status", "owner", "task", "input", "output", "value"]
 # in the order they happen in a step; "other" is what LLMEngine.step spends itself
-PHASES = ("schedule", "chunks", "inputs", "attention_plan", "forward", "commit", "sample",
+PHASES = ("schedule", "inputs", "attention_plan", "forward", "commit", "sample",
           "drafts", "output", "append", "detokenize", "stop_strings", "logprobs", "emit", "sink",
           "fanout", "other")
 
@@ -218,7 +218,6 @@ class StepProbe:
         if not self.lean:
             scheduler = engine.scheduler
             self.patch(scheduler, "schedule", "schedule")
-            self.patch(engine, "_make_chunk", "chunks")
             self.patch(runner, "_build_batch", "inputs")
             self.patch(runner.attention, "prepare_metadata", "attention_plan")
             self.patch(scheduler, "commit", "commit")

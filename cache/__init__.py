@@ -15,6 +15,7 @@ from prefixgate.cache.errors import (
 from prefixgate.cache.events import BlockRemoved, BlockStored, CacheEvent, EventSink
 from prefixgate.cache.hashing import BlockHasher, HashedBlock, make_extra_keys, xxh3_128_hash_fn
 from prefixgate.cache.manager import Allocation, KVCacheManager, PrefixMatch
+from prefixgate.cache.sequence import CacheSequence, TokenSequence
 from prefixgate.cache.stats import CacheStats, HitStats, SharedPrefix
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "BlockStored",
     "CacheError",
     "CacheEvent",
+    "CacheSequence",
     "CacheStats",
     "DuplicateSequenceError",
     "EventSink",
@@ -36,6 +38,7 @@ __all__ = [
     "OutOfPagesError",
     "PrefixMatch",
     "SharedPrefix",
+    "TokenSequence",
     "UnknownSequenceError",
     "make_extra_keys",
     "xxh3_128_hash_fn",

@@ -14,7 +14,16 @@ import time
 from collections.abc import Callable, Iterable
 
 from prefixgate.cache.errors import InvalidArgumentError, OutOfPagesError
-from prefixgate.cache.events import BlockRemoved, BlockStored, EventSink
+from prefixgate.cache.events import (
+    BlockRemoved,
+    BlockStored,
+    EventSink,
+    FreeList,
+    PageEvicted,
+    RetentionEnd,
+    RetentionEnded,
+    StatsSink,
+)
 from prefixgate.cache.free_queue import FreePageQueue
 from prefixgate.cache.hashing import BlockHash, HashedBlock
 from prefixgate.cache.page import Page
@@ -29,6 +38,7 @@ class BlockPool:
         page_size: tokens per page (for event payloads).
         enable_caching: when False no hash is ever registered (every lookup misses).
         event_sink: called with BlockStored / BlockRemoved as the hittable set changes.
+        stats_sink: called with PageEvicted / RetentionEnded (cache.stats counts them).
     """
 
     def __init__(
@@ -39,6 +49,7 @@ class BlockPool:
         enable_caching: bool = True,
         event_sink: EventSink | None = None,
         clock: Callable[[], float] = time.monotonic,
+        stats_sink: StatsSink | None = None,
     ):
         if num_pages < 1:
             raise InvalidArgumentError(f"num_pages must be >= 1, got {num_pages}")
@@ -51,18 +62,14 @@ class BlockPool:
         self.free_queue = FreePageQueue(self.pages)
         self.cached: dict[BlockHash, Page] = {}
         self.event_sink = event_sink
-        self.num_evictions = 0
+        self.stats_sink = stats_sink
         # retention: free cached pages kept ahead of the LRU until a deadline (soft)
         self.retained = RetainedPages()
         self.clock = clock
-        self.num_retained_evicted = 0  # retained pages reused before their deadline (pressure)
-        self.num_retention_expiries = 0
-        self.num_retention_reclaimed = 0  # retentions ended early to give a tenant its share
         # waiting requests' prefixes: block hash -> how many waiting requests hold it. A free page
         # under a held hash sits in ``protected``: a queued request keeps its hit while it waits
         self._held: dict[BlockHash, int] = {}
         self.protected = FreePageQueue()
-        self.num_protected_evicted = 0  # protected pages reused anyway (nothing else was free)
         # called with (page id, its block) when a cached page is evicted for reuse, before its
         # K/V is overwritten (the second tier copies it out: gateway/engine/kv_tier.py)
         self.evict_sink: Callable[[int, HashedBlock], None] | None = None
@@ -98,8 +105,7 @@ class BlockPool:
 
     def _expire(self) -> None:
         for page in self.retained.pop_expired(self.clock()):
-            _clear_retention(page)
-            self.num_retention_expiries += 1
+            self._end_retention(page, RetentionEnd.EXPIRED)
             self.free_queue.append(page)  # back to the ordinary LRU, most recent end
 
     def _enqueue_free(self, page: Page, newly_held: bool = False) -> None:
@@ -148,21 +154,25 @@ class BlockPool:
             self._expire()
         out = []
         for _ in range(count):
-            if self.free_queue:
-                page = self.free_queue.popleft()
-            elif self.retained:  # only retained or protected pages left: earliest deadline first
-                page = self.retained.pop_earliest()
-                _clear_retention(page)
-                self.num_retained_evicted += 1
-            else:  # NOTE: protection is soft: a waiting request's hit goes last, but it goes
-                page = self.protected.popleft()
-                page.protected = False
-                self.num_protected_evicted += 1
+            page, source = self._take_free()
             if page.block_hash is not None:
-                self._evict(page)
+                self._evict(page, source)
             page.ref_count = 1
             out.append(page)
         return out
+
+    def _take_free(self) -> tuple[Page, FreeList]:
+        """The next free page in taking order (the module doc), out of its queue."""
+        if self.free_queue:
+            return self.free_queue.popleft(), FreeList.LRU
+        if self.retained:  # only retained or protected pages left: earliest deadline first
+            page = self.retained.pop_earliest()
+            _clear_retention(page)
+            return page, FreeList.RETAINED
+        # NOTE: protection is soft: a waiting request's hit goes last, but it goes
+        page = self.protected.popleft()
+        page.protected = False
+        return page, FreeList.PROTECTED
 
     def lookup(self, block: HashedBlock) -> Page | None:
         """The cached page holding exactly ``block``, or None.
@@ -223,11 +233,11 @@ class BlockPool:
         the ordinary LRU, at its most recent end. False if it was not retained."""
         if page.retain_until <= 0:
             return False
-        _clear_retention(page)
-        if page.ref_count == 0 and not page.protected:
+        in_retained = page.ref_count == 0 and not page.protected
+        self._end_retention(page, RetentionEnd.RECLAIMED)
+        if in_retained:
             self.retained.remove(page)
             self.free_queue.append(page)
-        self.num_retention_reclaimed += 1
         return True
 
     def hold(self, hashes: Iterable[BlockHash]) -> None:
@@ -318,8 +328,14 @@ class BlockPool:
         """Every hittable hash (for a full resync of an external index)."""
         return list(self.cached)
 
-    def _evict(self, page: Page) -> None:
-        self.num_evictions += 1
+    def _end_retention(self, page: Page, reason: RetentionEnd) -> None:
+        _clear_retention(page)
+        if self.stats_sink is not None:
+            self.stats_sink(RetentionEnded(page.page_id, reason))
+
+    def _evict(self, page: Page, source: FreeList) -> None:
+        if self.stats_sink is not None:
+            self.stats_sink(PageEvicted(page.page_id, source))
         if self.evict_sink is not None:  # the second tier: spill the page before its reuse
             assert page.block_hash is not None and page.parent_hash is not None
             self.evict_sink(page.page_id, HashedBlock(page.block_hash, page.parent_hash,

@@ -93,6 +93,20 @@ class BlockHasher:
     def hash_block(self, parent: BlockHash, token_bytes: bytes, extra_keys: bytes = b"") -> BlockHash:
         return self._hash(parent + token_bytes + extra_keys)
 
+    def extend(self, chain: list[HashedBlock], token_ids: Sequence[int],
+               extra_keys: bytes = b"") -> list[HashedBlock]:
+        """Append to ``chain`` the hashes of ``token_ids``' full blocks it does not hold yet.
+
+        NOTE: the one place a sequence's chain grows (``KVCacheManager.block_hashes`` calls
+        it): ``chain`` must hold the hashes of ``token_ids``' first ``len(chain)`` blocks.
+        Returns:
+            ``chain`` itself, extended in place.
+        """
+        if len(token_ids) // self.page_size > len(chain):
+            parent = chain[-1].block_hash if chain else None
+            chain += self.hash_blocks(token_ids, extra_keys, start_block=len(chain), parent=parent)
+        return chain
+
     def hash_blocks(
         self,
         token_ids: Sequence[int],

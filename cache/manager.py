@@ -2,13 +2,16 @@
 
 The scheduler drives it once per step, per sequence:
 
-    allocate(seq, prompt)            prefix hit: leading pages shared, num_computed = hit
-    prepare_write(seq, n)            pages for the next n positions exist and are private
+    allocate(seq)                    prefix hit: leading pages shared, num_computed = hit
+    prepare_write(seq_id, n)         pages for the next n positions exist and are private
                                      (returns copy-on-write (src, dst) pairs for the runner)
     ... the runner writes K/V of those n tokens ...
-    commit_computed(seq, n)          full blocks become hittable (BlockStored events)
-    append_tokens(seq, [sampled])    the next decode position now has a token
-    free(seq)                        every page released, tail first
+    commit_computed(seq_id, n)       full blocks become hittable (BlockStored events)
+    ... the engine appends the sampled token to seq.token_ids ...
+    free(seq_id)                     every page released, tail first
+
+``seq`` is the engine's sequence record, read through ``cache.sequence.CacheSequence``: it owns
+the token ids and the block-hash chain; the manager keeps the block table.
 """
 
 from __future__ import annotations
@@ -24,14 +27,13 @@ from prefixgate.cache.errors import (
     OutOfPagesError,
     UnknownSequenceError,
 )
-from prefixgate.cache.events import EventSink
+from prefixgate.cache.events import EventSink, PageCopied, PrefixQueried
 from prefixgate.cache.hashing import BlockHash, BlockHasher, HashedBlock, HashFn
 from prefixgate.cache.page import Page
 from prefixgate.cache.retention import TenantShareRetention
-from prefixgate.cache.sequence import SequenceBlocks
-from prefixgate.cache.stats import CacheStats, HitCounter, HitStats, SharedPrefix
+from prefixgate.cache.sequence import CacheSequence, SequenceBlocks
+from prefixgate.cache.stats import CacheStats, CacheStatsCollector, fragmentation, top_prefixes
 
-OTHER_LABEL = "other"  # per-agent counters beyond max_tracked_agents are folded into this one
 
 class PrefixMatch(NamedTuple):
     """Result of a prefix lookup (no side effects)."""
@@ -74,7 +76,10 @@ class KVCacheManager:
     ):
         if not 0 <= watermark < 1:
             raise InvalidArgumentError(f"watermark must be in [0, 1), got {watermark}")
-        self.pool = BlockPool(num_pages, page_size, enable_caching=enable_caching, event_sink=event_sink)
+        # counters live in the collector, fed by the manager's and the pool's events
+        self.collector = CacheStatsCollector(max_tracked_agents)
+        self.pool = BlockPool(num_pages, page_size, enable_caching=enable_caching,
+                              event_sink=event_sink, stats_sink=self.collector.record)
         self.page_size = page_size
         self.num_pages = num_pages
         self.enable_caching = enable_caching
@@ -83,13 +88,6 @@ class KVCacheManager:
         self._seqs: dict[Hashable, SequenceBlocks] = {}
         # In-flight prefix dedup: hash of a block some live sequence will compute -> that sequence.
         self._pending: dict[bytes, Hashable] = {}
-        self._max_tracked_agents = max_tracked_agents
-        self._total = HitCounter()
-        self._per_tenant: dict[str, HitCounter] = {}
-        # Keyed by (tenant, agent): a tenant's view lists only its own agents; the admin's
-        # per-agent view sums a label over tenants.
-        self._per_agent: dict[tuple[str, str], HitCounter] = {}
-        self.num_cow_copies = 0
         self._evicted: list[tuple[int, HashedBlock]] = []  # see capture_evictions()
         self._evicted_hashes: set[BlockHash] = set()  # the same blocks, by hash
         self._unwritten: set[int] = set()  # installed from the tier, load not written yet
@@ -150,74 +148,72 @@ class KVCacheManager:
         return list(self._get(seq_id, "block_table").block_table)
 
     def num_computed_tokens(self, seq_id: Hashable) -> int:
-        return self._get(seq_id, "num_computed_tokens").num_computed
+        return self._get(seq_id, "num_computed_tokens").seq.num_computed
 
     def num_tokens(self, seq_id: Hashable) -> int:
-        return len(self._get(seq_id, "num_tokens").token_ids)
+        return len(self._get(seq_id, "num_tokens").seq.token_ids)
+
+    def sequence(self, seq_id: Hashable) -> CacheSequence:
+        """The record of live sequence ``seq_id`` (as given to :meth:`allocate` / :meth:`fork`)."""
+        return self._get(seq_id, "sequence").seq
+
+    def block_hashes(self, seq: CacheSequence) -> list[HashedBlock]:
+        """``seq``'s chain of full-block hashes, extended to its current tokens.
+
+        NOTE: the one place a sequence's chain grows, and lazily: a request deferred by dedup
+        or by the watermark is looked up again every step, and a decode adds a block only every
+        ``page_size`` tokens; hashing once per block keeps both cheap.
+
+        Args:
+            seq: any sequence record, live here or not (a waiting request's).
+        Returns:
+            ``seq.block_hashes`` itself, extended in place.
+        """
+        return self.hasher.extend(seq.block_hashes, seq.token_ids, seq.extra_keys)
 
     def ref_count(self, page_id: int) -> int:
         return self.pool.pages[page_id].ref_count
 
     # ------------------------------------------------------------------ mutations
 
-    def allocate(
-        self,
-        seq_id: Hashable,
-        token_ids: Sequence[int],
-        *,
-        extra_keys: bytes = b"",
-        tenant: str = "default",
-        agent: str | None = None,
-        count_query: bool = True,
-        blocks: list[HashedBlock] | None = None,
-    ) -> Allocation:
-        """Start a sequence: share the longest verified cached prefix of ``token_ids``.
+    def allocate(self, seq: CacheSequence, *, count_query: bool = True) -> Allocation:
+        """Start a sequence: share the longest verified cached prefix of ``seq.token_ids``.
 
         No page is allocated for the uncached part yet; :meth:`prepare_write` does that as
         chunks are scheduled (memory follows what is actually computed).
 
         Args:
-            seq_id: new, unique id.
-            token_ids: the prompt (or prompt + generated tokens when resuming a preempted one).
-            extra_keys: from ``cache.hashing.make_extra_keys`` (model, tenant salt, cache_salt).
-            tenant, agent: stats labels.
+            seq: the record (new, unique ``seq_id``); its tokens are the prompt (or prompt +
+                generated tokens when resuming a preempted one). Its chain is extended here;
+                ``seq.num_computed`` becomes the hit.
             count_query: False when re-admitting a preempted sequence (already counted).
-            blocks: the prompt's hash chain if the caller already computed it (copied here).
         Returns:
             Allocation(num_cached_tokens, block_table).
         """
+        seq_id, token_ids = seq.seq_id, seq.token_ids
         if seq_id in self._seqs:
             raise DuplicateSequenceError(f"allocate: sequence id {seq_id!r} is already live")
         if not token_ids:
             raise InvalidArgumentError(f"allocate({seq_id!r}): empty prompt")
-        blocks = list(blocks) if blocks is not None else self.hasher.hash_blocks(token_ids, extra_keys)
-        if len(blocks) != len(token_ids) // self.page_size:
-            raise InvalidArgumentError(f"allocate({seq_id!r}): {len(blocks)} block hashes for "
-                                       f"{len(token_ids)} tokens")
+        if len(seq.block_hashes) > len(token_ids) // self.page_size:
+            raise InvalidArgumentError(f"allocate({seq_id!r}): {len(seq.block_hashes)} block "
+                                       f"hashes for {len(token_ids)} tokens")
+        blocks = self.block_hashes(seq)
         match = self._match(blocks, len(token_ids)) if self.enable_caching else PrefixMatch(0, (), 0, 0)
         pages = [self.pool.pages[i] for i in match.page_ids]
         # counted before touch() takes the pages out of the retained set
         retention_hit = self._retention_hit_tokens(pages, match.num_cached_tokens) if count_query else 0
         self.pool.touch(pages)
-        seq = SequenceBlocks(
-            seq_id=seq_id,
-            token_ids=list(token_ids),
-            extra_keys=extra_keys,
-            tenant=tenant,
-            agent=agent,
-            block_table=[p.page_id for p in pages],
-            hashed=blocks,
-            num_computed=match.num_cached_tokens,
-            num_registered=match.num_cached_tokens // self.page_size,
-            num_cached_tokens=match.num_cached_tokens,
-        )
-        self._seqs[seq_id] = seq
+        entry = SequenceBlocks(seq, [p.page_id for p in pages], match.num_cached_tokens // self.page_size)
+        seq.num_computed = match.num_cached_tokens
+        self._seqs[seq_id] = entry
         if self.enable_caching:
             for block in blocks[len(pages) :]:
                 self._pending.setdefault(block.block_hash, seq_id)
         if count_query:
-            self._record_query(tenant, agent, len(token_ids), match.num_cached_tokens, retention_hit)
-        return Allocation(match.num_cached_tokens, tuple(seq.block_table))
+            self.collector.record(PrefixQueried(seq.tenant, seq.agent, len(token_ids),
+                                                match.num_cached_tokens, retention_hit))
+        return Allocation(match.num_cached_tokens, tuple(entry.block_table))
 
     def _retention_hit_tokens(self, pages: list[Page], num_cached_tokens: int) -> int:
         """Hit tokens on pages that were free and under an unexpired retention (a returning
@@ -229,19 +225,6 @@ class KVCacheManager:
             if page.ref_count == 0 and page.retain_until > now:
                 hit += max(0, min(self.page_size, num_cached_tokens - index * self.page_size))
         return hit
-
-    def append_tokens(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
-        """Extend the sequence's known tokens (sampled ones); their K/V is not computed yet."""
-        seq = self._get(seq_id, "append_tokens")
-        seq.token_ids.extend(token_ids)
-        full = len(seq.token_ids) // self.page_size
-        if full > len(seq.hashed):
-            parent = seq.hashed[-1].block_hash if seq.hashed else None
-            seq.hashed.extend(
-                self.hasher.hash_blocks(
-                    seq.token_ids, seq.extra_keys, start_block=len(seq.hashed), parent=parent
-                )
-            )
 
     def prepare_write(self, seq_id: Hashable, num_new_tokens: int,
                       num_lookahead: int = 0) -> list[tuple[int, int]]:
@@ -261,7 +244,8 @@ class KVCacheManager:
         Raises:
             OutOfPagesError: not enough free pages (nothing changed).
         """
-        seq = self._get(seq_id, "prepare_write")
+        entry = self._get(seq_id, "prepare_write")
+        seq = entry.seq
         if num_new_tokens < 1:
             raise InvalidArgumentError(f"prepare_write({seq_id!r}): num_new_tokens must be >= 1")
         if seq.num_computed + num_new_tokens > len(seq.token_ids):
@@ -271,68 +255,72 @@ class KVCacheManager:
             )
         if num_lookahead < 0:
             raise InvalidArgumentError(f"prepare_write({seq_id!r}): num_lookahead must be >= 0")
-        cow_blocks, num_new_pages = self._plan_write(seq, num_new_tokens + num_lookahead)
+        cow_blocks, num_new_pages = self._plan_write(entry, num_new_tokens + num_lookahead)
         needed = len(cow_blocks) + num_new_pages
         if needed > self.pool.num_free_pages:
             raise OutOfPagesError(needed, self.pool.num_free_pages)
         pairs: list[tuple[int, int]] = []
         for block_index in cow_blocks:
-            old = self.pool.pages[seq.block_table[block_index]]
+            old = self.pool.pages[entry.block_table[block_index]]
             (new,) = self.pool.allocate(1)
-            seq.block_table[block_index] = new.page_id
+            entry.block_table[block_index] = new.page_id
             self.pool.release((old,))
             pairs.append((old.page_id, new.page_id))
-            self.num_cow_copies += 1
+            self.collector.record(PageCopied(old.page_id, new.page_id))
         for page in self.pool.allocate(num_new_pages):
-            seq.block_table.append(page.page_id)
+            entry.block_table.append(page.page_id)
         return pairs
 
     def commit_computed(self, seq_id: Hashable, num_new_tokens: int) -> None:
-        """Record that the K/V of the next ``n`` positions is written; full blocks get cached."""
-        seq = self._get(seq_id, "commit_computed")
+        """Record that the K/V of the next ``n`` positions is written (``seq.num_computed``
+        advances by ``n``); full blocks get cached."""
+        entry = self._get(seq_id, "commit_computed")
+        seq = entry.seq
         end = seq.num_computed + num_new_tokens
-        if num_new_tokens < 1 or end > len(seq.block_table) * self.page_size or end > len(seq.token_ids):
+        if num_new_tokens < 1 or end > len(entry.block_table) * self.page_size or end > len(seq.token_ids):
             raise InvalidArgumentError(
                 f"commit_computed({seq_id!r}, {num_new_tokens}): positions up to {end} are not "
-                f"prepared ({len(seq.block_table)} pages, {len(seq.token_ids)} tokens)"
+                f"prepared ({len(entry.block_table)} pages, {len(seq.token_ids)} tokens)"
             )
         seq.num_computed = end
-        for block_index in range(seq.num_registered, end // self.page_size):
-            block = seq.hashed[block_index]
-            self.pool.register(self.pool.pages[seq.block_table[block_index]], block)
-            if self._pending.get(block.block_hash) == seq_id:
-                del self._pending[block.block_hash]
-        seq.num_registered = max(seq.num_registered, end // self.page_size)
+        full = end // self.page_size
+        if full > entry.num_registered:
+            hashes = self.block_hashes(seq)
+            for block_index in range(entry.num_registered, full):
+                block = hashes[block_index]
+                self.pool.register(self.pool.pages[entry.block_table[block_index]], block)
+                if self._pending.get(block.block_hash) == seq_id:
+                    del self._pending[block.block_hash]
+            entry.num_registered = full
 
-    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
-        """Create ``child_id`` sharing every page of ``parent_id`` (partial tail included).
+    def fork(self, parent_id: Hashable, child: CacheSequence) -> None:
+        """Start ``child`` sharing every page of ``parent_id`` (partial tail included).
 
         The first write into a shared page by either side copies it (see prepare_write).
+
+        Args:
+            parent_id: a live sequence.
+            child: a new record holding the parent's tokens and extra keys; it gets the
+                parent's hash chain and computed count.
         """
         parent = self._get(parent_id, "fork")
-        if child_id in self._seqs:
-            raise DuplicateSequenceError(f"fork: sequence id {child_id!r} is already live")
+        if child.seq_id in self._seqs:
+            raise DuplicateSequenceError(f"fork: sequence id {child.seq_id!r} is already live")
+        if len(child.token_ids) != len(parent.seq.token_ids) or child.extra_keys != parent.seq.extra_keys:
+            raise InvalidArgumentError(f"fork({parent_id!r}, {child.seq_id!r}): the child must "
+                                       "start with the parent's tokens and extra keys")
         self.pool.touch(self.pool.pages[i] for i in parent.block_table)
-        self._seqs[child_id] = SequenceBlocks(
-            seq_id=child_id,
-            token_ids=list(parent.token_ids),
-            extra_keys=parent.extra_keys,
-            tenant=parent.tenant,
-            agent=parent.agent,
-            block_table=list(parent.block_table),
-            hashed=list(parent.hashed),
-            num_computed=parent.num_computed,
-            num_registered=parent.num_registered,
-            num_cached_tokens=parent.num_cached_tokens,
-        )
+        child.block_hashes[:] = parent.seq.block_hashes
+        child.num_computed = parent.seq.num_computed
+        self._seqs[child.seq_id] = SequenceBlocks(child, list(parent.block_table), parent.num_registered)
 
     def free(self, seq_id: Hashable) -> None:
         """Release every page of the sequence, tail first (so tails are evicted before heads)."""
-        seq = self._seqs.pop(seq_id, None)
-        if seq is None:
+        entry = self._seqs.pop(seq_id, None)
+        if entry is None:
             raise UnknownSequenceError(seq_id, "free")
-        self.pool.release(self.pool.pages[i] for i in reversed(seq.block_table))
-        for block in seq.hashed[seq.num_registered :]:
+        self.pool.release(self.pool.pages[i] for i in reversed(entry.block_table))
+        for block in entry.seq.block_hashes[entry.num_registered :]:
             if self._pending.get(block.block_hash) == seq_id:
                 del self._pending[block.block_hash]
 
@@ -498,7 +486,7 @@ class KVCacheManager:
             page = self.pool.pages[page_id]
             if page.block_hash is not None:
                 self.pool.drop_hash(page)
-        return {s.seq_id for s in self._seqs.values() if doomed.intersection(s.block_table)}
+        return {seq_id for seq_id, e in self._seqs.items() if doomed.intersection(e.block_table)}
 
     def install_blocks(self, blocks: Sequence[HashedBlock], max_pages: int,
                        keep: Sequence[int] = ()) -> list[int]:
@@ -540,19 +528,15 @@ class KVCacheManager:
     # ------------------------------------------------------------------ stats
 
     def stats(self, top_k: int = 5) -> CacheStats:
-        """An immutable snapshot of pool state and hit counters."""
+        """An immutable snapshot of pool state (read now) and the collector's counters.
+
+        Args:
+            top_k: shared prefixes kept per tenant (``CacheStats.top_prefixes``).
+        """
         pages = self.pool.pages
         used = sum(1 for p in pages if p.ref_count > 0)
         cached_free = sum(1 for p in pages if p.ref_count == 0 and p.block_hash is not None)
-        filled: dict[int, int] = {}
-        for seq in self._seqs.values():
-            for b, page_id in enumerate(seq.block_table):
-                n = min(self.page_size, max(0, seq.num_computed - b * self.page_size))
-                if n > filled.get(page_id, -1):
-                    filled[page_id] = n
-        allocated = len(filled) * self.page_size
-        fragmentation = (allocated - sum(filled.values())) / allocated if allocated else 0.0
-        retained_per_tenant = self.retention.retained_per_tenant(pages)
+        live = self._seqs.values()
         return CacheStats(
             num_pages=self.num_pages,
             page_size=self.page_size,
@@ -560,22 +544,13 @@ class KVCacheManager:
             pages_cached_free=cached_free,
             pages_free=self.num_pages - used - cached_free,
             pages_pinned=sum(1 for p in pages if p.pinned),
-            fragmentation=fragmentation,
-            evictions=self.pool.num_evictions,
-            cow_copies=self.num_cow_copies,
+            fragmentation=fragmentation(live, self.page_size),
             num_sequences=len(self._seqs),
-            total=self._total.frozen(),
-            per_tenant={k: v.frozen() for k, v in self._per_tenant.items()},
-            per_agent=self._agents_summed(),
-            per_tenant_agent=self._agents_by_tenant(),
-            top_prefixes=self._top_prefixes(top_k),
+            top_prefixes=top_prefixes(live, self.page_size, top_k),
             pages_retained=sum(1 for p in pages if p.retain_until > 0),
-            retained_evicted=self.pool.num_retained_evicted,
-            retention_expiries=self.pool.num_retention_expiries,
-            retention_reclaimed=self.pool.num_retention_reclaimed,
-            retained_per_tenant=retained_per_tenant,
+            retained_per_tenant=self.retention.retained_per_tenant(pages),
             pages_protected=self.pool.num_protected_pages,
-            protected_evicted=self.pool.num_protected_evicted,
+            **self.collector.counters()._asdict(),
         )
 
     # ------------------------------------------------------------------ integrity
@@ -597,15 +572,10 @@ class KVCacheManager:
             if page.retain_until > 0 and page.block_hash is None:
                 raise IntegrityError(f"{page}: retained without a hash")
         refs = [0] * self.num_pages
-        for seq in self._seqs.values():
-            for page_id in seq.block_table:
+        for seq_id, entry in self._seqs.items():
+            for page_id in entry.block_table:
                 refs[page_id] += 1
-            if not seq.num_computed <= len(seq.token_ids):
-                raise IntegrityError(f"{seq.seq_id!r}: computed {seq.num_computed} > tokens {len(seq.token_ids)}")
-            if len(seq.block_table) * self.page_size < seq.num_computed:
-                raise IntegrityError(f"{seq.seq_id!r}: computed tokens beyond its pages")
-            if len(seq.hashed) != len(seq.token_ids) // self.page_size:
-                raise IntegrityError(f"{seq.seq_id!r}: block hashes out of step with tokens")
+            self._check_sequence(seq_id, entry)
         for page in pool.pages:
             expected = refs[page.page_id] + (1 if page.pinned else 0)
             if page.ref_count != expected:
@@ -624,11 +594,31 @@ class KVCacheManager:
         if used + pool.num_free_pages != self.num_pages:
             raise IntegrityError("pages not conserved: used + free != total")
         # Every registered block of a live sequence holds exactly the tokens its chain says.
-        for seq in self._seqs.values():
-            for b in range(seq.num_registered):
-                page = pool.pages[seq.block_table[b]]
-                if page.block_hash is not None and page.block_hash != seq.hashed[b].block_hash:
-                    raise IntegrityError(f"{seq.seq_id!r}: block {b} maps to a page of another hash")
+        for seq_id, entry in self._seqs.items():
+            hashes = entry.seq.block_hashes
+            for b in range(entry.num_registered):
+                page = pool.pages[entry.block_table[b]]
+                if page.block_hash is not None and page.block_hash != hashes[b].block_hash:
+                    raise IntegrityError(f"{seq_id!r}: block {b} maps to a page of another hash")
+
+    def _check_sequence(self, seq_id: Hashable, entry: SequenceBlocks) -> None:
+        """One live sequence's counts, and its chain: linked, and as long as registered."""
+        seq = entry.seq
+        if seq.seq_id != seq_id:
+            raise IntegrityError(f"{seq_id!r}: its record's id is {seq.seq_id!r}")
+        if not seq.num_computed <= len(seq.token_ids):
+            raise IntegrityError(f"{seq_id!r}: computed {seq.num_computed} > tokens {len(seq.token_ids)}")
+        if len(entry.block_table) * self.page_size < seq.num_computed:
+            raise IntegrityError(f"{seq_id!r}: computed tokens beyond its pages")
+        chain = seq.block_hashes
+        if not entry.num_registered <= len(chain) <= len(seq.token_ids) // self.page_size:
+            raise IntegrityError(f"{seq_id!r}: {len(chain)} block hashes for {len(seq.token_ids)} "
+                                 f"tokens and {entry.num_registered} registered blocks")
+        parent = self.hasher.root
+        for b, block in enumerate(chain):
+            if block.parent_hash != parent:
+                raise IntegrityError(f"{seq_id!r}: block hash {b} does not chain to block {b - 1}")
+            parent = block.block_hash
 
     def _check_holds(self) -> None:
         """Protected pages = free pages whose hash some waiting request holds."""
@@ -648,10 +638,10 @@ class KVCacheManager:
     # ------------------------------------------------------------------ internals
 
     def _get(self, seq_id: Hashable, operation: str) -> SequenceBlocks:
-        seq = self._seqs.get(seq_id)
-        if seq is None:
+        entry = self._seqs.get(seq_id)
+        if entry is None:
             raise UnknownSequenceError(seq_id, operation)
-        return seq
+        return entry
 
     def _match(self, blocks: list[HashedBlock], num_tokens: int) -> PrefixMatch:
         pages: list[Page] = []
@@ -673,17 +663,17 @@ class KVCacheManager:
             num_free_hit_pages=sum(1 for p in pages if p.ref_count == 0),
         )
 
-    def _plan_write(self, seq: SequenceBlocks, num_new_tokens: int) -> tuple[list[int], int]:
+    def _plan_write(self, entry: SequenceBlocks, num_new_tokens: int) -> tuple[list[int], int]:
         """(blocks that need a copy-on-write, number of fresh pages) for the next n positions."""
-        ps = self.page_size
-        first = seq.num_computed // ps
-        last = (seq.num_computed + num_new_tokens - 1) // ps
+        ps, table = self.page_size, entry.block_table
+        first = entry.seq.num_computed // ps
+        last = (entry.seq.num_computed + num_new_tokens - 1) // ps
         cow = []
-        for b in range(first, min(last + 1, len(seq.block_table))):
-            page = self.pool.pages[seq.block_table[b]]
+        for b in range(first, min(last + 1, len(table))):
+            page = self.pool.pages[table[b]]
             if page.ref_count > 1 or page.block_hash is not None:
                 cow.append(b)
-        return cow, max(0, last + 1 - len(seq.block_table))
+        return cow, max(0, last + 1 - len(table))
 
     def _cached_prefix_pages(self, token_ids: Sequence[int], extra_keys: bytes) -> list[Page]:
         pages = []
@@ -693,59 +683,3 @@ class KVCacheManager:
                 break
             pages.append(page)
         return pages
-
-    def _record_query(self, tenant: str, agent: str | None, query: int, hit: int,
-                      retention_hit: int = 0) -> None:
-        self._total.record(query, hit, retention_hit)
-        self._per_tenant.setdefault(tenant, HitCounter()).record(query, hit, retention_hit)
-        if agent is not None:
-            key = (tenant, agent)
-            if key not in self._per_agent and len(self._per_agent) >= self._max_tracked_agents:
-                key = (tenant, OTHER_LABEL)  # the cap bounds memory; the fold stays per tenant
-            self._per_agent.setdefault(key, HitCounter()).record(query, hit, retention_hit)
-
-    def _agents_summed(self) -> dict[str, HitStats]:
-        summed: dict[str, HitCounter] = {}
-        for (_, agent), counter in self._per_agent.items():
-            summed.setdefault(agent, HitCounter()).add(counter)
-        return {agent: counter.frozen() for agent, counter in summed.items()}
-
-    def _agents_by_tenant(self) -> dict[str, dict[str, HitStats]]:
-        by_tenant: dict[str, dict[str, HitStats]] = {}
-        for (tenant, agent), counter in self._per_agent.items():
-            by_tenant.setdefault(tenant, {})[agent] = counter.frozen()
-        return by_tenant
-
-    def _top_prefixes(self, top_k: int) -> tuple[SharedPrefix, ...]:
-        """The ``top_k`` busiest shared prefixes of EACH tenant, busiest first overall."""
-        # NOTE: grouped by tenant too, so a group never mixes tenants even if a hash collided
-        # across salts; a tenant's view then filters by SharedPrefix.tenant alone.
-        groups: dict[tuple[str, int], list[SequenceBlocks]] = {}
-        for seq in self._seqs.values():
-            if seq.num_registered and seq.block_table:
-                groups.setdefault((seq.tenant, seq.block_table[0]), []).append(seq)
-        found = []
-        for (tenant, _), members in groups.items():
-            if len(members) < 2:
-                continue
-            length = min(m.num_registered for m in members)
-            head = members[0].block_table
-            shared = 0
-            while shared < length and all(m.block_table[shared] == head[shared] for m in members):
-                shared += 1
-            found.append(
-                SharedPrefix(
-                    token_ids=tuple(members[0].token_ids[: min(32, shared * self.page_size)]),
-                    num_tokens=shared * self.page_size,
-                    num_sharers=len(members),
-                    tenant=tenant,
-                )
-            )
-        found.sort(key=lambda s: (s.num_sharers * s.num_tokens, s.num_sharers), reverse=True)
-        per_tenant: dict[str, int] = {}
-        kept = []
-        for prefix in found:
-            if per_tenant.get(prefix.tenant, 0) < top_k:
-                per_tenant[prefix.tenant] = per_tenant.get(prefix.tenant, 0) + 1
-                kept.append(prefix)
-        return tuple(kept)

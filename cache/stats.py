@@ -1,4 +1,5 @@
-"""Cache statistics: mutable counters inside the manager, immutable snapshots outside.
+"""Cache statistics: counters fed by events (:class:`CacheStatsCollector`), immutable snapshots
+outside, and the snapshot's views of live sequences (shared prefixes, fragmentation).
 
 Queries and hits are counted in TOKENS (vLLM's convention): a request with a 1,000-token prompt
 adds 1,000 to ``query_tokens`` and the number of prompt tokens served from cached pages to
@@ -13,8 +14,22 @@ pressure the LRU would have kept some of those pages anyway.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
+
+from prefixgate.cache.events import (
+    FreeList,
+    PageCopied,
+    PageEvicted,
+    PrefixQueried,
+    RetentionEnd,
+    RetentionEnded,
+    StatsEvent,
+)
+from prefixgate.cache.sequence import SequenceBlocks
+
+OTHER_LABEL = "other"  # per-agent counters beyond max_tracked_agents are folded into this one
 
 
 @dataclass(slots=True)
@@ -157,3 +172,139 @@ class CacheStats:
             retained_per_tenant={tenant: self.retained_per_tenant[tenant]}
             if tenant in self.retained_per_tenant else {},
         )
+
+
+class Counters(NamedTuple):
+    """The event-fed counters of a :class:`CacheStats` snapshot (field names as there)."""
+
+    evictions: int
+    cow_copies: int
+    total: HitStats
+    per_tenant: dict[str, HitStats]
+    per_agent: dict[str, HitStats]
+    per_tenant_agent: dict[str, dict[str, HitStats]]
+    retained_evicted: int
+    retention_expiries: int
+    retention_reclaimed: int
+    protected_evicted: int
+
+
+class CacheStatsCollector:
+    """Counts what the manager and the pool report (``cache.events.StatsEvent``).
+
+    Args:
+        max_tracked_agents: distinct (tenant, agent) labels kept before folding into the
+            tenant's "other" (the cap bounds memory; the fold stays per tenant).
+    """
+
+    def __init__(self, max_tracked_agents: int = 1024) -> None:
+        self.max_tracked_agents = max_tracked_agents
+        self.total = HitCounter()
+        self.per_tenant: dict[str, HitCounter] = {}
+        # Keyed by (tenant, agent): a tenant's view lists only its own agents; the admin's
+        # per-agent view sums a label over tenants.
+        self.per_agent: dict[tuple[str, str], HitCounter] = {}
+        self.cow_copies = 0
+        self.evicted: dict[FreeList, int] = dict.fromkeys(FreeList, 0)
+        self.retentions_ended: dict[RetentionEnd, int] = dict.fromkeys(RetentionEnd, 0)
+
+    def record(self, event: StatsEvent) -> None:
+        """Count one event (the manager's and the pool's stats sink)."""
+        if isinstance(event, PageEvicted):
+            self.evicted[event.source] += 1
+        elif isinstance(event, PrefixQueried):
+            self._record_query(event)
+        elif isinstance(event, PageCopied):
+            self.cow_copies += 1
+        elif isinstance(event, RetentionEnded):
+            self.retentions_ended[event.reason] += 1
+        else:
+            raise TypeError(f"not a stats event: {event!r}")
+
+    def _record_query(self, event: PrefixQueried) -> None:
+        query, hit, retained = event.query_tokens, event.hit_tokens, event.retention_hit_tokens
+        self.total.record(query, hit, retained)
+        self.per_tenant.setdefault(event.tenant, HitCounter()).record(query, hit, retained)
+        if event.agent is not None:
+            key = (event.tenant, event.agent)
+            if key not in self.per_agent and len(self.per_agent) >= self.max_tracked_agents:
+                key = (event.tenant, OTHER_LABEL)
+            self.per_agent.setdefault(key, HitCounter()).record(query, hit, retained)
+
+    def counters(self) -> Counters:
+        """Every counter, frozen."""
+        return Counters(
+            evictions=sum(self.evicted.values()),
+            cow_copies=self.cow_copies,
+            total=self.total.frozen(),
+            per_tenant={k: v.frozen() for k, v in self.per_tenant.items()},
+            per_agent=self._agents_summed(),
+            per_tenant_agent=self._agents_by_tenant(),
+            retained_evicted=self.evicted[FreeList.RETAINED],
+            retention_expiries=self.retentions_ended[RetentionEnd.EXPIRED],
+            retention_reclaimed=self.retentions_ended[RetentionEnd.RECLAIMED],
+            protected_evicted=self.evicted[FreeList.PROTECTED],
+        )
+
+    def _agents_summed(self) -> dict[str, HitStats]:
+        summed: dict[str, HitCounter] = {}
+        for (_, agent), counter in self.per_agent.items():
+            summed.setdefault(agent, HitCounter()).add(counter)
+        return {agent: counter.frozen() for agent, counter in summed.items()}
+
+    def _agents_by_tenant(self) -> dict[str, dict[str, HitStats]]:
+        by_tenant: dict[str, dict[str, HitStats]] = {}
+        for (tenant, agent), counter in self.per_agent.items():
+            by_tenant.setdefault(tenant, {})[agent] = counter.frozen()
+        return by_tenant
+
+
+def fragmentation(sequences: Iterable[SequenceBlocks], page_size: int) -> float:
+    """Allocated-but-unused slots / allocated slots over the live sequences' pages (a shared
+    page counts once, as full as its fullest holder)."""
+    filled: dict[int, int] = {}
+    for entry in sequences:
+        computed = entry.seq.num_computed
+        for b, page_id in enumerate(entry.block_table):
+            n = min(page_size, max(0, computed - b * page_size))
+            if n > filled.get(page_id, -1):
+                filled[page_id] = n
+    allocated = len(filled) * page_size
+    return (allocated - sum(filled.values())) / allocated if allocated else 0.0
+
+
+def top_prefixes(sequences: Iterable[SequenceBlocks], page_size: int,
+                 top_k: int) -> tuple[SharedPrefix, ...]:
+    """The ``top_k`` busiest prefixes of EACH tenant that live sequences share right now,
+    busiest first overall."""
+    # NOTE: grouped by tenant too, so a group never mixes tenants even if a hash collided
+    # across salts; a tenant's view then filters by SharedPrefix.tenant alone.
+    groups: dict[tuple[str, int], list[SequenceBlocks]] = {}
+    for entry in sequences:
+        if entry.num_registered and entry.block_table:
+            groups.setdefault((entry.seq.tenant, entry.block_table[0]), []).append(entry)
+    found = [_shared_prefix(tenant, members, page_size)
+             for (tenant, _), members in groups.items() if len(members) >= 2]
+    found.sort(key=lambda s: (s.num_sharers * s.num_tokens, s.num_sharers), reverse=True)
+    per_tenant: dict[str, int] = {}
+    kept = []
+    for prefix in found:
+        if per_tenant.get(prefix.tenant, 0) < top_k:
+            per_tenant[prefix.tenant] = per_tenant.get(prefix.tenant, 0) + 1
+            kept.append(prefix)
+    return tuple(kept)
+
+
+def _shared_prefix(tenant: str, members: list[SequenceBlocks], page_size: int) -> SharedPrefix:
+    """The leading registered pages every member's block table holds."""
+    length = min(m.num_registered for m in members)
+    head = members[0].block_table
+    shared = 0
+    while shared < length and all(m.block_table[shared] == head[shared] for m in members):
+        shared += 1
+    return SharedPrefix(
+        token_ids=tuple(members[0].seq.token_ids[: min(32, shared * page_size)]),
+        num_tokens=shared * page_size,
+        num_sharers=len(members),
+        tenant=tenant,
+    )

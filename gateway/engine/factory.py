@@ -11,7 +11,7 @@ from prefixgate.gateway.engine.config import EngineConfig
 from prefixgate.gateway.engine.llm_engine import LLMEngine
 from prefixgate.gateway.engine.loader import LoadedModel, load_model
 from prefixgate.gateway.engine.model_config import parse_rope_override, with_rope_override
-from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
+from prefixgate.gateway.engine.runner import ModelRunner
 
 
 def create_llm_engine(
@@ -29,12 +29,28 @@ def create_llm_engine(
         native_cpu_kernels, huge_pages (CPU: whether the KV pool and weights sit in huge
         pages, kernels/cpu/host_memory.py; None on GPU), num_pages.
     """
+    loaded = _load(config, loaded, progress)
+    runner = _build_runner(config, loaded)
+    loaded.tokenizer.parse_special_tokens = config.parse_special_tokens
+    if tier_store is None:
+        tier_store = _build_tier_store(config, runner)
+    engine = LLMEngine(runner, loaded.tokenizer, config, model_id=loaded.name,
+                       event_sink=event_sink, tier_store=tier_store)
+    return engine, _engine_info(config, loaded, runner)
+
+
+def _load(config: EngineConfig, loaded: LoadedModel | None, progress: bool | None) -> LoadedModel:
+    """The model's weights and tokenizer, with the configured RoPE override applied."""
     if loaded is None:
         loaded = load_model(config.model, progress=progress)
     if config.rope_scaling is not None:
         stretched = with_rope_override(loaded.config, *parse_rope_override(config.rope_scaling))
         loaded = dataclasses.replace(loaded, config=stretched)
-    runner = ModelRunner.from_loaded(
+    return loaded
+
+
+def _build_runner(config: EngineConfig, loaded: LoadedModel) -> ModelRunner:
+    return ModelRunner.from_loaded(
         loaded,
         num_pages=config.num_pages,
         kv_memory_gb=config.kv_memory_gb,
@@ -47,23 +63,21 @@ def create_llm_engine(
         native_kernels=config.native_kernels,
         quantized_weights=config.quantized_weights,
     )
-    loaded.tokenizer.parse_special_tokens = config.parse_special_tokens
-    if tier_store is None and config.kv_tier == "host":
+
+
+def _build_tier_store(config: EngineConfig, runner: ModelRunner) -> TierStore | None:
+    """The configured second tier when the caller gave none (the server passes Redis's)."""
+    if config.kv_tier == "host":
         page_bytes = runner.kv_pool[:, :, 0].numel() * runner.kv_pool.element_size()
-        tier_store = HostTier(int(config.kv_tier_size_gb * (1 << 30)), entry_slot_bytes(page_bytes),
-                              path=config.kv_tier_path)
-    elif tier_store is None and config.kv_tier == "redis":
+        return HostTier(int(config.kv_tier_size_gb * (1 << 30)), entry_slot_bytes(page_bytes),
+                        path=config.kv_tier_path)
+    if config.kv_tier == "redis":
         raise ValueError("kv_tier redis needs the server's Redis store (--redis-url)")
-    engine = LLMEngine(
-        runner,
-        loaded.tokenizer,
-        config,
-        model_id=loaded.name,
-        chunk_factory=SeqChunk,
-        event_sink=event_sink,
-        tier_store=tier_store,
-    )
-    info = {
+    return None
+
+
+def _engine_info(config: EngineConfig, loaded: LoadedModel, runner: ModelRunner) -> dict[str, Any]:
+    return {
         "model_name": config.served_model_name or default_served_name(loaded),
         "model_id": loaded.name,
         "device": str(runner.device),
@@ -74,7 +88,6 @@ def create_llm_engine(
         "huge_pages": runner.huge_pages,
         "num_pages": runner.num_pages,
     }
-    return engine, info
 
 
 def default_served_name(loaded: LoadedModel) -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -118,8 +117,6 @@ class LLMEngine:
         tokenizer: encode/decode + ``incremental_decoder()`` + ``eos_token_ids``.
         config: EngineConfig (page size, budgets, watermark, caching on/off, hash seed).
         model_id: enters the block hash (a cache never serves another model's KV).
-        chunk_factory: builds the runner's chunk record from (token_ids, start_pos,
-            block_table, need_logits); defaults to gateway.engine.runner.SeqChunk.
         event_sink: BlockStored / BlockRemoved (the Redis index mirror).
     """
 
@@ -138,7 +135,6 @@ class LLMEngine:
         config: EngineConfig,
         *,
         model_id: str = "",
-        chunk_factory: Callable[..., Any] | None = None,
         event_sink: EventSink | None = None,
         tier_store: TierStore | None = None,
     ):
@@ -161,11 +157,6 @@ class LLMEngine:
         if self.tier is not None:
             self.cache.capture_evictions()
         self.scheduler = self._build_scheduler()
-        if chunk_factory is None:
-            from prefixgate.gateway.engine.runner import SeqChunk
-
-            chunk_factory = SeqChunk
-        self._make_chunk = chunk_factory
         self._requests: dict[str, RequestState] = {}
         self.eos_token_ids = frozenset(getattr(tokenizer, "eos_token_ids", ()))
         self.counters = StepCounters()
@@ -388,12 +379,12 @@ class LLMEngine:
         """The forward, with fault isolation; the culprits' requests are failed here, before
         commit, so that their chunks' K/V never becomes cached."""
         self.counters.num_steps += 1
-        chunks = [self._chunk(c) for c in out.chunks]
         # constrained rows' grammar states are final now: fill their masks during the forward
         masks = StepMasks(out.chunks, self._mask_filler)
         began = time.perf_counter()
         try:
-            logits, culprits = self._execute(chunks, out.copy_pairs)
+            # the scheduler's chunks are the runner's input records (runner.RunnerChunk)
+            logits, culprits = self._execute(list(out.chunks), out.copy_pairs)
             self.counters.time_forward(out.num_tokens, time.perf_counter() - began)
         finally:
             masks.wait()
@@ -401,13 +392,6 @@ class LLMEngine:
             self._fail(out.chunks[i].seq.request_id,
                        isolated_failure("the model step failed on this request"))
         return StepForward(logits, frozenset(out.chunks[i].seq.seq_id for i in culprits), masks)
-
-    def _chunk(self, c: ScheduledChunk) -> Any:
-        """The runner's record of a scheduled chunk (a verify chunk samples at every draft)."""
-        if c.draft_ids:
-            return self._make_chunk(c.token_ids, c.start_pos, c.block_table, c.need_logits,
-                                    num_logits=1 + len(c.draft_ids))
-        return self._make_chunk(c.token_ids, c.start_pos, c.block_table, c.need_logits)
 
     def _execute(self, chunks: list[Any], copy_pairs: tuple[tuple[int, int], ...]
                  ) -> tuple[torch.Tensor, list[int]]:

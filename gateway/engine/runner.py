@@ -1,7 +1,8 @@
 """The model runner: turns one scheduler step (chunks of sequences) into one forward pass.
 
-The scheduler (no torch) hands over :class:`SeqChunk` records: which tokens of which sequence,
-where they sit (``start_pos``) and the sequence's block table. The runner builds the flat
+The scheduler (no torch) hands over :class:`RunnerChunk` records (its ``ScheduledChunk``s, or
+:class:`SeqChunk` for direct callers): which tokens of which sequence, where they sit
+(``start_pos``) and the sequence's block table. The runner builds the flat
 batch as plain Python lists and makes ONE tensor copy of each (nano-vllm style), runs the
 copy-on-write page copies first, then the model, and returns the logits of the chunks that
 sample.
@@ -13,6 +14,7 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -30,6 +32,25 @@ from prefixgate.gateway.engine.precision import cpu_bf16_isa
 from prefixgate.kernels.cpu.host_memory import huge_pages_status
 
 logger = logging.getLogger(__name__)
+
+
+class RunnerChunk(Protocol):
+    """What the runner reads of a chunk (:class:`SeqChunk` documents the fields)."""
+
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def start_pos(self) -> int: ...
+
+    @property
+    def block_table(self) -> Sequence[int]: ...
+
+    @property
+    def need_logits(self) -> bool: ...
+
+    @property
+    def num_logits(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,32 +125,17 @@ class ModelRunner:
         native_kernels: bool = True,
         quantized_weights: bool = True,
     ) -> None:
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
-        if kv_pool is not None and kv_dtype is None:
-            kv_dtype = kv_pool.dtype
-        self.kv_dtype = resolve_kv_dtype(kv_dtype, self.dtype)
-        # the instructions the CPU bf16 mode's GEMMs run on (None: not that mode)
-        cpu_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16
-        self.bf16_isa = cpu_bf16_isa() if cpu_bf16 else None
-        if self.device.type == "cpu":
-            _configure_cpu_threads()
         if max_model_len is not None and max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        if kv_pool is not None and kv_dtype is None:
+            kv_dtype = kv_pool.dtype
+        self._set_precision(device, dtype, kv_dtype)
         self.config = config
         self.max_model_len = min(config.max_position_embeddings, max_model_len or 1 << 62)
         self.eos_token_ids = tuple(eos_token_ids)
         # the backend is chosen here, once: every step and layer uses this object
         self.kernel_backend = kernels.resolve_backend(self.device, kernel_backend)
-        # fp32 (or the bf16 mode's fp32 activations) on CPU: decode attention and the fused
-        # layer ops run natively when the library builds here (kernels/cpu/decode.py, ops.py)
-        self.native_cpu_kernels = (
-            native_kernels
-            and self.device.type == "cpu"
-            and self.dtype in (torch.float32, torch.bfloat16)
-            and kernels.backend_spec(self.kernel_backend).native_cpu
-            and kernels.native_decode_available()
-        )
+        self.native_cpu_kernels = native_kernels and self._native_cpu_kernels_apply()
         self.model = build_model(
             config, weights, device=self.device, dtype=self.dtype,
             max_positions=self.max_model_len, kernel_backend=self.kernel_backend,
@@ -147,6 +153,28 @@ class ModelRunner:
         # after the pool and the weights were allocated: a refused advice shows here
         self.huge_pages = huge_pages_status() if self.device.type == "cpu" else None
         self._log_start()
+
+    def _set_precision(self, device: str | torch.device | None, dtype: str | torch.dtype | None,
+                       kv_dtype: str | torch.dtype | None) -> None:
+        """Device, weight/activation dtype and KV dtype (``__init__`` documents the defaults)."""
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.kv_dtype = resolve_kv_dtype(kv_dtype, self.dtype)
+        # the instructions the CPU bf16 mode's GEMMs run on (None: not that mode)
+        cpu_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16
+        self.bf16_isa = cpu_bf16_isa() if cpu_bf16 else None
+        if self.device.type == "cpu":
+            _configure_cpu_threads()
+
+    def _native_cpu_kernels_apply(self) -> bool:
+        """fp32 (or the bf16 mode's fp32 activations) on CPU: decode attention and the fused
+        layer ops run natively when the library builds here (kernels/cpu/decode.py, ops.py)."""
+        return (
+            self.device.type == "cpu"
+            and self.dtype in (torch.float32, torch.bfloat16)
+            and kernels.backend_spec(self.kernel_backend).native_cpu
+            and kernels.native_decode_available()
+        )
 
     def _log_start(self) -> None:
         logger.info(
@@ -232,7 +260,7 @@ class ModelRunner:
             )
         self.attention.copy_pages(self._tensor(src, torch.int64), self._tensor(dst, torch.int64))
 
-    def _chunk_pages(self, index: int, chunk: SeqChunk) -> Sequence[int]:
+    def _chunk_pages(self, index: int, chunk: RunnerChunk) -> Sequence[int]:
         """The pages ``chunk`` uses, after checking it fits the model and the pool."""
         count, start = len(chunk.token_ids), chunk.start_pos
         end = start + count
@@ -262,7 +290,7 @@ class ModelRunner:
                              f"got {chunk.num_logits}")
         return table
 
-    def _build_batch(self, chunks: Sequence[SeqChunk]) -> ForwardBatch:
+    def _build_batch(self, chunks: Sequence[RunnerChunk]) -> ForwardBatch:
         page_size = self.page_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -314,7 +342,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, chunks: Sequence[SeqChunk], copy_pairs: Sequence[tuple[int, int]] = ()
+        self, chunks: Sequence[RunnerChunk], copy_pairs: Sequence[tuple[int, int]] = ()
     ) -> torch.Tensor:
         """Run one step.
 

@@ -238,50 +238,15 @@ def verify(logits: torch.Tensor, rows: Sequence[SampleRow], drafts: Sequence[Seq
     raw_logprobs = logits.log_softmax(dim=-1) if any(r.params.logprobs for r in rows) else None
     target = target_distribution(logits, rows, token_bitmask)
     greedy_ids = target.logits.argmax(dim=-1).tolist()
-    probs = target.probs
-    vocab = logits.shape[1]
-    # unseeded sampled rows: each draft's probability and one uniform per draft position
     starts = [0]
     for d in drafts:
         starts.append(starts[-1] + len(d) + 1)
-    plain = [j for j in range(len(drafts))
-             if rows[starts[j]].generator is None and not target.greedy[starts[j]]]
-    accept: dict[int, bool] = {}
-    if plain:
-        assert probs is not None
-        at_rows = [starts[j] + n for j in plain for n in range(len(drafts[j]))]
-        at_tokens = [t for j in plain for t in drafts[j]]
-        # accepted where u < p(x) / sum(p): the sum (1 up to rounding) makes a draft holding
-        # all the mass always accepted, so a rejection never meets an empty residual
-        p_of = probs[at_rows, at_tokens]
-        keep = torch.rand(len(at_rows), device=probs.device) * probs[at_rows].sum(dim=-1) < p_of
-        accept = dict(zip(at_rows, keep.tolist(), strict=True))
+    accept = _plain_acceptances(target, rows, drafts, starts)
     results: list[tuple[list[int], int, int]] = []  # (emitted tokens, accepted, first row)
     for j, draft in enumerate(drafts):
         at = starts[j]
-        row = rows[at]
-        n = 0
-        if target.greedy[at]:
-            while n < len(draft) and greedy_ids[at + n] == draft[n]:
-                n += 1
-            token = greedy_ids[at + n]
-        elif row.generator is None:
-            assert probs is not None
-            while n < len(draft) and accept[at + n]:
-                n += 1
-            weights = probs[at + n]
-            if n < len(draft):  # the residual: p without the rejected draft (the race is scale-free)
-                weights = weights.clone()
-                weights[draft[n]] = 0.0
-            token = int((weights / torch.empty(vocab, device=weights.device).exponential_()).argmax())
-        else:
-            assert probs is not None
-            while True:  # drawn only while the drafts hold: one draw per emitted token
-                token = int((probs[at + n] / _race_noise(row.generator, vocab, probs.device)).argmax())
-                if n == len(draft) or token != draft[n]:
-                    break
-                n += 1
-        results.append(([*draft[:n], token], n, at))
+        tokens, n = _verify_sequence(draft, at, rows[at], target, greedy_ids, accept)
+        results.append((tokens, n, at))
     dead = [False] * len(results)
     if token_bitmask is not None:  # accepted drafts are allowed; the token after them may not be
         last = torch.tensor([at + n for _, n, at in results], device=logits.device)
@@ -290,8 +255,61 @@ def verify(logits: torch.Tensor, rows: Sequence[SampleRow], drafts: Sequence[Seq
     if raw_logprobs is None:
         return [Verified(tokens, n, None, None, None, d)
                 for (tokens, n, _), d in zip(results, dead, strict=True)]
+    return _with_logprobs(results, dead, raw_logprobs, rows)
+
+
+def _plain_acceptances(target: Target, rows: Sequence[SampleRow], drafts: Sequence[Sequence[int]],
+                       starts: list[int]) -> dict[int, bool]:
+    """Unseeded sampled sequences: whether each draft position is accepted (logits row ->
+    accepted), one uniform per position drawn for all of them at once."""
+    plain = [j for j in range(len(drafts))
+             if rows[starts[j]].generator is None and not target.greedy[starts[j]]]
+    if not plain:
+        return {}
+    probs = target.probs
+    assert probs is not None
+    at_rows = [starts[j] + n for j in plain for n in range(len(drafts[j]))]
+    at_tokens = [t for j in plain for t in drafts[j]]
+    # accepted where u < p(x) / sum(p): the sum (1 up to rounding) makes a draft holding
+    # all the mass always accepted, so a rejection never meets an empty residual
+    p_of = probs[at_rows, at_tokens]
+    keep = torch.rand(len(at_rows), device=probs.device) * probs[at_rows].sum(dim=-1) < p_of
+    return dict(zip(at_rows, keep.tolist(), strict=True))
+
+
+def _verify_sequence(draft: Sequence[int], at: int, row: SampleRow, target: Target,
+                     greedy_ids: list[int], accept: dict[int, bool]) -> tuple[list[int], int]:
+    """One sequence's drafts (its logits rows from ``at``): (emitted tokens, drafts accepted)."""
+    probs = target.probs
+    n = 0
+    if target.greedy[at]:
+        while n < len(draft) and greedy_ids[at + n] == draft[n]:
+            n += 1
+        return [*draft[:n], greedy_ids[at + n]], n
+    assert probs is not None
+    vocab = probs.shape[1]
+    if row.generator is None:
+        while n < len(draft) and accept[at + n]:
+            n += 1
+        weights = probs[at + n]
+        if n < len(draft):  # the residual: p without the rejected draft (the race is scale-free)
+            weights = weights.clone()
+            weights[draft[n]] = 0.0
+        token = int((weights / torch.empty(vocab, device=weights.device).exponential_()).argmax())
+        return [*draft[:n], token], n
+    while True:  # drawn only while the drafts hold: one draw per emitted token
+        token = int((probs[at + n] / _race_noise(row.generator, vocab, probs.device)).argmax())
+        if n == len(draft) or token != draft[n]:
+            return [*draft[:n], token], n
+        n += 1
+
+
+def _with_logprobs(results: list[tuple[list[int], int, int]], dead: list[bool],
+                   raw_logprobs: torch.Tensor, rows: Sequence[SampleRow]) -> list[Verified]:
+    """The Verified records with each emitted token's logprob and top alternatives, read at
+    the logits row that predicted it."""
     positions = [first + j for tokens, _, first in results for j in range(len(tokens))]
-    emitted = torch.tensor([t for tokens, _, _ in results for t in tokens], device=logits.device)
+    emitted = torch.tensor([t for tokens, _, _ in results for t in tokens], device=raw_logprobs.device)
     lps, top_ids, top_lps = _logprob_fields(raw_logprobs[positions], emitted, [rows[p] for p in positions])
     out, start = [], 0
     for (tokens, n, _), d in zip(results, dead, strict=True):

@@ -25,11 +25,16 @@ from prefixgate.gateway.engine.sequence import SeqStatus, Sequence, TierProbe
 
 @dataclass(frozen=True, slots=True)
 class ScheduledChunk:
-    """Compute positions ``[start_pos, start_pos + num_tokens)`` of ``seq`` this step."""
+    """Compute positions ``[start_pos, start_pos + num_tokens)`` of ``seq`` this step.
+
+    Also the runner's input record as it is (runner.RunnerChunk: ``token_ids``, ``start_pos``,
+    ``block_table``, ``need_logits``, ``num_logits``): no conversion between the two.
+    """
 
     seq: Sequence
     start_pos: int
-    num_tokens: int
+    # the tokens at those positions (a copy: the sequence grows after this step), drafts last
+    token_ids: list[int]
     need_logits: bool  # the chunk ends at the sequence's last known token: sample after it
     block_table: list[int]  # a copy made for this step (the manager's table keeps growing)
     # speculative decoding: draft tokens after the decode token, verified by this forward
@@ -37,9 +42,13 @@ class ScheduledChunk:
     draft_ids: tuple[int, ...] = ()
 
     @property
-    def token_ids(self) -> list[int]:
-        known = self.seq.token_ids[self.start_pos : self.start_pos + self.num_tokens - len(self.draft_ids)]
-        return known + list(self.draft_ids) if self.draft_ids else known
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of logits after this chunk when it samples: one, plus one per draft verified."""
+        return 1 + len(self.draft_ids)
 
 
 class TierLoader(Protocol):
@@ -232,16 +241,14 @@ class Scheduler:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares ``parent``'s pages (n > 1); writes copy on demand."""
-        self.cache.fork(parent.seq_id, child.seq_id)
-        child.num_computed = parent.num_computed
+        self.cache.fork(parent.seq_id, child)
         child.num_cached_tokens = parent.num_cached_tokens
         child.status = SeqStatus.RUNNING
         child.admitted_order = next(self._admission)
         self.running.append(child)
 
     def append_token(self, seq: Sequence, token_id: int) -> None:
-        seq.token_ids.append(token_id)
-        self.cache.append_tokens(seq.seq_id, (token_id,))
+        seq.token_ids.append(token_id)  # its block hash comes when the cache needs it
 
     # ------------------------------------------------------------------ one step
 
@@ -328,7 +335,7 @@ class Scheduler:
             index, seq = item
             if seq.admitted_order >= 0 or now - seq.arrival_time >= self.max_admission_wait_s:
                 return (0, 0, index)
-            seq.cached_blocks = self.cache.count_cached_blocks(self._hashed_blocks(seq), seq.cached_blocks)
+            seq.cached_blocks = self.cache.count_cached_blocks(self.cache.block_hashes(seq), seq.cached_blocks)
             return (1, -seq.cached_blocks, index)
 
         ordered = [seq for _, seq in sorted(enumerate(window), key=rank)]
@@ -344,7 +351,7 @@ class Scheduler:
     def _try_admit(self, plan: _StepPlan, seq: Sequence) -> bool:
         """Admit ``seq`` into this step, defer it, or fail it; False = it goes back to the
         head of the queue and admission stops (FIFO: nothing behind it goes first)."""
-        blocks = self._hashed_blocks(seq)
+        blocks = self.cache.block_hashes(seq)
         match = self.cache.find_prefix(seq.token_ids, seq.extra_keys, blocks=blocks)
         if self.enable_dedup and match.num_pending_tokens > 0:
             # NOTE: another running sequence is computing our next blocks right now;
@@ -391,18 +398,15 @@ class Scheduler:
                 # counted. The load is installed (and written this step); the next look counts it.
                 self.waiting.appendleft(seq)
                 return False
-        self._start(plan, seq, blocks)
+        self._start(plan, seq)
         return True
 
-    def _start(self, plan: _StepPlan, seq: Sequence, blocks: list[HashedBlock]) -> None:
+    def _start(self, plan: _StepPlan, seq: Sequence) -> None:
         """Allocate ``seq`` (sharing its cached prefix) and schedule its first chunk."""
-        self.cache.allocate(seq.seq_id, seq.token_ids, extra_keys=seq.extra_keys, tenant=seq.tenant,
-                            agent=seq.agent, count_query=seq.num_cached_tokens is None, blocks=blocks)
+        self.cache.allocate(seq, count_query=seq.num_cached_tokens is None)  # sets num_computed
         self.cache.release_hold(seq.seq_id)  # its hit is referenced now
-        computed = self.cache.num_computed_tokens(seq.seq_id)
         if seq.num_cached_tokens is None:
-            seq.num_cached_tokens = computed
-        seq.num_computed = computed
+            seq.num_cached_tokens = seq.num_computed
         seq.status = SeqStatus.RUNNING
         seq.admitted_order = next(self._admission)
         self.running.append(seq)
@@ -419,9 +423,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue  # aborted while the forward ran
             # drafts become computed only once accepted (accept_drafts)
-            known = chunk.num_tokens - len(chunk.draft_ids)
-            self.cache.commit_computed(seq.seq_id, known)
-            seq.num_computed += known
+            self.cache.commit_computed(seq.seq_id, chunk.num_tokens - len(chunk.draft_ids))
 
     def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
         """``num_accepted`` draft tokens were appended to ``seq`` (with one token after them):
@@ -432,7 +434,6 @@ class Scheduler:
         blocks are), so rejected drafts leave no trace in the cache."""
         if num_accepted and seq.status is SeqStatus.RUNNING:
             self.cache.commit_computed(seq.seq_id, num_accepted)
-            seq.num_computed += num_accepted
 
     # ------------------------------------------------------------------ internals
 
@@ -532,10 +533,13 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, n: int, drafts: list[int] | None = None) -> ScheduledChunk:
         start = seq.num_computed
+        token_ids = seq.token_ids[start : start + n]
+        if drafts:
+            token_ids += drafts
         return ScheduledChunk(
             seq=seq,
             start_pos=start,
-            num_tokens=n + len(drafts or ()),
+            token_ids=token_ids,
             need_logits=start + n == len(seq.token_ids),
             block_table=self.cache.block_table(seq.seq_id),
             draft_ids=tuple(drafts or ()),
@@ -549,19 +553,6 @@ class Scheduler:
         if room < 1:
             return []
         return self.drafter.propose(seq.token_ids, seq.draft, room)
-
-    def _hashed_blocks(self, seq: Sequence) -> list[HashedBlock]:
-        """The sequence's full-block hash chain, computed once and extended as tokens grow.
-
-        NOTE: a request deferred by dedup or by the watermark is looked up again every step;
-        re-hashing a 2k-token prompt each time would be the scheduler's main cost.
-        """
-        cached = seq.hashed_blocks
-        if len(seq.token_ids) // self.cache.page_size > len(cached):
-            parent = cached[-1].block_hash if cached else None
-            cached += self.cache.hasher.hash_blocks(
-                seq.token_ids, seq.extra_keys, start_block=len(cached), parent=parent)
-        return cached
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute-style preemption: free the pages, requeue at the front.
@@ -581,7 +572,7 @@ class Scheduler:
     def _hold(self, seq: Sequence) -> None:
         """Protect ``seq``'s cached prefix while it waits (released by :meth:`_start`)."""
         if self.protect_waiting:
-            self.cache.hold_prefix(seq.seq_id, self._hashed_blocks(seq))
+            self.cache.hold_prefix(seq.seq_id, self.cache.block_hashes(seq))
 
     def _release(self, seq: Sequence) -> None:
         if seq in self.running:

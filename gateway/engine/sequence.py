@@ -30,10 +30,11 @@ class TierProbe(enum.StrEnum):
 
 @dataclass(slots=True, eq=False)
 class Sequence:
-    """Token state of one choice of one request.
+    """One choice of one request: the one record of its tokens (cache.sequence.CacheSequence).
 
-    ``token_ids`` = prompt + generated tokens. The KV of the first ``num_computed`` tokens is in
-    the cache (the manager is the source of truth; this mirrors it for the runner).
+    ``token_ids`` = prompt + generated tokens, appended by the scheduler only. The KV of the
+    first ``num_computed`` tokens is in the cache; the cache manager sets it, and grows
+    ``block_hashes``, while the sequence is live (it keeps only the block table itself).
     """
 
     request_id: str
@@ -53,8 +54,9 @@ class Sequence:
     cached_blocks: int = 0  # leading blocks cached at the last look while waiting (a hint)
     num_choices_to_fork: int = 0  # n - 1 children forked once the prompt is computed
     finish_reason: FinishReason | None = None
-    # Chained hashes of the full blocks of token_ids, filled by the scheduler on first lookup.
-    hashed_blocks: list[HashedBlock] = field(default_factory=list)
+    # Chained hashes of the leading full blocks of token_ids: KVCacheManager.block_hashes
+    # extends them (lazily: on lookup, allocation and when a computed block fills).
+    block_hashes: list[HashedBlock] = field(default_factory=list)
     # Speculative decoding (gateway/engine/drafter.py): its DraftState, None = never drafts.
     draft: Any = None
     # Second tier: the lookup's state (looked up again when the pool's hit changes).

@@ -2,7 +2,7 @@ import pytest
 
 from prefixgate.cache.block_pool import BlockPool
 from prefixgate.cache.errors import InvalidArgumentError, OutOfPagesError
-from prefixgate.cache.events import BlockRemoved, BlockStored
+from prefixgate.cache.events import BlockRemoved, BlockStored, FreeList, PageEvicted
 from prefixgate.cache.hashing import BlockHasher
 
 
@@ -23,7 +23,8 @@ def test_allocate_release_order_exact():
 
 def test_cached_pages_go_to_the_back_and_stay_hittable_until_reused():
     events = []
-    pool = BlockPool(4, 2, event_sink=events.append)
+    evicted = []
+    pool = BlockPool(4, 2, event_sink=events.append, stats_sink=evicted.append)
     blocks = BlockHasher(2).hash_blocks([1, 2, 3, 4])
     p0, p1 = pool.allocate(2)
     assert pool.register(p0, blocks[0]) and pool.register(p1, blocks[1])
@@ -37,7 +38,7 @@ def test_cached_pages_go_to_the_back_and_stay_hittable_until_reused():
     pool.release([p0])
     got = pool.allocate(3)  # 2, 3, then page 1 is evicted (the tail block, first)
     assert [p.page_id for p in got] == [2, 3, 1]
-    assert pool.num_evictions == 1
+    assert evicted == [PageEvicted(1, FreeList.LRU)]
     assert pool.lookup(blocks[1]) is None and pool.lookup(blocks[0]) is p0
     assert events[-1] == BlockRemoved(blocks[1].block_hash)
 
@@ -95,9 +96,9 @@ def test_bad_input():
 # ------------------------------------------------------------------ holds (waiting requests)
 
 
-def cached_pool(num_pages=6, tokens=(1, 2, 3, 4, 5, 6), clock=None):
+def cached_pool(num_pages=6, tokens=(1, 2, 3, 4, 5, 6), clock=None, stats_sink=None):
     """A pool whose first len(tokens)/2 pages cache one prefix, released tail first."""
-    pool = BlockPool(num_pages, 2, **({"clock": clock} if clock else {}))
+    pool = BlockPool(num_pages, 2, stats_sink=stats_sink, **({"clock": clock} if clock else {}))
     blocks = BlockHasher(2).hash_blocks(list(tokens))
     pages = pool.allocate(len(blocks))
     for page, block in zip(pages, blocks, strict=True):
@@ -107,14 +108,16 @@ def cached_pool(num_pages=6, tokens=(1, 2, 3, 4, 5, 6), clock=None):
 
 
 def test_a_held_prefix_is_evicted_after_every_other_free_page():
-    pool, blocks = cached_pool()
+    evicted = []
+    pool, blocks = cached_pool(stats_sink=evicted.append)
     assert free_ids(pool) == [3, 4, 5, 2, 1, 0]
     pool.hold([b.block_hash for b in blocks[:2]])  # a waiting request hits blocks 0 and 1
     assert free_ids(pool) == [3, 4, 5, 2] and [p.page_id for p in pool.protected] == [1, 0]
     assert pool.num_free_pages == 6 and pool.num_protected_pages == 2
     got = pool.allocate(5)  # soft: the protected pages still go, last, tail before head
     assert [p.page_id for p in got] == [3, 4, 5, 2, 1]
-    assert pool.num_protected_evicted == 1 and pool.lookup(blocks[0]) is pool.pages[0]
+    assert [e.source for e in evicted] == [FreeList.LRU, FreeList.PROTECTED]  # pages 2, 1
+    assert pool.lookup(blocks[0]) is pool.pages[0]
 
 
 def test_holds_are_counted_and_unhold_returns_the_page_to_the_lru_newest_end():

@@ -11,16 +11,27 @@ from prefixgate.cache import (
     make_extra_keys,
 )
 from prefixgate.cache.events import BlockRemoved, BlockStored
+from prefixgate.cache.sequence import TokenSequence
 
 
 def run_prompt(m, seq_id, tokens, **kw):
     """Allocate and compute a whole prompt, as the scheduler does in one chunk."""
-    alloc = m.allocate(seq_id, tokens, **kw)
+    alloc = m.allocate(TokenSequence(seq_id, list(tokens), **kw))
     n = len(tokens) - alloc.num_cached_tokens
     pairs = m.prepare_write(seq_id, n)
     m.commit_computed(seq_id, n)
     m.check_integrity()
     return alloc, pairs
+
+
+def append(m, seq_id, tokens):
+    """Sampled tokens into the sequence's record (the engine's part)."""
+    m.sequence(seq_id).token_ids.extend(tokens)
+
+
+def fork(m, parent_id, child_id):
+    parent = m.sequence(parent_id)
+    m.fork(parent_id, TokenSequence(child_id, list(parent.token_ids), parent.extra_keys))
 
 
 def test_exact_pages_refcounts_and_free_order():
@@ -46,7 +57,7 @@ def test_full_hit_stops_one_token_short_and_copies_the_last_page():
     m = KVCacheManager(8, 4, watermark=0)
     tokens = list(range(8))
     run_prompt(m, "a", tokens)
-    alloc = m.allocate("b", tokens)
+    alloc = m.allocate(TokenSequence("b", tokens))
     assert alloc.num_cached_tokens == 7  # the last token is always computed
     assert alloc.block_table == (0, 1)
     pairs = m.prepare_write("b", 1)
@@ -70,7 +81,7 @@ def test_decode_growth_takes_a_page_only_when_the_block_starts():
     run_prompt(m, "a", list(range(4)))
     assert len(m.block_table("a")) == 1
     for step, token in enumerate(range(100, 105)):
-        m.append_tokens("a", [token])
+        append(m, "a", [token])
         before = len(m.block_table("a"))
         assert m.pages_needed("a", 1) == (1 if step % 4 == 0 else 0)
         m.prepare_write("a", 1)
@@ -83,14 +94,14 @@ def test_decode_growth_takes_a_page_only_when_the_block_starts():
 def test_fork_shares_tail_and_copies_on_first_write():
     m = KVCacheManager(8, 4, watermark=0)
     run_prompt(m, "p", list(range(6)))  # pages 0 (full, cached), 1 (2 tokens)
-    m.fork("p", "c")
+    fork(m, "p", "c")
     assert m.block_table("c") == [0, 1]
     assert m.ref_count(0) == 2 and m.ref_count(1) == 2
-    m.append_tokens("c", [77])
+    append(m, "c", [77])
     assert m.prepare_write("c", 1) == [(1, 2)]
     assert m.block_table("c") == [0, 2] and m.ref_count(1) == 1
     m.commit_computed("c", 1)
-    m.append_tokens("p", [88])
+    append(m, "p", [88])
     assert m.prepare_write("p", 1) == []  # the parent is now the only holder of page 1
     m.commit_computed("p", 1)
     m.check_integrity()
@@ -134,7 +145,7 @@ def test_watermark_admission():
 def test_pending_blocks_are_reported_for_in_flight_dedup():
     m = KVCacheManager(16, 4, watermark=0)
     prompt = list(range(12))
-    m.allocate("a", prompt + [100])
+    m.allocate(TokenSequence("a", prompt + [100]))
     match = m.find_prefix(prompt + [200])
     assert match.num_cached_tokens == 0 and match.num_pending_tokens == 12
     m.prepare_write("a", 4)
@@ -199,7 +210,7 @@ def test_seed_parity_pages_for_n_tokens(block_size):
         assert len(m.block_table(n)) == math.ceil(n / block_size)
         # an append crossing a block boundary takes exactly one new page (block size 1 too)
         pages = m.num_free_pages
-        m.append_tokens(n, [1])
+        append(m, n, [1])
         crossing = n % block_size == 0
         m.prepare_write(n, 1)
         assert pages - m.num_free_pages == (1 if crossing else 0)
@@ -224,21 +235,21 @@ def test_bad_input_is_named():
     with pytest.raises(InvalidArgumentError):
         KVCacheManager(2, 2, watermark=1.5)
     with pytest.raises(InvalidArgumentError, match="empty"):
-        m.allocate("a", [])
+        m.allocate(TokenSequence("a", []))
     with pytest.raises(UnknownSequenceError, match="free: unknown sequence id 'x'"):
         m.free("x")
     with pytest.raises(UnknownSequenceError, match="fork"):
-        m.fork("x", "y")
-    m.allocate("a", [1, 2, 3])
+        m.fork("x", TokenSequence("y", [1]))
+    m.allocate(TokenSequence("a", [1, 2, 3]))
     with pytest.raises(DuplicateSequenceError):
-        m.allocate("a", [1])
+        m.allocate(TokenSequence("a", [1]))
     with pytest.raises(DuplicateSequenceError):
-        m.fork("a", "a")
+        m.fork("a", TokenSequence("a", [1, 2, 3]))
     with pytest.raises(InvalidArgumentError, match="exceed"):
         m.prepare_write("a", 4)
     with pytest.raises(InvalidArgumentError, match="not prepared"):
         m.commit_computed("a", 1)
-    m.append_tokens("a", [4, 5, 6])
+    append(m, "a", [4, 5, 6])
     with pytest.raises(OutOfPagesError):
         m.prepare_write("a", 6)
     m.check_integrity()  # nothing changed by the failed write
@@ -255,8 +266,10 @@ def test_precomputed_blocks_are_used_and_checked():
     run_prompt(m, "a", tokens)
     assert m.find_prefix(tokens, blocks=blocks) == m.find_prefix(tokens)
     with pytest.raises(InvalidArgumentError, match="block hashes"):
-        m.allocate("b", tokens, blocks=blocks[:1])
-    assert m.allocate("b", tokens, blocks=blocks).num_cached_tokens == 8
+        m.allocate(TokenSequence("b", tokens[:4], block_hashes=list(blocks)))
+    b = TokenSequence("b", tokens, block_hashes=blocks[:1])  # a chain is extended, not redone
+    assert m.allocate(b).num_cached_tokens == 8 and b.block_hashes[0] is blocks[0]
+    assert b.block_hashes == blocks
     m.check_integrity()
 
 

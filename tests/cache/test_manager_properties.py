@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from prefixgate.cache import KVCacheManager, OutOfPagesError, make_extra_keys
+from prefixgate.cache.sequence import TokenSequence
 
 PAGE_SIZE = 3
 NUM_PAGES = 24
@@ -38,7 +39,7 @@ class CacheMachine(RuleBasedStateMachine):
         for src, dst in pairs:
             self.shadow[dst] = list(self.shadow[src])
         table = self.m.block_table(seq_id)
-        tokens = self.m._seqs[seq_id].token_ids
+        tokens = self.m.sequence(seq_id).token_ids
         for pos in range(start, start + n):
             page = table[pos // PAGE_SIZE]
             # NOTE: invariant 3 — a write never lands on a shared or cached page
@@ -53,7 +54,7 @@ class CacheMachine(RuleBasedStateMachine):
         prompt = system + suffix
         seq_id = self.next_id
         self.next_id += 1
-        self.m.allocate(seq_id, prompt, extra_keys=make_extra_keys("m", tenant), tenant=tenant)
+        self.m.allocate(TokenSequence(seq_id, prompt, make_extra_keys("m", tenant), tenant))
         try:  # prefill in chunks, like the scheduler
             while self.m.num_computed_tokens(seq_id) < len(prompt):
                 n = min(chunk, len(prompt) - self.m.num_computed_tokens(seq_id))
@@ -67,7 +68,7 @@ class CacheMachine(RuleBasedStateMachine):
     def decode(self, seq_id, token):
         if seq_id is None or seq_id not in self.m:
             return
-        self.m.append_tokens(seq_id, [token])
+        self.m.sequence(seq_id).token_ids.append(token)
         if self.m.pages_needed(seq_id, 1) > self.m.num_free_pages:
             self.m.free(seq_id)  # preemption by recompute: release everything
             return
@@ -79,7 +80,8 @@ class CacheMachine(RuleBasedStateMachine):
             return None
         child = self.next_id
         self.next_id += 1
-        self.m.fork(parent, child)
+        record = self.m.sequence(parent)
+        self.m.fork(parent, TokenSequence(child, list(record.token_ids), record.extra_keys, record.tenant))
         return child
 
     @rule(seq_id=consumes(seqs))
@@ -131,9 +133,10 @@ class CacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_sequence_reads_back_its_own_tokens(self):
-        for seq_id, seq in self.m._seqs.items():
+        for seq_id in self.m.sequence_ids():
+            seq, table = self.m.sequence(seq_id), self.m.block_table(seq_id)
             for pos in range(seq.num_computed):
-                page = seq.block_table[pos // PAGE_SIZE]
+                page = table[pos // PAGE_SIZE]
                 assert self.shadow[page][pos % PAGE_SIZE] == seq.token_ids[pos], (seq_id, pos)
 
     @invariant()
@@ -148,7 +151,7 @@ class CacheMachine(RuleBasedStateMachine):
         return tokens_to_bytes(slots)
 
     def teardown(self):
-        for seq_id in list(self.m._seqs):
+        for seq_id in self.m.sequence_ids():
             self.m.free(seq_id)
         self.m.check_integrity()
         s = self.m.stats()

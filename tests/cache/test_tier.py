@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixgate.cache import KVCacheManager, make_extra_keys
+from prefixgate.cache import KVCacheManager, TokenSequence, make_extra_keys
 from prefixgate.cache.hashing import HashedBlock
 from prefixgate.cache.tier import HostTier, TierEntry, decode_entry, entry_slot_bytes, verify_entry
 
@@ -64,12 +64,12 @@ def test_evictions_are_captured_in_order_and_installs_are_exact():
     m = KVCacheManager(6, 4, watermark=0)
     m.capture_evictions()
     tokens = list(range(12))
-    m.allocate("a", tokens)
+    m.allocate(TokenSequence("a", tokens))
     m.prepare_write("a", 12)
     m.commit_computed("a", 12)
     m.free("a")  # pages 2, 1, 0 join the LRU tail first (tail first)
     blocks = m.hasher.hash_blocks(tokens)
-    m.allocate("b", list(range(100, 124)))
+    m.allocate(TokenSequence("b", list(range(100, 124))))
     m.prepare_write("b", 24)  # takes 3 fresh pages, then evicts 2, 1, 0 in LRU order
     assert [b for _, b in m.take_evicted()] == [blocks[2], blocks[1], blocks[0]]
     m.free("b")
@@ -92,7 +92,7 @@ def test_an_installed_page_evicted_before_its_load_is_written_is_not_spilled():
     m.capture_evictions()
     blocks = m.hasher.hash_blocks(list(range(12)))
     assert m.install_blocks(blocks, max_pages=3) == [0, 1, 2]
-    m.allocate("x", list(range(50, 62)))
+    m.allocate(TokenSequence("x", list(range(50, 62))))
     m.prepare_write("x", 12)  # reuses all three before the loads were written
     assert m.take_evicted() == []  # the pool never held their K/V: nothing true to spill
     m.check_integrity()

@@ -145,12 +145,12 @@ def test_a_deferred_request_is_hashed_once_and_extended_after_preemption():
     s.add(a)
     s.add(b)
     step(s)  # b is deferred: a computes the shared blocks
-    assert len(b.hashed_blocks) == 10 and b.hashed_blocks == s.cache.hasher.hash_blocks(b.token_ids)
-    first = b.hashed_blocks[0]
+    assert len(b.block_hashes) == 10 and b.block_hashes == s.cache.hasher.hash_blocks(b.token_ids)
+    first = b.block_hashes[0]
     step(s)
-    assert b.status is SeqStatus.RUNNING and b.hashed_blocks[0] is first  # not recomputed
+    assert b.status is SeqStatus.RUNNING and b.block_hashes[0] is first  # not recomputed
     b.token_ids += [7, 7, 7]
-    assert len(s._hashed_blocks(b)) == 11 and s._hashed_blocks(b) == s.cache.hasher.hash_blocks(b.token_ids)
+    assert len(s.cache.block_hashes(b)) == 11 and b.block_hashes == s.cache.hasher.hash_blocks(b.token_ids)
 
 
 def test_forked_decodes_beyond_the_budget_all_advance():

@@ -239,7 +239,7 @@ def run_random(seed: int, num_pages: int = 24, steps: int = 300, extras: bool = 
             contents[dst] = contents.get(src)
         # what each chunk reads: every full block before its start must hold that block
         for c in out.chunks:
-            blocks = cache._seqs[c.seq.seq_id].hashed  # noqa: SLF001
+            blocks = cache.block_hashes(c.seq)
             for b in range(c.start_pos // PAGE):
                 page_id = c.block_table[b]
                 assert contents.get(page_id) == blocks[b].block_hash, (

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from prefixgate.cache import KVCacheManager, make_extra_keys
+from prefixgate.cache import KVCacheManager, TokenSequence, make_extra_keys
 from prefixgate.cache.stats import HitStats
 from prefixgate.gateway.scaleout.fleet_stats import queue_snapshot, read_fleet_stats, snapshot_json
 from prefixgate.gateway.scaleout.keys import RedisKeys
@@ -18,7 +18,7 @@ def _stats_with_a_retention_hit():
     keys = make_extra_keys("m", "alpha")
     tokens = list(range(12)) + [99]
     for seq in ("turn1", "turn2"):
-        alloc = m.allocate(seq, tokens, extra_keys=keys, tenant="alpha", agent="coder")
+        alloc = m.allocate(TokenSequence(seq, tokens, keys, "alpha", "coder"))
         m.prepare_write(seq, len(tokens) - alloc.num_cached_tokens)
         m.commit_computed(seq, len(tokens) - alloc.num_cached_tokens)
         m.free(seq)

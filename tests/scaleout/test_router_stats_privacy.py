@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from prefixgate.cache import KVCacheManager, make_extra_keys
+from prefixgate.cache import KVCacheManager, TokenSequence, make_extra_keys
 from prefixgate.gateway.scaleout.fleet_stats import queue_snapshot, snapshot_json
 from prefixgate.gateway.scaleout.keys import RedisKeys
 from tests.live_gateway import ADMIN_KEY, API_KEYS, KEY_ALPHA, KEY_BETA
@@ -25,8 +25,7 @@ def two_tenant_stats():
         [("alpha", "alpha-spy-agent"), ("alpha", "alpha-spy-agent"), ("beta", "beta-bot")]
     ):
         tokens = list(range(12)) + [100 + seq]
-        alloc = m.allocate(seq, tokens, extra_keys=make_extra_keys("m", tenant),
-                           tenant=tenant, agent=agent)
+        alloc = m.allocate(TokenSequence(seq, tokens, make_extra_keys("m", tenant), tenant, agent))
         m.prepare_write(seq, len(tokens) - alloc.num_cached_tokens)
         m.commit_computed(seq, len(tokens) - alloc.num_cached_tokens)
     return m.stats()
