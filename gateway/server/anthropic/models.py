@@ -1,5 +1,5 @@
 """Anthropic Messages wire format: request models (validated, bounded) and the translation to
-a neutral :class:`ChatTurn`; response and stream-event shapes are plain dicts in routes.py.
+a neutral :class:`ChatTurn`; response and stream-event shapes are plain dicts in serving.py.
 
 Accepted: ``system`` (a string or text blocks), ``messages`` with ``text``, ``tool_use`` and
 ``tool_result`` blocks, ``tools`` (``input_schema``), ``tool_choice`` auto / any / tool / none
@@ -243,6 +243,7 @@ class MessagesRequest(CountTokensRequest):
             top_p=self.top_p,
             top_k=self.top_k,
             stop=list(self.stop_sequences),
+            report_stop=True,  # Anthropic's stop_sequence names the one that matched
             user=self.metadata.user_id if self.metadata else None,
             parameters_param=lambda i: f"tools[{i}].input_schema",
             retention_s=self.cache_ttl_s(),

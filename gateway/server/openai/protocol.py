@@ -56,6 +56,7 @@ from prefixgate.gateway.server.fields import (
 )
 from prefixgate.gateway.server.tools import FunctionTool, ToolChoice, tool_grammar
 from prefixgate.gateway.server.tools.grammar import check_schema
+from prefixgate.gateway.server.turn import ChatTurn
 
 
 class _Request(BaseModel):
@@ -96,6 +97,15 @@ class SamplingRequest(TextChecked, _Request):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The :class:`ChatTurn` fields chat and completions share."""
+        return dict(n=self.n, stop=list(self.stop), stop_token_ids=tuple(self.stop_token_ids),
+                    temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                    min_p=self.min_p, seed=self.seed, presence_penalty=self.presence_penalty,
+                    frequency_penalty=self.frequency_penalty,
+                    repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
+                    user=self.user, cache_salt=self.cache_salt)
 
 
 # --------------------------------------------------------------------------------------------
@@ -336,10 +346,20 @@ class ChatCompletionRequest(SamplingRequest):
             function_tools(self.tools), tool_choice_of(self.tool_choice, self.parallel_tool_calls),
             response, lambda i: f"tools[{i}].function.parameters", scope=scope)
 
-    @property
-    def expects_tool_calls(self) -> bool:
-        """The output may hold calls (tools visible), so it is parsed for them."""
-        return bool(self.tools) and self.tool_choice != "none"
+    def turn(self) -> ChatTurn:
+        """The neutral turn (gateway/server/turn.py) this request asks for."""
+        return ChatTurn(
+            messages=self.template_messages(),
+            tools=function_tools(self.tools),
+            tool_choice=tool_choice_of(self.tool_choice, self.parallel_tool_calls),
+            response_format=self.response_format.grammar_spec() if self.response_format else None,
+            max_tokens=self.requested_max_tokens,
+            parameters_param=lambda i: f"tools[{i}].function.parameters",
+            retention_s=self.retention_seconds,
+            logprobs=self.logprobs,
+            top_logprobs=self.top_logprobs or 0,
+            **self.sampling_fields(),
+        )
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -412,6 +432,12 @@ class CompletionRequest(SamplingRequest):
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of must equal n (no server-side best-of selection)")
         return self
+
+    def turn(self) -> ChatTurn:
+        """The neutral turn: the raw prompts, no template, no tools."""
+        return ChatTurn(messages=[], prompts=list(self.prompt), message_param=self.prompt_param,
+                        max_tokens=self.max_tokens, logprobs=self.logprobs is not None,
+                        top_logprobs=self.logprobs or 0, **self.sampling_fields())
 
 
 # --------------------------------------------------------------------------------------------
