@@ -67,18 +67,31 @@ def load_api_keys_file(path: str | Path) -> dict[str, str]:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ValueError(f"--api-keys-file: cannot read {path}: {exc.strerror or exc}") from exc
-    keys: dict[str, str] = {}
+    keys = _KeysFile(path)
+    if text.lstrip().startswith(("{", "[")):
+        keys.read_json(text)
+    else:
+        keys.read_lines(text)
+    return keys.keys
 
-    def add(key: str, tenant: str, where: str) -> None:
-        source = f"{path}{where}"
+
+class _KeysFile:
+    """The ``{key: tenant}`` map of one API-keys file as it is read; errors name the file."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.keys: dict[str, str] = {}
+
+    def add(self, key: str, tenant: str, where: str) -> None:
+        source = f"{self.path}{where}"
         key = _check_token(key, "API key", source)
         tenant = _check_token(tenant, "tenant", source)
-        if key in keys:
+        if key in self.keys:
             raise ValueError(f"{source}: duplicate API key")
-        keys[key] = tenant
+        self.keys[key] = tenant
 
-    stripped = text.lstrip()
-    if stripped.startswith(("{", "[")):
+    def read_json(self, text: str) -> None:
+        path = self.path
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -87,32 +100,36 @@ def load_api_keys_file(path: str | Path) -> dict[str, str]:
             for key, tenant in data.items():
                 if not isinstance(tenant, str):
                     raise ValueError(f"{path}: tenant of key {key!r} must be a string")
-                add(key, tenant, "")
+                self.add(key, tenant, "")
+            return
+        for i, item in enumerate(data):
+            self.read_entry(item, f" [entry {i}]")
+
+    def read_entry(self, item: object, where: str) -> None:
+        """One entry of a JSON list: ``"KEY[:TENANT]"`` or ``{"key": ..., "tenant": ...}``."""
+        if isinstance(item, str):
+            self.add(*parse_api_key(item, f"{self.path}{where}"), where)
+        elif isinstance(item, dict) and isinstance(item.get("key"), str):
+            tenant = item.get("tenant", DEFAULT_TENANT)
+            if not isinstance(tenant, str):
+                raise ValueError(f"{self.path}{where}: 'tenant' must be a string")
+            self.add(item["key"], tenant, where)
         else:
-            for i, item in enumerate(data):
-                where = f" [entry {i}]"
-                if isinstance(item, str):
-                    add(*parse_api_key(item, f"{path}{where}"), where)
-                elif isinstance(item, dict) and isinstance(item.get("key"), str):
-                    tenant = item.get("tenant", DEFAULT_TENANT)
-                    if not isinstance(tenant, str):
-                        raise ValueError(f"{path}{where}: 'tenant' must be a string")
-                    add(item["key"], tenant, where)
-                else:
-                    raise ValueError(
-                        f'{path}{where}: expected "KEY[:TENANT]" or {{"key": ..., "tenant": ...}}'
-                    )
-    else:
+            raise ValueError(
+                f'{self.path}{where}: expected "KEY[:TENANT]" or {{"key": ..., "tenant": ...}}'
+            )
+
+    def read_lines(self, text: str) -> None:
+        """One ``KEY [TENANT]`` per line; ``#`` starts a comment."""
         for lineno, line in enumerate(text.splitlines(), start=1):
             fields = line.split("#", 1)[0].split()
             if not fields:
                 continue
             if len(fields) > 2:
                 raise ValueError(
-                    f"{path}:{lineno}: expected 'KEY [TENANT]', got {len(fields)} fields"
+                    f"{self.path}:{lineno}: expected 'KEY [TENANT]', got {len(fields)} fields"
                 )
-            add(fields[0], fields[1] if len(fields) == 2 else DEFAULT_TENANT, f":{lineno}")
-    return keys
+            self.add(fields[0], fields[1] if len(fields) == 2 else DEFAULT_TENANT, f":{lineno}")
 
 
 def merge_api_keys(specs: Iterable[str], keys_file: str | Path | None) -> dict[str, str]:
