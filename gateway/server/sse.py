@@ -1,4 +1,5 @@
-"""Server-sent events framing (``data: <json>\\n\\n`` ... ``data: [DONE]\\n\\n``).
+"""Server-sent events framing (``data: <json>\\n\\n`` ... ``data: [DONE]\\n\\n``, or named
+``event: <kind>`` events).
 
 :class:`SSEResponse` guarantees its body generator is closed however the response ends
 (finished, client gone, server shutting down), so the generator's ``finally`` can abort the
@@ -26,6 +27,11 @@ def sse_event(payload: BaseModel | dict[str, Any], exclude: set[str] | None = No
     else:
         text = json.dumps(payload, separators=(",", ":"))
     return b"data: " + text.encode() + b"\n\n"
+
+
+def sse_named_event(kind: str, data: str) -> bytes:
+    """Frame one serialized payload as a named event (``event: <kind>``; Responses, Messages)."""
+    return f"event: {kind}\ndata: {data}\n\n".encode()
 
 
 class SSEResponse(StreamingResponse):

@@ -15,12 +15,13 @@ from typing import Any
 from prefixgate.gateway.engine.api import EngineError, Usage
 from prefixgate.gateway.server.anthropic.errors import anthropic_error_body
 from prefixgate.gateway.server.serving import TurnWriter
+from prefixgate.gateway.server.sse import sse_named_event
 from prefixgate.gateway.server.tools import CallArguments, CallEnd, CallStart, Event, TextPiece
 from prefixgate.gateway.server.turn_stream import ChoiceDelta, TurnEnd
 
 
 def _event(name: str, payload: dict[str, Any]) -> bytes:
-    return f"event: {name}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+    return sse_named_event(name, json.dumps(payload, separators=(",", ":")))
 
 
 def tool_use_id(call_id: str) -> str:

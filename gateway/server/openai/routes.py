@@ -3,7 +3,7 @@
 Routes stay thin: validate (pydantic), authenticate (tenant), translate the request into the
 neutral turn and open it (gateway/server/turn.py: errors surface here, before any byte is
 sent), then let the shared serving path stream SSE chunks or collect one JSON response, written
-by serving_chat.py.
+by serving.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from prefixgate.gateway.server.openai.protocol import (
     TokenizeResponse,
     template_tools,
 )
-from prefixgate.gateway.server.openai.serving_chat import ChatWriter, CompletionWriter
+from prefixgate.gateway.server.openai.serving import ChatWriter, CompletionWriter
 from prefixgate.gateway.server.serving import respond
 from prefixgate.gateway.server.state import ServerState, server_state
 from prefixgate.gateway.server.turn import open_turn

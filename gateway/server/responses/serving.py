@@ -16,6 +16,7 @@ from prefixgate.gateway.server.errors import engine_error_body, error_body
 from prefixgate.gateway.server.responses.models import ResponsesRequest, dumps, output_messages
 from prefixgate.gateway.server.responses.store import ResponseStore, StoredResponse
 from prefixgate.gateway.server.serving import TurnWriter
+from prefixgate.gateway.server.sse import sse_named_event
 from prefixgate.gateway.server.tools import CallArguments, CallEnd, CallStart, Event, TextPiece
 from prefixgate.gateway.server.turn_stream import ChoiceDelta, TurnEnd
 
@@ -104,7 +105,7 @@ class ResponsesWriter(TurnWriter):
     def event(self, kind: str, **payload: Any) -> bytes:
         data = {"type": kind, "sequence_number": self.sequence, **payload}
         self.sequence += 1
-        return f"event: {kind}\ndata: {dumps(data)}\n\n".encode()
+        return sse_named_event(kind, dumps(data))
 
     def start(self) -> list[bytes]:
         return [self.event("response.created", response=self.builder.response("in_progress")),
