@@ -77,7 +77,7 @@ async def respond(request: Request, turn: TurnStream, writer: TurnWriter, stream
     """Stream the turn as SSE, or collect it into the surface's whole response (giving up, and
     aborting, if the client disconnects first)."""
     if stream:
-        return SSEResponse(stream_turn(turn, writer), headers)
+        return SSEResponse(stream_turn(turn, writer), headers, on_close=turn.aclose)
     try:
         end = await turn.collect(request)
     except ClientDisconnected:

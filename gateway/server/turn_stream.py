@@ -198,7 +198,6 @@ class TurnStream:
                     yield parsed
             yield self._end()
         finally:
-            self.timer.on_abort()  # no-op once finished
             await merged.aclose()
             await self.aclose()
 
@@ -232,5 +231,6 @@ class TurnStream:
             await self.aclose()
 
     async def aclose(self) -> None:
+        self.timer.on_abort()  # no-op once finished
         for stream in self.streams:  # the merge may never have started: close (abort) here too
             await stream.aclose()
