@@ -206,15 +206,19 @@ def _generations(state: ServerState, turn: ChatTurn, caller: _Caller,
     return out
 
 
-def _retainer(request: Request, turn: ChatTurn, caller: _Caller, prompts: list[list[int]],
-              choices_per_prompt: int) -> Callable[[TurnEnd], None]:
-    """What the turn keeps when it ends: a choice ending in tool calls keeps its whole prefix
-    (its agent comes back with the results); ``hold_s`` keeps the prompt whatever the end."""
+def _at_end(request: Request, state: ServerState, turn: ChatTurn, caller: _Caller,
+            prompts: list[list[int]]) -> Callable[[TurnEnd], None]:
+    """What the turn does as it ends: find each choice's stop string (when the surface reports
+    it); a choice ending in tool calls keeps its whole prefix (its agent comes back with the
+    results); ``hold_s`` keeps the prompt whatever the end."""
+    tokenizer = state.engine.tokenizer
 
     def on_end(end: TurnEnd) -> None:
         for choice in end.choices:
+            if turn.report_stop:
+                choice.matched_stop = matched_stop(tokenizer, turn.stop, choice)
             if choice.ended_in_calls:
-                prompt = prompts[choice.index // choices_per_prompt]
+                prompt = prompts[choice.index // turn.n]
                 retain_tool_pause(request, caller.tenant, caller.agent, turn.cache_salt,
                                   [*prompt, *choice.token_ids], caller.retention_ttl)
         if turn.hold_s:
@@ -250,14 +254,9 @@ async def open_turn(request: Request, principal: Principal, turn: ChatTurn,
     note_arrival(request, principal.tenant, agent)  # back from a tool pause: learn its length
     prompts = await _render(state, turn)
     streams = await open_streams(state.engine, _generations(state, turn, caller, prompts))
-    tokenizer, stop = state.engine.tokenizer, turn.stop if turn.report_stop else []
-
-    def end_choice(choice: ChoiceOutput) -> None:
-        choice.matched_stop = matched_stop(tokenizer, stop, choice)
-
     return TurnStream(streams, prompts, timer, turn.n,
                       _splitters(state, turn, caller, turn.n * len(prompts)),
-                      end_choice, _retainer(request, turn, caller, prompts, turn.n))
+                      _at_end(request, state, turn, caller, prompts))
 
 
 __all__ = ["ChatTurn", "ChoiceDelta", "ChoiceOutput", "ClientDisconnected", "TurnEnd",

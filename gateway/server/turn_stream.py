@@ -165,14 +165,12 @@ class TurnStream:
     def __init__(self, streams: Sequence[DeltaStream], prompts: Sequence[list[int]],
                  timer: RequestTimer, choices_per_stream: int,
                  new_splitter: Callable[[], OutputSplitter],
-                 end_choice: Callable[[ChoiceOutput], None] = lambda choice: None,
                  on_end: Callable[[TurnEnd], None] = lambda end: None):
         self.streams = list(streams)
         self.prompts = list(prompts)
         self.timer = timer
         self._per_stream = choices_per_stream
         self._new_splitter = new_splitter
-        self._end_choice = end_choice
         self._on_end = on_end
         self._choices: dict[int, ChoiceOutput] = {}
 
@@ -206,8 +204,6 @@ class TurnStream:
         if len(usages) != len(self.streams):
             raise RuntimeError("an engine stream ended without its final usage delta")
         choices = [self._choices[i] for i in sorted(self._choices)]
-        for choice in choices:
-            self._end_choice(choice)
         usage = sum_usage(usages)
         self.timer.on_finish(usage, (c.finish_reason for c in choices))
         end = TurnEnd(usage, choices)
