@@ -77,7 +77,7 @@ class ChatTurn:
     parameters_param: Callable[[int], str] = lambda i: f"tools[{i}].parameters"
     retention_s: float | None = None  # the request's hint for a tool pause (gateway/server/retention.py)
     hold_s: float | None = None  # keep the prompt's pages this long whatever the end (cache_control)
-    # the rest of what gateway.server.generation.sampling_params reads
+    # the rest of what sampling_params (below) reads
     n: int = 1
     min_p: float | None = None
     presence_penalty: float | None = None
