@@ -91,7 +91,9 @@ class ChoiceOutput:
         events = self.splitter.feed(delta.text, delta.finish_reason is not None)
         parsed = ChoiceDelta(self.index, delta.text, events, delta.logprobs,
                              self.splitter.finish_reason(delta.finish_reason), self.num_chars, self)
-        self.content += [e.text for e in events if isinstance(e, TextPiece)]
+        for event in events:
+            if isinstance(event, TextPiece):
+                self.content.append(event.text)
         self.shown.append(delta.text)
         self.token_ids.extend(delta.token_ids)
         if delta.logprobs:
@@ -102,7 +104,7 @@ class ChoiceOutput:
         return parsed
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per delta, and a frozen init costs more
 class ChoiceDelta:
     """One engine delta of one choice, split into events."""
 
