@@ -36,6 +36,7 @@ from prefixgate.gateway.server.retention import (
 from prefixgate.gateway.server.settings import ServerSettings
 from prefixgate.gateway.server.state import ServerState, agent_of, engine_request_id, server_state
 from prefixgate.gateway.server.tools import FunctionTool, ToolChoice, tool_grammar
+from prefixgate.gateway.server.tools.repeats import GuardedParser
 from prefixgate.gateway.server.turn_stream import (
     ChoiceDelta,
     ChoiceOutput,
@@ -228,17 +229,23 @@ def _at_end(request: Request, state: ServerState, turn: ChatTurn, caller: _Calle
 
 
 def _splitters(state: ServerState, turn: ChatTurn, caller: _Caller,
-               num_choices: int) -> Callable[[], OutputSplitter]:
-    """Each choice's splitter; a runaway repeat of a call ends the request there (only when
-    the turn has one choice: n > 1 choices share an engine request and cannot end alone)."""
-    parse_tools = turn.visible_tools is not None
+               num_choices: int) -> Callable[[list[int]], OutputSplitter]:
+    """Each choice's splitter, given its prompt: THE place the output parser is chosen (tool
+    calls when tools are visible). A runaway repeat of a call ends the request there (only
+    when the turn has one choice: n > 1 choices share an engine request and cannot end alone).
+    """
+    tools = turn.visible_tools
 
     def on_repeat() -> None:
         state.engine.finish_early(caller.engine_id)
         state.clients.add("repeated_calls_cut")
 
     guard = on_repeat if num_choices == 1 else None
-    return lambda: OutputSplitter(parse_tools, guard)
+
+    def new_splitter(prompt: list[int]) -> OutputSplitter:
+        return OutputSplitter(GuardedParser(guard) if tools is not None else None)
+
+    return new_splitter
 
 
 async def open_turn(request: Request, principal: Principal, turn: ChatTurn,

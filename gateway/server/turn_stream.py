@@ -27,15 +27,12 @@ from prefixgate.gateway.server.tools.repeats import GuardedParser
 
 
 class OutputSplitter:
-    """The one place a choice's generated text becomes events: plain text when the turn has no
-    visible tools, else the tool-call parser behind the repeat guard (tools/repeats.py).
+    """The one place a choice's generated text becomes events: plain text when the turn's output
+    is not parsed, else its parser (tools/parser.py behind the repeat guard, tools/repeats.py;
+    built by ``turn.py`` ``_splitters``)."""
 
-    ``on_repeat`` is called once, at the first exact repeat of a call (None: no guard, as for
-    n > 1 choices that share one engine request and so cannot end alone).
-    """
-
-    def __init__(self, parse_tools: bool, on_repeat: Callable[[], None] | None = None):
-        self._parser = GuardedParser(on_repeat) if parse_tools else None
+    def __init__(self, parser: GuardedParser | None = None):
+        self._parser = parser
 
     def feed(self, text: str, final: bool) -> list[Event]:
         """The events of ``text`` (``final``: the output ended; flush what is held)."""
@@ -161,12 +158,13 @@ class TurnStream:
     :meth:`collect`; always :meth:`aclose` (idempotent; aborts unfinished requests).
 
     Choice ``i`` of prompt ``p`` is index ``p * choices_per_stream + i`` (text completions
-    send several prompts, one engine request each).
+    send several prompts, one engine request each); ``new_splitter(prompt_ids)`` makes each
+    choice's :class:`OutputSplitter`.
     """
 
     def __init__(self, streams: Sequence[DeltaStream], prompts: Sequence[list[int]],
                  timer: RequestTimer, choices_per_stream: int,
-                 new_splitter: Callable[[], OutputSplitter],
+                 new_splitter: Callable[[list[int]], OutputSplitter],
                  on_end: Callable[[TurnEnd], None] = lambda end: None):
         self.streams = list(streams)
         self.prompts = list(prompts)
@@ -182,7 +180,8 @@ class TurnStream:
 
     def _choice(self, index: int) -> ChoiceOutput:
         if index not in self._choices:
-            self._choices[index] = ChoiceOutput(index, self._new_splitter())
+            prompt = self.prompts[index // self._per_stream]
+            self._choices[index] = ChoiceOutput(index, self._new_splitter(prompt))
         return self._choices[index]
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta | TurnEnd]:
