@@ -52,7 +52,7 @@ def create_app(
         model_name=model_name,
         keys=keys,
         metrics=GatewayMetrics(engine, model_name, settings.max_agent_labels),
-        tokenization=Tokenization(engine, capacity),
+        tokenization=Tokenization(engine, capacity, settings.tool_call_format),
         capacity=capacity,
         page_size=pool.page_size,
     )

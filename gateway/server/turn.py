@@ -8,6 +8,7 @@ identical whichever surface a request arrives on.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -39,7 +40,6 @@ from prefixgate.gateway.server.tools import (
     TextPiece,
     ToolCallOutput,
     ToolChoice,
-    tool_grammar,
 )
 from prefixgate.gateway.server.tools.repeats import GuardedParser
 
@@ -80,6 +80,8 @@ class ChatTurn:
     repetition_penalty: float | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # what the chat template reads besides the messages (``enable_thinking``, formats/reasoning.py)
+    template_kwargs: dict[str, Any] | None = None
 
     @property
     def prompt_param(self) -> str:
@@ -100,6 +102,7 @@ class TurnEnd:
     calls: list[ToolCallOutput]
     text: str
     matched_stop: str | None = None
+    reasoning: str = ""  # the model's reasoning span, apart from ``text``
 
 
 class TurnStream:
@@ -107,7 +110,8 @@ class TurnStream:
     :meth:`collect`; always :meth:`aclose` (idempotent; aborts an unfinished request)."""
 
     def __init__(self, stream: DeltaStream, prompt_ids: list[int], timer: RequestTimer,
-                 parse_tools: bool, tokenizer: Any = None, stop: list[str] | None = None,
+                 new_parser: Callable[..., GuardedParser | None] | None = None,
+                 tokenizer: Any = None, stop: list[str] | None = None,
                  on_end: Callable[[TurnEnd, list[int]], None] | None = None,
                  on_repeat: Callable[[], None] | None = None):
         self.stream = stream
@@ -120,7 +124,8 @@ class TurnStream:
             if on_repeat is not None:
                 on_repeat()
 
-        self._parser = GuardedParser(repeat) if parse_tools else None
+        # new_parser(on_repeat): Tokenization.output_parser for this turn (None: plain text)
+        self._parser = new_parser(repeat) if new_parser is not None else None
         self._tokenizer = tokenizer
         self._stop = stop or []
 
@@ -166,7 +171,9 @@ class TurnStream:
             self.timer.on_finish(usage, [finish])
             joined = "".join(text)
             matched = self._matched_stop(output_ids, "".join(shown)) if finish == "stop" else None
-            end = TurnEnd(finish, usage, calls, joined.strip() if calls else joined, matched)
+            reasoning = "".join(self._parser.reasoning) if self._parser is not None else ""
+            end = TurnEnd(finish, usage, calls, joined.strip() if calls else joined, matched,
+                          reasoning)
             if self._on_end is not None:
                 self._on_end(end, output_ids)
             yield end
@@ -201,10 +208,11 @@ async def open_turn(request: Request, principal: Principal, turn: ChatTurn,
     state = server_state(request)
     timer = state.metrics.timer()
     state.check_model(model)
-    prompt = await state.tokenization.chat_with_tools(
-        turn.messages, turn.visible_tools, True, turn.message_param)
-    grammar = tool_grammar(turn.tools, turn.tool_choice, turn.response_format,
-                           turn.parameters_param, scope=principal.tenant)
+    tokenization = state.tokenization
+    prompt = await tokenization.chat_with_tools(
+        turn.messages, turn.visible_tools, True, turn.message_param, turn.template_kwargs)
+    grammar = tokenization.dialect.grammar(turn.tools, turn.tool_choice, turn.response_format,
+                                           turn.parameters_param, scope=principal.tenant)
     params = sampling_params(turn, len(prompt), state.capacity, state.page_size,  # type: ignore[arg-type]
                              turn.max_tokens, False, 0,
                              settings=state.settings,
@@ -225,7 +233,8 @@ async def open_turn(request: Request, principal: Principal, turn: ChatTurn,
             retain_later(request, principal.tenant, turn.cache_salt, prompt, turn.hold_s)
 
     (stream,) = await open_streams(state.engine, [generation])
-    return TurnStream(stream, prompt, timer, parse_tools=turn.visible_tools is not None,
+    return TurnStream(stream, prompt, timer, functools.partial(
+                          tokenization.output_parser, prompt, turn.visible_tools),
                       tokenizer=state.engine.tokenizer, stop=turn.stop, on_end=on_end,
                       on_repeat=lambda: state.clients.add("repeated_calls_cut"))
 

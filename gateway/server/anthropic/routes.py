@@ -22,7 +22,13 @@ from prefixgate.gateway.server.anthropic.models import CountTokensRequest, Messa
 from prefixgate.gateway.server.auth import Principal, authenticate
 from prefixgate.gateway.server.sse import SSEResponse
 from prefixgate.gateway.server.state import server_state
-from prefixgate.gateway.server.tools import CallArguments, CallEnd, CallStart, TextPiece
+from prefixgate.gateway.server.tools import (
+    CallArguments,
+    CallEnd,
+    CallStart,
+    ReasoningPiece,
+    TextPiece,
+)
 from prefixgate.gateway.server.turn import ClientDisconnected, TurnEnd, open_turn
 
 logger = logging.getLogger("prefixgate.server")
@@ -90,6 +96,8 @@ async def create_message(body: MessagesRequest, request: Request,
     except ClientDisconnected:
         return Response(status_code=499)
     content: list[dict[str, Any]] = []
+    if end.reasoning:
+        content.append({"type": "thinking", "thinking": end.reasoning, "signature": ""})
     if end.text:
         content.append({"type": "text", "text": end.text})
     for call in end.calls:
@@ -135,7 +143,11 @@ async def _stream(turn, message_id: str, model: str, page_size: int) -> AsyncIte
         yield _event("ping", {"type": "ping"})
         async for event in turn.events():
             out: list[bytes] = []
-            if isinstance(event, TextPiece):
+            if isinstance(event, ReasoningPiece):
+                if blocks.kind != "thinking":
+                    out += blocks.start({"type": "thinking", "thinking": "", "signature": ""})
+                out.append(blocks.delta({"type": "thinking_delta", "thinking": event.text}))
+            elif isinstance(event, TextPiece):
                 if blocks.kind != "text":
                     out += blocks.start({"type": "text", "text": ""})
                 out.append(blocks.delta({"type": "text_delta", "text": event.text}))
@@ -172,5 +184,5 @@ async def count_tokens(body: CountTokensRequest, request: Request,
     state.check_model(body.model)
     turn = body.turn()
     ids = await state.tokenization.chat_with_tools(turn.messages, turn.visible_tools, True,
-                                                  turn.message_param)
+                                                  turn.message_param, turn.template_kwargs)
     return {"input_tokens": len(ids)}

@@ -63,9 +63,9 @@ from prefixgate.gateway.server.state import ServerState, agent_of, engine_reques
 from prefixgate.gateway.server.tools import (
     CallArguments,
     CallStart,
+    ReasoningPiece,
     TextPiece,
     ToolCallOutput,
-    parse_output,
 )
 from prefixgate.gateway.server.tools.repeats import GuardedParser
 
@@ -203,18 +203,23 @@ def chat_message(choice: ChoiceState, parse_tools: bool
     if not parse_tools or choice.parser is None:
         return AssistantMessage(content=text), []
     calls = choice.parser.calls
+    reasoning = "".join(choice.parser.reasoning) or None
     if not calls:
-        return AssistantMessage(content=text), []
+        if reasoning is None:
+            return AssistantMessage(content=text), []
+        return AssistantMessage(content="".join(choice.parser.text),
+                                reasoning_content=reasoning), []
     content = "".join(choice.parser.text).strip()
-    return AssistantMessage(content=content or None, tool_calls=tool_calls_out(calls)), calls
+    return AssistantMessage(content=content or None, tool_calls=tool_calls_out(calls),
+                            reasoning_content=reasoning), calls
 
 
 class _ChatEvents(_EventMaker):
-    def __init__(self, response_id: str, model: str, include_usage: bool, parse_tools: bool,
-                 on_repeat: Callable[[], None] | None = None):
+    def __init__(self, response_id: str, model: str, include_usage: bool,
+                 new_parser: Callable[[], GuardedParser | None] | None = None):
         super().__init__(response_id, model, include_usage)
-        self.parse_tools = parse_tools
-        self.on_repeat = on_repeat
+        self.parse_tools = new_parser is not None
+        self.new_parser = new_parser
 
     def chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> bytes:
         return sse_event(
@@ -239,12 +244,16 @@ class _ChatEvents(_EventMaker):
             return self.chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=delta.text or None),
                                                logprobs=logprobs, finish_reason=delta.finish_reason)])
         if state.parser is None:
-            state.parser = GuardedParser(self.on_repeat)
+            assert self.new_parser is not None
+            state.parser = self.new_parser()
+        assert state.parser is not None
         events = state.parser.feed(delta.text, delta.finish_reason is not None)
         deltas: list[ChatDelta] = []
         for event in events:
             if isinstance(event, TextPiece):
                 deltas.append(ChatDelta(content=event.text))
+            elif isinstance(event, ReasoningPiece):
+                deltas.append(ChatDelta(reasoning_content=event.text))
             elif isinstance(event, CallStart):
                 deltas.append(ChatDelta(tool_calls=[ToolCallDelta(
                     index=event.index, id=event.id, type="function",
@@ -397,9 +406,11 @@ async def chat_completions(
     state.check_model(body.model)
     agent = agent_of(request, body.user)
     note_arrival(request, principal.tenant, agent)  # back from a tool pause: learn its length
-    prompt = await state.tokenization.chat_with_tools(
-        body.template_messages(), body.template_tools(), True)
-    grammar = body.output_grammar(scope=principal.tenant)
+    tokenization = state.tokenization
+    prompt = await tokenization.chat_with_tools(
+        body.template_messages(), body.template_tools(), True,
+        template_kwargs=body.template_kwargs())
+    grammar = body.output_grammar(scope=principal.tenant, dialect=tokenization.dialect)
     params = sampling_params(
         body,
         len(prompt),
@@ -424,26 +435,30 @@ async def chat_completions(
     )
     streams = await open_streams(state.engine, [generation])
     response_id = f"chatcmpl-{request_id}"
-    parse_tools = body.expects_tool_calls
-    ttl = retention_ttl(request, body.retention_seconds) if parse_tools else 0.0
-
     guard = repeat_guard(state, engine_id, body.n)
+    tools = body.template_tools()
+    # the output is parsed when it may hold calls or a reasoning span (the model's dialect)
+    parse_tools = tokenization.dialect.parses(tools)
+
+    def new_parser() -> GuardedParser | None:
+        return tokenization.output_parser(prompt, tools, guard)
+    ttl = retention_ttl(request, body.retention_seconds) if body.expects_tool_calls else 0.0
 
     def retain_tool_pauses(choices: dict[int, ChoiceState]) -> None:
         # a choice that ended in tool calls: its agent returns with the results and this prefix
         for c in choices.values():
-            calls = c.parser.calls if c.parser is not None else parse_output("".join(c.text))[1]
+            calls = c.parser.calls if c.parser is not None else []
             if chat_finish_reason(c.final_finish_reason, calls) == "tool_calls":
                 retain_tool_pause(request, principal.tenant, agent, body.cache_salt,
                                   [*prompt, *c.token_ids], ttl)
 
     if body.stream:
-        events = _ChatEvents(response_id, state.model_name, body.include_usage, parse_tools,
-                             guard)
+        events = _ChatEvents(response_id, state.model_name, body.include_usage,
+                             new_parser if parse_tools else None)
         opening = [events.role(i) for i in range(body.n)]
         return SSEResponse(
             stream_events(streams, timer, body.n, body.include_usage, request_id, opening, events,
-                          retain_tool_pauses if parse_tools else None)
+                          retain_tool_pauses if body.expects_tool_calls else None)
         )
 
     def build(choices: dict[int, ChoiceState], usage: Usage) -> ChatCompletionResponse:
@@ -456,13 +471,13 @@ async def chat_completions(
                 logprobs=chat_logprobs(c.logprobs) if body.logprobs else None,
                 finish_reason=chat_finish_reason(c.final_finish_reason, calls),
             ))
-        if parse_tools:
+        if body.expects_tool_calls:
             retain_tool_pauses(choices)
         return ChatCompletionResponse(
             id=response_id, model=state.model_name, choices=out, usage=usage_info(usage))
 
-    new_parser = (lambda: GuardedParser(guard)) if parse_tools else None
-    return await _respond(request, streams, timer, body.n, build, new_parser)
+    return await _respond(request, streams, timer, body.n, build,
+                          new_parser if parse_tools else None)
 
 
 @router.post("/v1/completions", response_model=None)

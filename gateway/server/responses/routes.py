@@ -23,7 +23,13 @@ from prefixgate.gateway.server.responses.models import ResponsesRequest, dumps, 
 from prefixgate.gateway.server.responses.store import ResponseStore, StoredResponse
 from prefixgate.gateway.server.sse import SSEResponse
 from prefixgate.gateway.server.state import server_state
-from prefixgate.gateway.server.tools import CallArguments, CallEnd, CallStart, TextPiece
+from prefixgate.gateway.server.tools import (
+    CallArguments,
+    CallEnd,
+    CallStart,
+    ReasoningPiece,
+    TextPiece,
+)
 from prefixgate.gateway.server.turn import ClientDisconnected, TurnEnd, TurnStream, open_turn
 
 logger = logging.getLogger("prefixgate.server")
@@ -54,6 +60,10 @@ class _Builder:
         return {"type": "message", "id": _id("msg"), "status": status, "role": "assistant",
                 "content": content if status == "completed" else []}
 
+    def reasoning_item(self, text: str, status: str = "completed") -> dict[str, Any]:
+        return {"type": "reasoning", "id": _id("rs"), "summary": [], "status": status,
+                "content": [{"type": "reasoning_text", "text": text}]}
+
     def call_item(self, call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
         # a namespaced function goes back as name + namespace (NAMESPACE.NAME in the prompt)
         return {"type": "function_call", "id": "fc_" + call_id.removeprefix("call_"),
@@ -80,7 +90,8 @@ class _Builder:
             "model": self.model, "output": list(self.output),
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id,
-            "reasoning": {"effort": None, "summary": None}, "store": body.store,
+            "reasoning": {"effort": body.reasoning.effort if body.reasoning else None,
+                          "summary": None}, "store": body.store,
             "temperature": 1.0 if body.temperature is None else body.temperature,
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt
                      else {"type": "text"}},
@@ -106,7 +117,8 @@ async def _save(request: Request, principal: Principal, body: ResponsesRequest,
     if not body.store:
         return
     publisher = request.app.state.publisher
-    conversation = [*history, *body.input_messages(), *output_messages(end.text, _history_calls(end))]
+    conversation = [*history, *body.input_messages(),
+                    *output_messages(end.text, _history_calls(end), end.reasoning)]
     stored = StoredResponse(builder.id, principal.tenant, response, conversation,
                             publisher.config.replica_id if publisher is not None else None)
     try:
@@ -141,6 +153,8 @@ async def create_response(body: ResponsesRequest, request: Request, response: Re
     except ClientDisconnected:
         return Response(status_code=499)
     response.headers.update(headers)
+    if end.reasoning:
+        builder.output.append(builder.reasoning_item(end.reasoning))
     if end.text or not end.calls:
         builder.output.append(builder.message_item(end.text))
     builder.output.extend(builder.call_item(c.id, c.name, c.arguments) for c in end.calls)
@@ -178,6 +192,19 @@ async def _stream(request: Request, principal: Principal, body: ResponsesRequest
     message: dict[str, Any] | None = None  # the open message item
     text: list[str] = []
     call: dict[str, Any] | None = None  # the open function_call item
+    reasoning: dict[str, Any] | None = None  # the open reasoning item
+
+    def close_reasoning() -> list[bytes]:
+        nonlocal reasoning
+        if reasoning is None:
+            return []
+        index, part = builder.output.index(reasoning), reasoning["content"][0]
+        reasoning["status"] = "completed"
+        out = [event("response.reasoning_text.done", item_id=reasoning["id"],
+                     output_index=index, content_index=0, text=part["text"]),
+               event("response.output_item.done", output_index=index, item=reasoning)]
+        reasoning = None
+        return out
 
     def close_message() -> list[bytes]:
         nonlocal message
@@ -201,6 +228,19 @@ async def _stream(request: Request, principal: Principal, body: ResponsesRequest
         yield event("response.created", response=builder.response("in_progress"))
         yield event("response.in_progress", response=builder.response("in_progress"))
         async for item in turn.events():
+            if isinstance(item, ReasoningPiece):
+                if reasoning is None:
+                    reasoning = builder.reasoning_item("", status="in_progress")
+                    builder.output.append(reasoning)
+                    yield event("response.output_item.added",
+                                output_index=len(builder.output) - 1, item=reasoning)
+                reasoning["content"][0]["text"] += item.text
+                yield event("response.reasoning_text.delta", item_id=reasoning["id"],
+                            output_index=builder.output.index(reasoning), content_index=0,
+                            delta=item.text)
+                continue
+            for chunk in close_reasoning():  # the span ended: what follows is the answer
+                yield chunk
             if isinstance(item, TextPiece):
                 if message is None:
                     message = builder.message_item("", status="in_progress")

@@ -22,6 +22,7 @@ from typing import Any
 
 from prefixgate.gateway.server.tools.formats.base import ParsedCall, ToolCallFormat
 from prefixgate.gateway.server.tools.formats.registry import register_format
+from prefixgate.gateway.server.tools.grammar import check_schema
 from prefixgate.gateway.server.tools.records import FunctionTool
 
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
@@ -40,7 +41,8 @@ class Qwen3CoderFormat(ToolCallFormat):
     def begin(self, tool_name: str) -> str:
         return f"<tool_call>\n<function={tool_name}>\n"
 
-    def content(self, tool: FunctionTool) -> dict[str, Any]:
+    def content(self, tool: FunctionTool, param: str = "tools", scope: str = "") -> dict[str, Any]:
+        check_schema(tool.schema, param, object_only=True)  # the same bounds as JSON formats
         return {"type": "json_schema", "json_schema": tool.schema, "style": "qwen_xml"}
 
     def find_call(self, text: str, start: int) -> int | None:
