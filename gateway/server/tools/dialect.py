@@ -3,8 +3,8 @@ its chat template, and the one place the API surfaces get prompt inputs, grammar
 parsers from (so every surface speaks the model's own format the same way).
 
 * **format**: the one its template teaches (tools/formats; ``--tool-call-format`` overrides).
-  A template that teaches none gets the gateway's Hermes format (tools/prompt.py), as the
-  default SmolLM2 does.
+  A template that teaches none, or that does not render the tool list itself, gets the
+  gateway's Hermes format (tools/prompt.py), as the default SmolLM2 does.
 * **native**: the template renders the tools and the history (calls, results) itself, in that
   format; otherwise the gateway writes them into the messages (tools/prompt.py).
 * **reasoning**: the template's ``<think>`` span, split from the answer (formats/reasoning.py).
@@ -109,7 +109,11 @@ def choose_dialect(template: Any, override: str | None = None) -> ToolDialect:
     # native: the template writes tools in the format we enforce; one that renders tools in
     # another format (or one we do not know) gets the gateway's Hermes prompt instead
     native = renders_tools and fmt.detect(source or "")
-    if not native and fmt is not HERMES:
+    if not native and override is None:
+        # e.g. DeepSeek R1's template writes calls in the history but never the tool list:
+        # the gateway's Hermes prompt tells the model both
+        fmt = HERMES
+    elif not native and fmt is not HERMES:
         raise ValueError(
             f"tool-call format {fmt.name!r}: the model's chat template does not render tools "
             "in it, and the gateway writes tool prompts only in the 'hermes' format")
