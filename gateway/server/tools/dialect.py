@@ -40,6 +40,7 @@ class ToolDialect:
     format: ToolCallFormat = HERMES
     native: bool = False
     reasoning: ReasoningFormat | None = None
+    system_turn: bool = True  # the template takes a system turn (the gateway's tools go there)
 
     def template_inputs(
         self, messages: list[dict[str, Any]], tools: Sequence[FunctionTool] | None,
@@ -49,8 +50,10 @@ class ToolDialect:
         conversation identically through this)."""
         if self.native:
             template_tools = [tool_json(t) for t in tools] if tools else None
-            return native_messages(messages, message_param=message_param), template_tools
-        return prepare_messages(messages, tools, message_param=message_param), None
+            history = native_messages(messages, message_param=message_param)
+            return self.format.history_messages(history), template_tools
+        return prepare_messages(messages, tools, message_param=message_param,
+                                system_turn=self.system_turn), None
 
     def grammar(
         self, tools: Sequence[FunctionTool], choice: ToolChoice,
@@ -109,6 +112,8 @@ def choose_dialect(template: Any, override: str | None = None) -> ToolDialect:
     # native: the template writes tools in the format we enforce; one that renders tools in
     # another format (or one we do not know) gets the gateway's Hermes prompt instead
     native = renders_tools and fmt.detect(source or "")
+    if native:
+        fmt = fmt.for_template(source or "")
     if not native and override is None:
         # e.g. DeepSeek R1's template writes calls in the history but never the tool list:
         # the gateway's Hermes prompt tells the model both
@@ -117,4 +122,5 @@ def choose_dialect(template: Any, override: str | None = None) -> ToolDialect:
         raise ValueError(
             f"tool-call format {fmt.name!r}: the model's chat template does not render tools "
             "in it, and the gateway writes tool prompts only in the 'hermes' format")
-    return ToolDialect(fmt, native, reasoning_for_template(source))
+    system_turn = bool(getattr(template, "takes_system", True))
+    return ToolDialect(fmt, native, reasoning_for_template(source), system_turn)

@@ -56,8 +56,10 @@ def check_call(name: str, arguments: str | dict) -> dict:
 
 def forced_chat_calls(oai: Any, model: str, choice: Any) -> None:
     """A forced call on chat completions, whole and streamed: the same greedy call."""
+    # one call (no parallel ones): a forced call of SCHEMA always fits MAX_TOKENS
     done = oai.chat.completions.create(model=model, messages=USER, tools=CHAT_TOOLS,
-                                       tool_choice=choice, max_tokens=MAX_TOKENS, temperature=0)
+                                       tool_choice=choice, max_tokens=MAX_TOKENS, temperature=0,
+                                       parallel_tool_calls=False)
     calls = done.choices[0].message.tool_calls
     assert calls and all(check_call(c.function.name, c.function.arguments) for c in calls)
     assert done.choices[0].finish_reason == "tool_calls"
@@ -65,7 +67,7 @@ def forced_chat_calls(oai: Any, model: str, choice: Any) -> None:
     finish = None
     for chunk in oai.chat.completions.create(
             model=model, messages=USER, tools=CHAT_TOOLS, tool_choice=choice,
-            max_tokens=MAX_TOKENS, temperature=0, stream=True):
+            max_tokens=MAX_TOKENS, temperature=0, parallel_tool_calls=False, stream=True):
         for piece in chunk.choices[0].delta.tool_calls or ():
             arguments[piece.index] = arguments.get(piece.index, "") + (
                 piece.function.arguments or "")
@@ -77,13 +79,14 @@ def forced_chat_calls(oai: Any, model: str, choice: Any) -> None:
 def forced_calls_on_responses_and_messages(oai: Any, claude: Any, model: str) -> None:
     response = oai.responses.create(
         model=model, input=USER[0]["content"], tool_choice="required", temperature=0,
-        max_output_tokens=MAX_TOKENS,
+        max_output_tokens=MAX_TOKENS, parallel_tool_calls=False,
         tools=[{"type": "function", "name": "get_weather", "parameters": SCHEMA}])
     items = [o for o in response.output if o.type == "function_call"]
     assert items and all(check_call(i.name, i.arguments) for i in items)
     tools = [{"name": "get_weather", "description": "The weather forecast", "input_schema": SCHEMA}]
     message = claude.messages.create(model=model, max_tokens=MAX_TOKENS, messages=USER,
-                                     tools=tools, tool_choice={"type": "any"})
+                                     tools=tools, tool_choice={
+                                         "type": "any", "disable_parallel_tool_use": True})
     blocks = [b for b in message.content if b.type == "tool_use"]
     assert blocks and all(check_call(b.name, b.input) for b in blocks)
     assert message.stop_reason == "tool_use"

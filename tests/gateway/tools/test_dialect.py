@@ -158,3 +158,35 @@ def test_responses_stream_a_reasoning_item_first():
     done = next(e for e in events if e["type"] == "response.completed")["response"]
     assert [o["type"] for o in done["output"]] == ["reasoning", "message"]
     assert done["output"][0]["content"] == [{"type": "reasoning_text", "text": "plan"}]
+
+
+def test_mistral_small_writes_and_keeps_its_call_ids():
+    dialect = choose_dialect(_template("Mistral-Small-3.2-24B-Instruct-2506.jinja"))
+    assert dialect.format.name == "mistral" and dialect.format.call_ids
+    from xgrammar import Grammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from prefixgate.gateway.server.tools.records import ToolChoice
+
+    grammar = Grammar.from_structural_tag(dialect.grammar(
+        [WEATHER], ToolChoice("required"), None, lambda i: "tools").source)
+    call = '[TOOL_CALLS]get_weather[CALL_ID]abc123XYZ[ARGS]{"city": "Paris"}'
+    assert _is_grammar_accept_string(grammar, call)
+    assert not _is_grammar_accept_string(grammar, call.replace("abc123XYZ", "abc_1"))
+    parser = dialect.parser([WEATHER], None)
+    _events(parser, call)
+    assert [(c.id, c.name) for c in parser.calls] == [("abc123XYZ", "get_weather")]
+    # the template takes only 9 alphanumerics: ids the client sends back are mapped, stably
+    history = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "toolu_abc123XYZ", "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{}"}},
+                   {"id": "call_8813cc42e25b4e09ac332fc5", "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{}"}}]},
+               {"role": "tool", "tool_call_id": "call_8813cc42e25b4e09ac332fc5", "content": "x"}]
+    messages, _ = dialect.template_inputs(history, [WEATHER])
+    ids = [c["id"] for c in messages[1]["tool_calls"]]
+    assert ids[0] == "abc123XYZ" and len(ids[1]) == 9 and ids[1].isalnum()
+    assert messages[2]["tool_call_id"] == ids[1]
+    assert dialect.template_inputs(history, [WEATHER])[0] == messages
+    _template("Mistral-Small-3.2-24B-Instruct-2506.jinja").render(messages)  # no refusal

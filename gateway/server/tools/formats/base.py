@@ -34,6 +34,7 @@ class ParsedCall:
 
     name: str
     arguments: str
+    id: str | None = None  # the id the model wrote (Mistral's [CALL_ID]); None: we make one
 
 
 class ToolCallFormat:
@@ -53,6 +54,14 @@ class ToolCallFormat:
     def begin(self, tool_name: str) -> str:
         """The fixed text before a call's arguments."""
         raise NotImplementedError
+
+    def for_template(self, template: str) -> ToolCallFormat:
+        """This format as ``template`` writes it (a variant where templates differ)."""
+        return self
+
+    def history_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The history as the template takes it (default: unchanged)."""
+        return messages
 
     def content(self, tool: FunctionTool, param: str = "tools", scope: str = "") -> dict[str, Any]:
         """The structural-tag element of a call's arguments: canonical JSON (``json.dumps``
@@ -167,8 +176,8 @@ class FormatStreamParser:
                 return
             parsed = [ParsedCall("", "")]
         for one in parsed:
-            call = ToolCallOutput(len(self._calls), new_call_id(), one.name, one.arguments,
-                                  complete=complete)  # fmt: skip
+            call = ToolCallOutput(len(self._calls), one.id or new_call_id(), one.name,
+                                  one.arguments, complete=complete)  # fmt: skip
             self._calls.append(call)
             events += [CallStart(call.index, call.id, call.name),
                        CallArguments(call.index, call.arguments), CallEnd(call)]  # fmt: skip
