@@ -98,7 +98,7 @@ def call_text(dialect: ToolDialect, arguments: dict[str, Any], call_id: str) -> 
         return f"{fmt.begin(READ_FILE.name)}{call_id}[ARGS]{canonical_json(arguments)}"
     if fmt.name == "qwen3_coder":
         body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in arguments.items())
-        return fmt.begin(READ_FILE.name) + body.removesuffix("\n") + fmt.end
+        return fmt.begin(READ_FILE.name) + body + fmt.end
     if fmt.name == "hermes":
         return call_begin(READ_FILE.name) + canonical_json(arguments) + "}\n</tool_call>"
     return fmt.begin(READ_FILE.name) + canonical_json(arguments) + fmt.end

@@ -9,8 +9,7 @@ from benchmarks.tool_loop_hit import TARGET, main, measure
 
 
 def test_the_tool_loop_keeps_extending_where_the_template_allows():
-    for case in ("qwen3-thinking", "mistral-small-3.2"):  # a think span; a model-written id
-        assert measure(case)["hit_over_ideal"] >= TARGET, case
+    assert measure("qwen3-thinking")["hit_over_ideal"] >= TARGET  # the think span is kept
     r1 = measure("deepseek-r1-qwen")  # its template drops earlier think spans
     assert r1["hit_over_ideal"] < TARGET and "think" in r1["diverges"]
 
