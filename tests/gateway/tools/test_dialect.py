@@ -190,3 +190,14 @@ def test_mistral_small_writes_and_keeps_its_call_ids():
     assert messages[2]["tool_call_id"] == ids[1]
     assert dialect.template_inputs(history, [WEATHER])[0] == messages
     _template("Mistral-Small-3.2-24B-Instruct-2506.jinja").render(messages)  # no refusal
+
+
+def test_a_template_without_a_system_turn_gets_the_tools_in_the_first_turn():
+    gemma = _template("google-gemma-2-2b-it.jinja")  # it raises on a system turn
+    dialect = choose_dialect(gemma)
+    assert not dialect.native and not dialect.system_turn
+    messages, tools = dialect.template_inputs([{"role": "user", "content": "Weather?"}], [WEATHER])
+    assert [m["role"] for m in messages] == ["user"] and tools is None
+    assert messages[0]["content"].startswith("# Tools") and messages[0]["content"].endswith(
+        "\n\nWeather?")
+    assert "get_weather" in gemma.render(messages)
