@@ -87,7 +87,7 @@ def _server_state(engine: EngineLike, settings: ServerSettings) -> ServerState:
         model_name=model_name,
         keys=KeyTable.from_settings(settings),
         metrics=GatewayMetrics(engine, model_name, settings.max_agent_labels),
-        tokenization=Tokenization(engine, capacity),
+        tokenization=Tokenization(engine, capacity, settings.tool_call_format),
         capacity=capacity,
         page_size=pool.page_size,
     )

@@ -20,6 +20,11 @@ from prefixgate.gateway.server.limits import ConnectionLimits
 DEFAULT_TENANT = "default"
 ENV_PREFIX = "PREFIXGATE_"
 
+# --tool-call-format: "auto" (the one the chat template teaches) or a registered format
+# (gateway/server/tools/formats; a test keeps this list equal to the registry, which the CLI
+# does not import: it pulls the grammar compiler)
+TOOL_CALL_FORMATS = ("auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "deepseek_r1")
+
 # Tenants and keys travel in headers, logs and metric labels: keep them printable and short.
 _TOKEN_RE = re.compile(r"^[A-Za-z0-9._~+/=@-]{1,256}$")
 
@@ -208,6 +213,9 @@ class ServerSettings:
     retention_learn: bool = True
     # slow and greedy clients: header/body deadlines, connection and body-size caps
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)
+    # how the model writes tool calls (gateway/server/tools/dialect.py); "auto": from its
+    # chat template, the gateway's Hermes format when the template teaches none
+    tool_call_format: str = "auto"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -226,6 +234,9 @@ class ServerSettings:
         if self.heartbeat_ttl_s <= 0:
             raise ValueError(f"heartbeat_ttl_s must be > 0, got {self.heartbeat_ttl_s}")
         check_model_aliases(self.model_aliases)
+        if self.tool_call_format not in TOOL_CALL_FORMATS:
+            raise ValueError(f"tool_call_format must be one of {', '.join(TOOL_CALL_FORMATS)}, "
+                             f"got {self.tool_call_format!r}")
         if self.default_temperature is not None and not 0 <= self.default_temperature <= 2:
             raise ValueError(f"default_temperature must be in [0, 2], got {self.default_temperature}")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:

@@ -35,8 +35,7 @@ from prefixgate.gateway.server.retention import (
 )
 from prefixgate.gateway.server.settings import ServerSettings
 from prefixgate.gateway.server.state import ServerState, agent_of, engine_request_id, server_state
-from prefixgate.gateway.server.tools import FunctionTool, ToolChoice, tool_grammar
-from prefixgate.gateway.server.tools.repeats import GuardedParser
+from prefixgate.gateway.server.tools import FunctionTool, ToolChoice
 from prefixgate.gateway.server.turn_stream import (
     ChoiceDelta,
     ChoiceOutput,
@@ -89,6 +88,8 @@ class ChatTurn:
     logprobs: bool = False
     top_logprobs: int = 0
     report_stop: bool = False  # find which stop string ended each choice (Anthropic reports it)
+    # what the chat template reads besides the messages (``enable_thinking``, formats/reasoning.py)
+    template_kwargs: dict[str, Any] | None = None
 
     @property
     def prompt_param(self) -> str:
@@ -180,7 +181,7 @@ async def _render(state: ServerState, turn: ChatTurn) -> list[list[int]]:
     """The prompt token ids: the chat template over the messages, or each raw prompt."""
     if turn.prompts is None:
         return [await state.tokenization.chat_with_tools(
-            turn.messages, turn.visible_tools, True, turn.message_param)]
+            turn.messages, turn.visible_tools, True, turn.message_param, turn.template_kwargs)]
     rendered = []
     for prompt in turn.prompts:
         if isinstance(prompt, list):
@@ -194,8 +195,9 @@ async def _render(state: ServerState, turn: ChatTurn) -> list[list[int]]:
 def _generations(state: ServerState, turn: ChatTurn, caller: _Caller,
                  prompts: list[list[int]]) -> list[GenerationRequest]:
     """One engine request per prompt (suffixed ids when there are several)."""
-    grammar = tool_grammar(turn.tools, turn.tool_choice, turn.response_format,
-                           turn.parameters_param, scope=caller.tenant)
+    grammar = state.tokenization.dialect.grammar(turn.tools, turn.tool_choice,
+                                                 turn.response_format, turn.parameters_param,
+                                                 scope=caller.tenant)
     out = []
     for i, prompt in enumerate(prompts):
         params = sampling_params(turn, len(prompt), state.capacity, state.page_size,
@@ -230,8 +232,8 @@ def _at_end(request: Request, state: ServerState, turn: ChatTurn, caller: _Calle
 
 def _splitters(state: ServerState, turn: ChatTurn, caller: _Caller,
                num_choices: int) -> Callable[[list[int]], OutputSplitter]:
-    """Each choice's splitter, given its prompt: THE place the output parser is chosen (tool
-    calls when tools are visible). A runaway repeat of a call ends the request there (only
+    """Each choice's splitter, given its prompt: THE place the output parser is chosen (the
+    served model's dialect: tool calls in its format, its reasoning span apart). A runaway repeat of a call ends the request there (only
     when the turn has one choice: n > 1 choices share an engine request and cannot end alone).
     """
     tools = turn.visible_tools
@@ -243,7 +245,7 @@ def _splitters(state: ServerState, turn: ChatTurn, caller: _Caller,
     guard = on_repeat if num_choices == 1 else None
 
     def new_splitter(prompt: list[int]) -> OutputSplitter:
-        return OutputSplitter(GuardedParser(guard) if tools is not None else None)
+        return OutputSplitter(state.tokenization.output_parser(prompt, tools, guard))
 
     return new_splitter
 

@@ -22,7 +22,7 @@ from prefixgate.gateway.server.generation import (
     until_disconnect,
 )
 from prefixgate.gateway.server.metrics import RequestTimer
-from prefixgate.gateway.server.tools import Event, TextPiece, ToolCallOutput
+from prefixgate.gateway.server.tools import Event, ReasoningPiece, TextPiece, ToolCallOutput
 from prefixgate.gateway.server.tools.repeats import GuardedParser
 
 
@@ -57,6 +57,7 @@ class ChoiceOutput:
     splitter: OutputSplitter
     shown: list[str] = field(default_factory=list)  # every delta's text, as the engine sent it
     content: list[str] = field(default_factory=list)  # the text outside tool calls
+    reasoning: list[str] = field(default_factory=list)  # the model's reasoning span
     logprobs: list[TokenLogprob] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     engine_finish: str | None = None
@@ -91,6 +92,8 @@ class ChoiceOutput:
         for event in events:
             if isinstance(event, TextPiece):
                 self.content.append(event.text)
+            elif isinstance(event, ReasoningPiece):
+                self.reasoning.append(event.text)
         self.shown.append(delta.text)
         self.token_ids.extend(delta.token_ids)
         if delta.logprobs:
@@ -117,7 +120,8 @@ class ChoiceDelta:
 @dataclass(frozen=True, slots=True)
 class TurnEnd:
     """The last item of a turn: the summed usage and every choice, by index. The single-choice
-    views (``finish_reason``, ``calls``, ``text``, ``matched_stop``) read choice 0."""
+    views (``finish_reason``, ``calls``, ``text``, ``matched_stop``, ``reasoning``) read
+    choice 0."""
 
     usage: Usage
     choices: list[ChoiceOutput]
@@ -137,6 +141,11 @@ class TurnEnd:
     @property
     def matched_stop(self) -> str | None:
         return self.choices[0].matched_stop
+
+    @property
+    def reasoning(self) -> str:
+        """The model's reasoning span, apart from ``text``."""
+        return "".join(self.choices[0].reasoning)
 
 
 def matched_stop(tokenizer: Any, stop: Sequence[str], choice: ChoiceOutput) -> str | None:

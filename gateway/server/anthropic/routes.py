@@ -38,5 +38,5 @@ async def count_tokens(body: CountTokensRequest, request: Request,
     state.check_model(body.model)
     turn = body.turn()
     ids = await state.tokenization.chat_with_tools(turn.messages, turn.visible_tools, True,
-                                                  turn.message_param)
+                                                  turn.message_param, turn.template_kwargs)
     return {"input_tokens": len(ids)}

@@ -16,7 +16,14 @@ from prefixgate.gateway.engine.api import EngineError, Usage
 from prefixgate.gateway.server.anthropic.errors import anthropic_error_body
 from prefixgate.gateway.server.serving import TurnWriter
 from prefixgate.gateway.server.sse import sse_named_event
-from prefixgate.gateway.server.tools import CallArguments, CallEnd, CallStart, Event, TextPiece
+from prefixgate.gateway.server.tools import (
+    CallArguments,
+    CallEnd,
+    CallStart,
+    Event,
+    ReasoningPiece,
+    TextPiece,
+)
 from prefixgate.gateway.server.turn_stream import ChoiceDelta, TurnEnd
 
 
@@ -113,6 +120,10 @@ class MessagesWriter(TurnWriter):
 
     def _block_events(self, event: Event) -> list[bytes]:
         blocks = self.blocks
+        if isinstance(event, ReasoningPiece):
+            out = (blocks.start({"type": "thinking", "thinking": "", "signature": ""})
+                   if blocks.kind != "thinking" else [])
+            return [*out, blocks.delta({"type": "thinking_delta", "thinking": event.text})]
         if isinstance(event, TextPiece):
             out = blocks.start({"type": "text", "text": ""}) if blocks.kind != "text" else []
             return [*out, blocks.delta({"type": "text_delta", "text": event.text})]
@@ -140,6 +151,8 @@ class MessagesWriter(TurnWriter):
 
     async def whole(self, end: TurnEnd) -> dict[str, Any]:
         content: list[dict[str, Any]] = []
+        if end.reasoning:
+            content.append({"type": "thinking", "thinking": end.reasoning, "signature": ""})
         if end.text:
             content.append({"type": "text", "text": end.text})
         for call in end.calls:

@@ -32,7 +32,13 @@ from prefixgate.gateway.server.openai.protocol import (
 )
 from prefixgate.gateway.server.serving import TurnWriter
 from prefixgate.gateway.server.sse import SSE_DONE, sse_event
-from prefixgate.gateway.server.tools import CallArguments, CallStart, Event, TextPiece
+from prefixgate.gateway.server.tools import (
+    CallArguments,
+    CallStart,
+    Event,
+    ReasoningPiece,
+    TextPiece,
+)
 from prefixgate.gateway.server.turn_stream import ChoiceDelta, ChoiceOutput, TurnEnd
 
 
@@ -85,6 +91,8 @@ def chat_delta(event: Event) -> ChatDelta | None:
     """One parser event as a chunk's delta (a call's end has none: its pieces were sent)."""
     if isinstance(event, TextPiece):
         return ChatDelta(content=event.text)
+    if isinstance(event, ReasoningPiece):
+        return ChatDelta(reasoning_content=event.text)
     if isinstance(event, CallStart):
         return ChatDelta(tool_calls=[ToolCallDelta(
             index=event.index, id=event.id, type="function",
@@ -97,13 +105,15 @@ def chat_delta(event: Event) -> ChatDelta | None:
 
 def chat_message(choice: ChoiceOutput) -> AssistantMessage:
     calls = choice.calls
+    reasoning = "".join(choice.reasoning) or None  # sent only when the model reasoned
     if not calls:
-        return AssistantMessage(content=choice.text)
+        return AssistantMessage(content=choice.text, reasoning_content=reasoning)
     return AssistantMessage(
         content=choice.text or None,
         tool_calls=[ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name,
                                                                    arguments=c.arguments))
-                    for c in calls])
+                    for c in calls],
+        reasoning_content=reasoning)
 
 
 class _OpenAIWriter(TurnWriter):

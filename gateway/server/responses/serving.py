@@ -17,7 +17,14 @@ from prefixgate.gateway.server.responses.models import ResponsesRequest, dumps, 
 from prefixgate.gateway.server.responses.store import ResponseStore, StoredResponse
 from prefixgate.gateway.server.serving import TurnWriter
 from prefixgate.gateway.server.sse import sse_named_event
-from prefixgate.gateway.server.tools import CallArguments, CallEnd, CallStart, Event, TextPiece
+from prefixgate.gateway.server.tools import (
+    CallArguments,
+    CallEnd,
+    CallStart,
+    Event,
+    ReasoningPiece,
+    TextPiece,
+)
 from prefixgate.gateway.server.turn_stream import ChoiceDelta, TurnEnd
 
 logger = logging.getLogger("prefixgate.server")
@@ -59,6 +66,10 @@ class ResponseBuilder:
         return {"type": "message", "id": new_id("msg"), "status": status, "role": "assistant",
                 "content": content if status == "completed" else []}
 
+    def reasoning_item(self, text: str, status: str = "completed") -> dict[str, Any]:
+        return {"type": "reasoning", "id": new_id("rs"), "summary": [], "status": status,
+                "content": [{"type": "reasoning_text", "text": text}]}
+
     def call_item(self, call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
         # a namespaced function goes back as name + namespace (NAMESPACE.NAME in the prompt)
         return {"type": "function_call", "id": "fc_" + call_id.removeprefix("call_"),
@@ -77,7 +88,8 @@ class ResponseBuilder:
             "model": self.model, "output": list(self.output),
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id,
-            "reasoning": {"effort": None, "summary": None}, "store": body.store,
+            "reasoning": {"effort": body.reasoning.effort if body.reasoning else None,
+                          "summary": None}, "store": body.store,
             "temperature": 1.0 if body.temperature is None else body.temperature,
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt
                      else {"type": "text"}},
@@ -101,6 +113,7 @@ class ResponsesWriter(TurnWriter):
         self.message: dict[str, Any] | None = None  # the open message item
         self.text: list[str] = []
         self.call: dict[str, Any] | None = None  # the open function_call item
+        self.reasoning: dict[str, Any] | None = None  # the open reasoning item
 
     def event(self, kind: str, **payload: Any) -> bytes:
         data = {"type": kind, "sequence_number": self.sequence, **payload}
@@ -115,6 +128,12 @@ class ResponsesWriter(TurnWriter):
         return [chunk for event in delta.events for chunk in self._item_events(event)]
 
     def _item_events(self, item: Event) -> list[bytes]:
+        if isinstance(item, ReasoningPiece):
+            return self._reasoning(item.text)
+        # the span ended: what follows is the answer
+        return [*self._close_reasoning(), *self._answer_events(item)]
+
+    def _answer_events(self, item: Event) -> list[bytes]:
         if isinstance(item, TextPiece):
             return self._text(item.text)
         if isinstance(item, CallStart):
@@ -136,6 +155,30 @@ class ResponsesWriter(TurnWriter):
                                output_index=index, name=call["name"], arguments=call["arguments"]),
                     self.event("response.output_item.done", output_index=index, item=call)]
         return []
+
+    def _reasoning(self, text: str) -> list[bytes]:
+        out = []
+        if self.reasoning is None:
+            self.reasoning = self.builder.reasoning_item("", status="in_progress")
+            self.builder.output.append(self.reasoning)
+            out.append(self.event("response.output_item.added",
+                                  output_index=len(self.builder.output) - 1, item=self.reasoning))
+        self.reasoning["content"][0]["text"] += text
+        out.append(self.event("response.reasoning_text.delta", item_id=self.reasoning["id"],
+                              output_index=self.builder.output.index(self.reasoning),
+                              content_index=0, delta=text))
+        return out
+
+    def _close_reasoning(self) -> list[bytes]:
+        reasoning = self.reasoning
+        if reasoning is None:
+            return []
+        index, part = self.builder.output.index(reasoning), reasoning["content"][0]
+        reasoning["status"] = "completed"
+        self.reasoning = None
+        return [self.event("response.reasoning_text.done", item_id=reasoning["id"],
+                           output_index=index, content_index=0, text=part["text"]),
+                self.event("response.output_item.done", output_index=index, item=reasoning)]
 
     def _text(self, text: str) -> list[bytes]:
         out = []
@@ -171,7 +214,7 @@ class ResponsesWriter(TurnWriter):
                 self.event("response.output_item.done", output_index=index, item=done)]
 
     async def end(self, end: TurnEnd) -> list[bytes]:
-        out = self._close_message()
+        out = [*self._close_reasoning(), *self._close_message()]
         if not self.builder.output:  # an empty answer is still one (empty) message
             self.builder.output.append(self.builder.message_item(""))
         status = status_of(end)
@@ -191,6 +234,8 @@ class ResponsesWriter(TurnWriter):
 
     async def whole(self, end: TurnEnd) -> dict[str, Any]:
         builder = self.builder
+        if end.reasoning:
+            builder.output.append(builder.reasoning_item(end.reasoning))
         if end.text or not end.calls:
             builder.output.append(builder.message_item(end.text))
         builder.output.extend(builder.call_item(c.id, c.name, c.arguments) for c in end.calls)
@@ -205,7 +250,7 @@ class ResponsesWriter(TurnWriter):
         calls = [{"id": c.id, "type": "function",
                   "function": {"name": c.name, "arguments": c.arguments}} for c in end.calls]
         conversation = [*self.history, *self.body.input_messages(),
-                        *output_messages(end.text, calls)]
+                        *output_messages(end.text, calls, end.reasoning)]
         stored = StoredResponse(self.builder.id, self.principal.tenant, response, conversation,
                                 publisher.config.replica_id if publisher is not None else None)
         try:
