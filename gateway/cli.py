@@ -31,7 +31,12 @@ from prefixgate.gateway.server.limits import (
     format_byte_size,
     limits_from_values,
 )
-from prefixgate.gateway.server.settings import ServerSettings, env_var, merge_api_keys
+from prefixgate.gateway.server.settings import (
+    TOOL_CALL_FORMATS,
+    ServerSettings,
+    env_var,
+    merge_api_keys,
+)
 
 _ENGINE, _SERVER = EngineConfig(), ServerSettings()
 # pauses an agent must show before its own learned TTL replaces --retention
@@ -52,6 +57,7 @@ DEFAULTS: dict[str, Any] = {
     "model_alias": list(_SERVER.model_aliases),
     "default_max_tokens": _SERVER.default_max_tokens,
     "default_temperature": _SERVER.default_temperature,
+    "tool_call_format": _SERVER.tool_call_format,
     "rope_scaling": _ENGINE.rope_scaling,
     "page_size": _ENGINE.page_size,
     "kv_memory": _ENGINE.kv_memory_gb,
@@ -318,6 +324,13 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         type=float,
         help="temperature of a request that sends none (Claude Code, Codex); default 1.0",
     )
+    http.add_argument(
+        "--tool-call-format",
+        choices=TOOL_CALL_FORMATS,
+        help="how the model writes tool calls: auto = the format its chat template teaches "
+        "(Hermes <tool_call>, Qwen3-Coder XML, Llama 3.x JSON, Mistral [TOOL_CALLS], DeepSeek "
+        "R1), the gateway's Hermes prompt when it teaches none (default {default})",
+    )
     http.add_argument("--host", help="bind address (default {default})")
     http.add_argument("--port", type=int, help="port (default {default}; 0 = any free port)")
     http.add_argument(
@@ -534,6 +547,7 @@ def configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerSettings]:
         model_aliases=tuple(values["model_alias"]),
         default_max_tokens=values["default_max_tokens"],
         default_temperature=values["default_temperature"],
+        tool_call_format=values["tool_call_format"],
         allowed_origins=tuple(values["allowed_origin"]),
         max_agent_labels=values["max_agent_labels"],
         stats_previews=values["stats_previews"] == "on",

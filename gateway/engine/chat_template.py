@@ -130,6 +130,15 @@ class ChatTemplate:
             return False
         return "prefixgate_probe_tool" in text
 
+    @functools.cached_property
+    def takes_system(self) -> bool:
+        """Whether the template accepts a system turn (Gemma 2's raises on one; probed once)."""
+        try:
+            self.render([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
+        except ChatTemplateError:
+            return False
+        return True
+
     def render(
         self,
         messages: list[dict[str, Any]],

@@ -53,6 +53,13 @@ class ReplicaState:
     def load(self) -> int:
         return self.inflight + self.other_load
 
+    @property
+    def heartbeat_state(self) -> str:
+        """``fresh``, ``expired`` (it published, then stopped) or ``none`` (never seen)."""
+        if self.heartbeat_fresh:
+            return "fresh"
+        return "expired" if self.heartbeat_seen else "none"
+
     def tier_discount(self, prior: float) -> float:
         """What a block of the fleet's Redis tier is worth here, in cached blocks: 0 unless its
         heartbeat says it loads from that tier; then its measured figure, else ``prior``."""

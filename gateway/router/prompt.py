@@ -71,9 +71,11 @@ class PromptHasher:
         principal = self.keys.principal(key.strip())
         return None if principal is None else principal.tenant
 
-    def _chat_ids(self, messages: list[dict[str, Any]], tools: Any, param: str) -> list[int]:
+    def _chat_ids(self, messages: list[dict[str, Any]], tools: Any, param: str,
+                  template_kwargs: dict[str, Any] | None) -> list[int]:
         prepared, template_tools = template_inputs(self.tokenizer, messages, tools, param)
-        return list(self.tokenizer.apply_chat_template(prepared, template_tools, True))
+        return list(self.tokenizer.apply_chat_template(prepared, template_tools, True,
+                                                       **(template_kwargs or {})))
 
     def token_ids(self, path: str, data: dict[str, Any], history: list[dict[str, Any]] | None = None
                   ) -> tuple[list[int], str | None, str | None]:
@@ -84,7 +86,8 @@ class PromptHasher:
         """
         if path == CHAT_PATH:
             chat = ChatCompletionRequest.model_validate(data)
-            ids = self._chat_ids(chat.template_messages(), chat.template_tools(), "messages")
+            ids = self._chat_ids(chat.template_messages(), chat.template_tools(), "messages",
+                                 chat.template_kwargs())
             return ids, chat.user, chat.cache_salt
         if path in (RESPONSES_PATH, MESSAGES_PATH):
             if path == RESPONSES_PATH:
@@ -92,7 +95,8 @@ class PromptHasher:
                 turn, salt = request.turn(history or []), request.cache_salt
             else:
                 turn, salt = MessagesRequest.model_validate(data).turn(), None
-            ids = self._chat_ids(turn.messages, turn.visible_tools, turn.message_param)
+            ids = self._chat_ids(turn.messages, turn.visible_tools, turn.message_param,
+                                 turn.template_kwargs)
             return ids, turn.user, salt
         if path == COMPLETIONS_PATH:
             completion = CompletionRequest.model_validate(data)

@@ -86,6 +86,13 @@ class RouterState:
         return self.index is not None and self.index.up
 
     @property
+    def redis_state(self) -> str:
+        """``off`` (no --redis-url), ``up`` or ``down``."""
+        if self.index is None:
+            return "off"
+        return "up" if self.redis_up else "down"
+
+    @property
     def cache_aware(self) -> bool:
         return self.policy.name == "cache_aware"
 

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from prefixgate.cache.stats import HitStats
+from prefixgate.gateway.router.fleet import ReplicaState
 from prefixgate.gateway.router.state import RouterState
 from prefixgate.gateway.server.auth import Principal
 from prefixgate.gateway.server.routes_cache import busiest, hit_json, scope_json
@@ -60,60 +62,78 @@ async def _from_replicas(state: RouterState, headers: Mapping[str, str]
     return per_replica, per_tenant, per_agent
 
 
+@dataclass(slots=True)
+class _Counters:
+    """Hit counters of the caller's view: where they came from, per replica, tenant, agent."""
+
+    source: str  # "redis" or "replicas"
+    per_replica: dict[str, HitStats]
+    per_tenant: dict[str, HitStats]
+    per_agent: dict[str, HitStats]
+
+
+async def _counters(state: RouterState, headers: Mapping[str, str],
+                    principal: Principal) -> _Counters:
+    fleet = await state.index.fleet_stats() if state.index is not None and state.index.up else None
+    if fleet is None:
+        # the replicas answered the forwarded key: already this caller's view
+        return _Counters("replicas", *await _from_replicas(state, headers))
+    if principal.is_admin:
+        return _Counters("redis", dict(fleet.per_replica), dict(fleet.per_tenant),
+                         dict(fleet.per_agent))
+    # NOTE: Redis holds every tenant's counters; a tenant gets its own only, and the
+    # per-replica totals (everyone's traffic) are not its to see.
+    tenant = principal.tenant
+    per_tenant = {tenant: fleet.per_tenant[tenant]} if tenant in fleet.per_tenant else {}
+    return _Counters("redis", {}, per_tenant, dict(fleet.per_tenant_agent.get(tenant, {})))
+
+
+def _replica_json(replica: ReplicaState, redis_up: bool, stats: HitStats | None) -> dict[str, Any]:
+    """The router's view of one replica, with its heartbeat's pool and its hit counters."""
+    entry: dict[str, Any] = {
+        "url": replica.url,
+        "routable": replica.routable(redis_up),
+        "reachable": replica.reachable,
+        "heartbeat": replica.heartbeat_state,
+        "load": replica.load,
+        "inflight": replica.inflight,
+        "routed": replica.routed,
+    }
+    beat = replica.heartbeat if replica.heartbeat_fresh else None
+    if beat is not None:
+        entry.update(num_running=beat.num_running, num_waiting=beat.num_waiting,
+                     num_pages=beat.num_pages, pages_free=beat.pages_free,
+                     pages_used=beat.pages_used)
+    if replica.mismatch:
+        entry["hash_mismatch"] = replica.mismatch
+    if stats is not None:
+        entry.update(hit_json(stats))
+    return entry
+
+
+def _replicas_json(state: RouterState, per_replica: dict[str, HitStats]) -> dict[str, Any]:
+    """Every replica of the fleet, then the ones that left (still in the fleet totals)."""
+    rest = dict(per_replica)
+    out = {r.name: _replica_json(r, state.redis_up, rest.pop(r.name, None)) for r in state.fleet}
+    for name, stats in rest.items():
+        out[name] = {"departed": True, **hit_json(stats)}
+    return out
+
+
 async def fleet_stats_json(state: RouterState, headers: Mapping[str, str],
                            principal: Principal) -> dict[str, Any]:
-    fleet = await state.index.fleet_stats() if state.index is not None and state.index.up else None
-    if fleet is not None:
-        source = "redis"
-        per_replica = dict(fleet.per_replica)
-        per_tenant, per_agent = dict(fleet.per_tenant), dict(fleet.per_agent)
-        if not principal.is_admin:
-            # NOTE: Redis holds every tenant's counters; a tenant gets its own only, and the
-            # per-replica totals (everyone's traffic) are not its to see.
-            tenant = principal.tenant
-            per_agent = dict(fleet.per_tenant_agent.get(tenant, {}))
-            per_tenant = {tenant: per_tenant[tenant]} if tenant in per_tenant else {}
-            per_replica = {}
-    else:
-        source = "replicas"  # they answered the forwarded key: already this caller's view
-        per_replica, per_tenant, per_agent = await _from_replicas(state, headers)
-    total = sum(per_replica.values(), HitStats(0, 0, 0))
+    counters = await _counters(state, headers, principal)
+    total = sum(counters.per_replica.values(), HitStats(0, 0, 0))
     if not principal.is_admin:
-        total = per_tenant.get(principal.tenant, HitStats(0, 0, 0))
-    redis_up = state.redis_up
-    replicas: dict[str, Any] = {}
+        total = counters.per_tenant.get(principal.tenant, HitStats(0, 0, 0))
     # Fleet page totals and load from fresh heartbeats (what the dashboard's pool view shows).
     beats = [r.heartbeat for r in state.fleet if r.heartbeat_fresh and r.heartbeat is not None]
     num_pages = sum(b.num_pages for b in beats)
     pages_used = sum(b.pages_used for b in beats)
-    for replica in state.fleet:
-        beat = replica.heartbeat if replica.heartbeat_fresh else None
-        entry: dict[str, Any] = {
-            "url": replica.url,
-            "routable": replica.routable(redis_up),
-            "reachable": replica.reachable,
-            "heartbeat": "fresh" if replica.heartbeat_fresh
-            else ("expired" if replica.heartbeat_seen else "none"),
-            "load": replica.load,
-            "inflight": replica.inflight,
-            "routed": replica.routed,
-        }
-        if beat is not None:
-            entry.update(num_running=beat.num_running, num_waiting=beat.num_waiting,
-                         num_pages=beat.num_pages, pages_free=beat.pages_free,
-                         pages_used=beat.pages_used)
-        if replica.mismatch:
-            entry["hash_mismatch"] = replica.mismatch
-        stats = per_replica.pop(replica.name, None)
-        if stats is not None:
-            entry.update(hit_json(stats))
-        replicas[replica.name] = entry
-    for name, stats in per_replica.items():  # replicas that left, still in the fleet totals
-        replicas[name] = {"departed": True, **hit_json(stats)}
     return {
         "object": "fleet.cache.stats",
         **scope_json(principal, state.settings.auth_enabled),
-        "source": source,
+        "source": counters.source,
         "page_size": state.settings.page_size,
         "num_pages": num_pages,
         "pages_used": pages_used,
@@ -121,12 +141,12 @@ async def fleet_stats_json(state: RouterState, headers: Mapping[str, str],
         "engine": {"num_running": sum(b.num_running for b in beats),
                    "num_waiting": sum(b.num_waiting for b in beats)},
         "global": hit_json(total),
-        "per_tenant": busiest(per_tenant, max(len(per_tenant), 1)),
-        "per_agent": busiest(per_agent, MAX_STATS_AGENTS),
-        "per_replica": replicas,
+        "per_tenant": busiest(counters.per_tenant, max(len(counters.per_tenant), 1)),
+        "per_agent": busiest(counters.per_agent, MAX_STATS_AGENTS),
+        "per_replica": _replicas_json(state, counters.per_replica),
         "router": {
             "policy": state.policy.name,
-            "redis": "off" if state.index is None else ("up" if redis_up else "down"),
+            "redis": state.redis_state,
             "decisions": dict(sorted(state.reason_counts.items())),
         },
     }

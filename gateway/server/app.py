@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -18,7 +19,11 @@ from prefixgate.gateway.server.metrics import GatewayMetrics
 from prefixgate.gateway.server.openai import routes as openai_routes
 from prefixgate.gateway.server.request_id import RequestIdMiddleware
 from prefixgate.gateway.server.responses import routes as responses_routes
-from prefixgate.gateway.server.responses.store import MemoryResponseStore, RedisResponseStore
+from prefixgate.gateway.server.responses.store import (
+    MemoryResponseStore,
+    RedisResponseStore,
+    ResponseStore,
+)
 from prefixgate.gateway.server.settings import ServerSettings
 from prefixgate.gateway.server.slow_clients import BodyLimitMiddleware
 from prefixgate.gateway.server.state import ServerState
@@ -42,27 +47,56 @@ def create_app(
         The app; its serving objects are on ``app.state.server`` (a :class:`ServerState`).
     """
     settings = settings or ServerSettings()
-    model_name = settings.served_model_name or engine.model_name
-    keys = KeyTable.from_settings(settings)
-    pool = engine.cache_stats()  # once, before serving: pool geometry never changes
-    capacity = min(engine.max_model_len, pool.num_pages * pool.page_size)
-    state = ServerState(
-        engine=engine,
-        settings=settings,
-        model_name=model_name,
-        keys=keys,
-        metrics=GatewayMetrics(engine, model_name, settings.max_agent_labels),
-        tokenization=Tokenization(engine, capacity),
-        capacity=capacity,
-        page_size=pool.page_size,
-    )
-
+    state = _server_state(engine, settings)
     # Scale-out: built now so a bad --replica-id / --advertise-url fails before serving.
     publisher = None
     if settings.redis_url:
         from prefixgate.gateway.scaleout.publisher import publisher_from_settings
 
-        publisher = publisher_from_settings(engine, settings, model_name)
+        publisher = publisher_from_settings(engine, settings, state.model_name)
+    app = FastAPI(
+        title="prefixgate",
+        description="Prefix-caching OpenAI-compatible gateway",
+        lifespan=_lifespan(state, publisher, manage_engine),
+        docs_url="/docs",
+        redoc_url=None,
+    )
+    app.state.server = state
+    app.state.publisher = publisher  # None unless --redis-url
+    app.state.responses = _response_store(settings)
+    app.state.keys = state.keys  # read by the auth dependencies
+    install_exception_handlers(app)
+    for router in ROUTERS:
+        app.include_router(router)
+    _add_middleware(app, settings)
+    return app
+
+
+# every surface's router, then the cache, operations and dashboard routes
+ROUTERS = (openai_routes.router, anthropic_routes.router, responses_routes.router,
+           routes_cache.router, routes_ops.router, dashboard.router)
+
+
+def _server_state(engine: EngineLike, settings: ServerSettings) -> ServerState:
+    model_name = settings.served_model_name or engine.model_name
+    pool = engine.cache_stats()  # once, before serving: pool geometry never changes
+    capacity = min(engine.max_model_len, pool.num_pages * pool.page_size)
+    return ServerState(
+        engine=engine,
+        settings=settings,
+        model_name=model_name,
+        keys=KeyTable.from_settings(settings),
+        metrics=GatewayMetrics(engine, model_name, settings.max_agent_labels),
+        tokenization=Tokenization(engine, capacity, settings.tool_call_format),
+        capacity=capacity,
+        page_size=pool.page_size,
+    )
+
+
+def _lifespan(state: ServerState, publisher: Any, manage_engine: bool
+              ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """Start the engine (when the app owns it) and the publisher; stop them in reverse."""
+    engine = state.engine
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -79,33 +113,20 @@ def create_app(
                 await engine.shutdown()
             state.tokenization.close()
 
-    app = FastAPI(
-        title="prefixgate",
-        description="Prefix-caching OpenAI-compatible gateway",
-        lifespan=lifespan,
-        docs_url="/docs",
-        redoc_url=None,
-    )
-    app.state.server = state
-    app.state.publisher = publisher  # None unless --redis-url
-    # Responses API state: in Redis when the fleet has one (any replica continues a
-    # conversation), else in this process
+    return lifespan
+
+
+def _response_store(settings: ServerSettings) -> ResponseStore:
+    """Responses API state: in Redis when the fleet has one (any replica continues a
+    conversation), else in this process."""
     if settings.redis_url:
         from prefixgate.gateway.scaleout.redis_client import connect
 
-        app.state.responses = RedisResponseStore(connect(settings.redis_url),
-                                                 ttl_s=settings.response_ttl_s)
-    else:
-        app.state.responses = MemoryResponseStore(settings.max_stored_responses,
-                                                  ttl_s=settings.response_ttl_s)
-    app.state.keys = keys  # read by the auth dependencies
-    install_exception_handlers(app)
-    app.include_router(openai_routes.router)
-    app.include_router(anthropic_routes.router)
-    app.include_router(responses_routes.router)
-    app.include_router(routes_cache.router)
-    app.include_router(routes_ops.router)
-    app.include_router(dashboard.router)
+        return RedisResponseStore(connect(settings.redis_url), ttl_s=settings.response_ttl_s)
+    return MemoryResponseStore(settings.max_stored_responses, ttl_s=settings.response_ttl_s)
+
+
+def _add_middleware(app: FastAPI, settings: ServerSettings) -> None:
     # Inside CORS and the request id, so a 413/408 carries both.
     app.add_middleware(BodyLimitMiddleware, limits=settings.limits)
     if settings.allowed_origins:
@@ -118,4 +139,3 @@ def create_app(
         )
     # Added last = outermost: every response, errors included, carries X-Request-Id.
     app.add_middleware(RequestIdMiddleware)
-    return app

@@ -1,5 +1,4 @@
-"""Between the routes and the engine: OpenAI fields → GenerationRequest, and delta streams
-that always release their engine request.
+"""Engine requests as delta streams that always release their engine request.
 
 A :class:`DeltaStream` pulls the engine's first delta before the HTTP response starts, so
 validation, context-length and overload errors still get their proper status code even for
@@ -16,81 +15,11 @@ from typing import Any
 
 from starlette.requests import Request
 
-from prefixgate.gateway.engine.api import (
-    ContextLengthError,
-    Delta,
-    EngineLike,
-    GenerationRequest,
-    SamplingParams,
-    Usage,
-)
-from prefixgate.gateway.server.clients import ClientCounters
-from prefixgate.gateway.server.openai.protocol import SamplingRequest
-from prefixgate.gateway.server.settings import ServerSettings
+from prefixgate.gateway.engine.api import Delta, EngineLike, GenerationRequest, Usage
 
 
 class ClientDisconnected(Exception):
     """The HTTP client went away before a non-streaming response was ready."""
-
-
-def sampling_params(
-    body: SamplingRequest,
-    prompt_len: int,
-    capacity: int,
-    page_size: int,
-    max_tokens: int | None,
-    logprobs: bool,
-    top_logprobs: int,
-    *,
-    settings: ServerSettings | None = None,
-    clamp: bool = False,
-    counters: ClientCounters | None = None,
-) -> SamplingParams:
-    """Map OpenAI fields to :class:`SamplingParams` (OpenAI defaults where a field is absent).
-
-    ``settings`` gives the server's defaults for what a request leaves out (``temperature``:
-    ``--default-temperature``, else 1.0 as OpenAI's API).
-    Without ``max_tokens`` the request gets ``--default-max-tokens`` when set,
-    else the rest of the context, as OpenAI's API does; either is cut to the room left. A
-    ``max_tokens`` the request asked for is cut too when ``clamp`` (Anthropic's ``max_tokens``
-    is a required cap: Claude Code sends 32,000-64,000); else it must fit (OpenAI, vLLM).
-    Raises ContextLengthError when the prompt leaves no room, or an OpenAI max_tokens cannot fit.
-    """
-    # n > 1: every choice grows its own pages; leave each a share (and a page of slack).
-    share = capacity if body.n == 1 else capacity // body.n - 2 * page_size
-    param = getattr(body, "prompt_param", "messages")
-    default_max_tokens = settings.default_max_tokens if settings is not None else None
-    default_temperature = settings.default_temperature if settings is not None else None
-    if max_tokens is None and default_max_tokens is not None:
-        max_tokens, clamp = default_max_tokens, True
-        if counters is not None:
-            counters.add("default_max_tokens_applied")
-    if max_tokens is None:
-        max_tokens = max(1, share - prompt_len)
-    elif clamp and prompt_len + max_tokens > share and prompt_len < share:
-        max_tokens = share - prompt_len
-        if counters is not None:
-            counters.add("max_tokens_clamped")
-    if prompt_len + max_tokens > capacity:
-        raise ContextLengthError(prompt_len, max_tokens, capacity, param=param)
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=body.temperature if body.temperature is not None
-        else 1.0 if default_temperature is None else default_temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=0 if body.top_k is None or body.top_k < 0 else body.top_k,
-        min_p=0.0 if body.min_p is None else body.min_p,
-        seed=body.seed,
-        presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-        stop=tuple(body.stop),
-        stop_token_ids=tuple(body.stop_token_ids),
-        ignore_eos=body.ignore_eos,
-        logprobs=logprobs,
-        top_logprobs=top_logprobs,
-        n=body.n,
-    )
 
 
 def sum_usage(usages: Sequence[Usage]) -> Usage:
@@ -169,13 +98,13 @@ async def open_streams(
     results = await asyncio.gather(
         *(DeltaStream.open(engine, r) for r in requests), return_exceptions=True
     )
+    streams = [r for r in results if isinstance(r, DeltaStream)]
     failures = [r for r in results if isinstance(r, BaseException)]
     if failures:
-        for r in results:
-            if isinstance(r, DeltaStream):
-                await r.aclose()
+        for stream in streams:
+            await stream.aclose()
         raise failures[0]
-    return list(results)  # type: ignore[arg-type]
+    return streams
 
 
 async def merge_streams(streams: Sequence[DeltaStream]) -> AsyncIterator[tuple[int, Delta]]:

@@ -21,9 +21,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from prefixgate.cache.stats import HitStats
+from prefixgate.cache.stats import CacheStats, HitStats
 from prefixgate.cache.ttl_policy import RecomputeCost
-from prefixgate.gateway.engine.api import Delta, EngineLike, Usage
+from prefixgate.gateway.engine.api import Delta, EngineLike, EngineStats, Usage
 
 PREFIX = "prefixgate:"
 OTHER_LABEL = "__other__"
@@ -148,40 +148,32 @@ class EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         cache = self.engine.cache_stats()
         engine = self.engine.engine_stats()
-        model = [self.model_name]
+        yield from self._snapshot(_SNAPSHOT_METRICS[:_PAGES_AT], cache, engine)
+        yield self._pages(cache)
+        yield from self._snapshot(_SNAPSHOT_METRICS[_PAGES_AT:], cache, engine)
+        if engine.tier is not None:
+            yield from tier_metrics(engine.tier, self._counter, self._gauge)
+        yield from self._per_key("tenant", self.tenants, cache.per_tenant)
+        yield from self._per_key("agent", self.agents, cache.per_agent)
+        yield self._retained_per_tenant(cache)
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            family.add_metric(model, value)
-            return family
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        family.add_metric([self.model_name], value)
+        return family
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            family.add_metric(model, value)
-            return family
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        family.add_metric([self.model_name], value)
+        return family
 
-        yield counter(
-            "prefix_cache_queries",
-            "Prefix cache queries, in prompt tokens.",
-            cache.total.query_tokens,
-        )
-        yield counter(
-            "prefix_cache_hits", "Prefix cache hits, in prompt tokens.", cache.total.hit_tokens
-        )
-        yield counter(
-            "prefix_cache_retention_hits",
-            "Prefix cache hits on pages kept by retention (free and retained when hit), in "
-            "prompt tokens.",
-            cache.total.retention_hit_tokens,
-        )
-        yield gauge(
-            "kv_cache_usage_perc", "Fraction of KV pages referenced (1 = full).", cache.usage
-        )
-        yield gauge("num_requests_running", "Requests in the running batch.", engine.num_running)
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", engine.num_waiting)
-        yield gauge(
-            "num_requests_waiting_max", "Waiting-queue bound (then HTTP 429).", engine.max_waiting
-        )
+    def _snapshot(self, table: Iterable[_SnapshotMetric], cache: CacheStats,
+                  engine: EngineStats) -> Iterator[Metric]:
+        for kind, name, doc, value in table:
+            make = self._counter if kind == "counter" else self._gauge
+            yield make(name, doc, value(cache, engine))
+
+    def _pages(self, cache: CacheStats) -> Metric:
         pages = GaugeMetricFamily(
             PREFIX + "kv_pages",
             "KV pages by state (used + cached_free + free = total).",
@@ -190,106 +182,103 @@ class EngineCollector(Collector):
         pages.add_metric([self.model_name, "used"], cache.pages_used)
         pages.add_metric([self.model_name, "cached_free"], cache.pages_cached_free)
         pages.add_metric([self.model_name, "free"], cache.pages_free)
-        yield pages
-        yield gauge("kv_pages_total", "KV pages in the pool.", cache.num_pages)
-        yield gauge("kv_pages_pinned", "KV pages pinned (never evicted).", cache.pages_pinned)
-        yield gauge("kv_pages_retained",
-                    "KV pages under retention (kept ahead of LRU eviction until a deadline).",
-                    cache.pages_retained)
-        yield counter("kv_retained_evicted",
-                      "Retained pages reused before their deadline (memory pressure).",
-                      cache.retained_evicted)
-        yield counter("kv_retention_expiries", "Retentions that ran out (pages back to the LRU).",
-                      cache.retention_expiries)
-        yield counter("kv_retention_reclaimed",
-                      "Retentions ended early: a tenant below its share took budget back.",
-                      cache.retention_reclaimed)
-        yield gauge(
-            "kv_fragmentation", "Allocated but unused slots / allocated slots.", cache.fragmentation
-        )
-        yield counter(
-            "kv_evictions",
-            "Cached pages whose hash was dropped to reuse the page.",
-            cache.evictions,
-        )
-        yield counter("kv_cow_copies", "Copy-on-write page copies.", cache.cow_copies)
-        yield counter(
-            "num_preemptions", "Sequences preempted to free pages.", engine.num_preemptions
-        )
-        yield counter(
-            "prefill_tokens_computed",
-            "Prompt tokens that went through the model (not cached).",
-            engine.prefill_tokens_computed,
-        )
-        yield counter(
-            "constrained_tokens",
-            "Tokens sampled under a grammar (tool calls, structured outputs).",
-            engine.constrained_tokens,
-        )
-        yield counter(
-            "grammar_compiles", "Distinct grammars compiled (cache misses).",
-            engine.grammar_compiles,
-        )
-        yield counter(
-            "grammar_cache_hits", "Grammar requests served by the compile cache.",
-            engine.grammar_cache_hits,
-        )
-        yield counter(
-            "grammar_compile_seconds", "Time spent compiling grammars.",
-            engine.grammar_compile_seconds,
-        )
-        yield counter("spec_draft_tokens", "Speculative draft tokens proposed.",
-                      engine.spec_draft_tokens)
-        yield counter("spec_accepted_tokens",
-                      "Speculative draft tokens the model agreed with (emitted without a step).",
-                      engine.spec_accepted_tokens)
-        if engine.tier is not None:
-            yield from tier_metrics(engine.tier, counter, gauge)
-        for what, labeler, per_key in (
-            ("tenant", self.tenants, cache.per_tenant),
-            ("agent", self.agents, cache.per_agent),
-        ):
-            folded = labeler.fold(per_key)
-            queries = CounterMetricFamily(
-                f"{PREFIX}{what}_prefix_cache_queries",
-                f"Prefix cache queries per {what}, in prompt tokens.",
-                labels=["model_name", what],
-            )
-            hits = CounterMetricFamily(
-                f"{PREFIX}{what}_prefix_cache_hits",
-                f"Prefix cache hits per {what}, in prompt tokens.",
-                labels=["model_name", what],
-            )
-            for label, (q, h) in sorted(folded.items()):
-                queries.add_metric([self.model_name, label], q)
-                hits.add_metric([self.model_name, label], h)
-            yield queries
-            yield hits
-            kept: dict[str, int] = {}  # the same labels (fold admitted them) as the hits above
-            for key, stats in per_key.items():
-                label = labeler.label(key)
-                kept[label] = kept.get(label, 0) + stats.retention_hit_tokens
-            retention_hits = CounterMetricFamily(
-                f"{PREFIX}{what}_prefix_cache_retention_hits",
-                f"Prefix cache hits on retained pages per {what}, in prompt tokens.",
-                labels=["model_name", what],
-            )
-            for label, value in sorted(kept.items()):
-                retention_hits.add_metric([self.model_name, label], value)
-            yield retention_hits
+        return pages
+
+    def _labelled(self, family: type[CounterMetricFamily] | type[GaugeMetricFamily], name: str,
+                  doc: str, what: str, values: Mapping[str, float]) -> Metric:
+        metric = family(PREFIX + name, doc, labels=["model_name", what])
+        for label, value in sorted(values.items()):
+            metric.add_metric([self.model_name, label], value)
+        return metric
+
+    def _per_key(self, what: str, labeler: StickyLabeler,
+                 per_key: Mapping[str, HitStats]) -> Iterator[Metric]:
+        """Hits per tenant or agent, on the labeler's bounded labels."""
+        folded = labeler.fold(per_key)
+        yield self._labelled(CounterMetricFamily, f"{what}_prefix_cache_queries",
+                             f"Prefix cache queries per {what}, in prompt tokens.", what,
+                             {label: q for label, (q, _) in folded.items()})
+        yield self._labelled(CounterMetricFamily, f"{what}_prefix_cache_hits",
+                             f"Prefix cache hits per {what}, in prompt tokens.", what,
+                             {label: h for label, (_, h) in folded.items()})
+        kept: dict[str, int] = {}  # the same labels (fold admitted them) as the hits above
+        for key, stats in per_key.items():
+            label = labeler.label(key)
+            kept[label] = kept.get(label, 0) + stats.retention_hit_tokens
+        yield self._labelled(CounterMetricFamily, f"{what}_prefix_cache_retention_hits",
+                             f"Prefix cache hits on retained pages per {what}, in prompt tokens.",
+                             what, kept)
+
+    def _retained_per_tenant(self, cache: CacheStats) -> Metric:
         self.tenants.admit(sorted(cache.retained_per_tenant))
-        retained = GaugeMetricFamily(
-            PREFIX + "tenant_kv_pages_retained",
-            "KV pages under retention per tenant (what its retention budget pays for).",
-            labels=["model_name", "tenant"],
-        )
         by_label: dict[str, int] = {}
         for tenant, pages_retained in cache.retained_per_tenant.items():
             label = self.tenants.label(tenant)
             by_label[label] = by_label.get(label, 0) + pages_retained
-        for label, value in sorted(by_label.items()):
-            retained.add_metric([self.model_name, label], value)
-        yield retained
+        return self._labelled(
+            GaugeMetricFamily, "tenant_kv_pages_retained",
+            "KV pages under retention per tenant (what its retention budget pays for).",
+            "tenant", by_label)
+
+
+# The engine snapshot's unlabelled metrics, in exposition order: (kind, name, help, value).
+_SnapshotMetric = tuple[str, str, str, Callable[[CacheStats, EngineStats], float]]
+_SNAPSHOT_METRICS: tuple[_SnapshotMetric, ...] = (
+    ("counter", "prefix_cache_queries", "Prefix cache queries, in prompt tokens.",
+     lambda c, e: c.total.query_tokens),
+    ("counter", "prefix_cache_hits", "Prefix cache hits, in prompt tokens.",
+     lambda c, e: c.total.hit_tokens),
+    ("counter", "prefix_cache_retention_hits",
+     "Prefix cache hits on pages kept by retention (free and retained when hit), in "
+     "prompt tokens.", lambda c, e: c.total.retention_hit_tokens),
+    ("gauge", "kv_cache_usage_perc", "Fraction of KV pages referenced (1 = full).",
+     lambda c, e: c.usage),
+    ("gauge", "num_requests_running", "Requests in the running batch.",
+     lambda c, e: e.num_running),
+    ("gauge", "num_requests_waiting", "Requests waiting to be scheduled.",
+     lambda c, e: e.num_waiting),
+    ("gauge", "num_requests_waiting_max", "Waiting-queue bound (then HTTP 429).",
+     lambda c, e: e.max_waiting),
+    # the kv_pages family (by state) goes here
+    ("gauge", "kv_pages_total", "KV pages in the pool.", lambda c, e: c.num_pages),
+    ("gauge", "kv_pages_pinned", "KV pages pinned (never evicted).", lambda c, e: c.pages_pinned),
+    ("gauge", "kv_pages_retained",
+     "KV pages under retention (kept ahead of LRU eviction until a deadline).",
+     lambda c, e: c.pages_retained),
+    ("counter", "kv_retained_evicted",
+     "Retained pages reused before their deadline (memory pressure).",
+     lambda c, e: c.retained_evicted),
+    ("counter", "kv_retention_expiries", "Retentions that ran out (pages back to the LRU).",
+     lambda c, e: c.retention_expiries),
+    ("counter", "kv_retention_reclaimed",
+     "Retentions ended early: a tenant below its share took budget back.",
+     lambda c, e: c.retention_reclaimed),
+    ("gauge", "kv_fragmentation", "Allocated but unused slots / allocated slots.",
+     lambda c, e: c.fragmentation),
+    ("counter", "kv_evictions", "Cached pages whose hash was dropped to reuse the page.",
+     lambda c, e: c.evictions),
+    ("counter", "kv_cow_copies", "Copy-on-write page copies.", lambda c, e: c.cow_copies),
+    ("counter", "num_preemptions", "Sequences preempted to free pages.",
+     lambda c, e: e.num_preemptions),
+    ("counter", "prefill_tokens_computed",
+     "Prompt tokens that went through the model (not cached).",
+     lambda c, e: e.prefill_tokens_computed),
+    ("counter", "constrained_tokens",
+     "Tokens sampled under a grammar (tool calls, structured outputs).",
+     lambda c, e: e.constrained_tokens),
+    ("counter", "grammar_compiles", "Distinct grammars compiled (cache misses).",
+     lambda c, e: e.grammar_compiles),
+    ("counter", "grammar_cache_hits", "Grammar requests served by the compile cache.",
+     lambda c, e: e.grammar_cache_hits),
+    ("counter", "grammar_compile_seconds", "Time spent compiling grammars.",
+     lambda c, e: e.grammar_compile_seconds),
+    ("counter", "spec_draft_tokens", "Speculative draft tokens proposed.",
+     lambda c, e: e.spec_draft_tokens),
+    ("counter", "spec_accepted_tokens",
+     "Speculative draft tokens the model agreed with (emitted without a step).",
+     lambda c, e: e.spec_accepted_tokens),
+)
+_PAGES_AT = 7  # where the kv_pages family sits in the exposition order
 
 
 class GatewayMetrics:

@@ -12,8 +12,9 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from prefixgate.cache.stats import HitStats
+from prefixgate.cache.stats import CacheStats, HitStats
 from prefixgate.cache.ttl_policy import TTLPolicy
+from prefixgate.gateway.engine.api import EngineStats
 from prefixgate.gateway.server.auth import Principal, authenticate, require_admin
 from prefixgate.gateway.server.metrics import OTHER_LABEL
 from prefixgate.gateway.server.openai.protocol import PinRequest, PinResponse, ResetResponse
@@ -116,12 +117,6 @@ async def stats_json(
     if not principal.is_admin:
         cache = cache.for_tenant(principal.tenant)
     with_text = principal.is_admin and state.settings.stats_previews
-    prefixes = []
-    for prefix in cache.top_prefixes[:TOP_PREFIXES]:
-        entry: dict[str, Any] = {"num_tokens": prefix.num_tokens, "num_sharers": prefix.num_sharers}
-        if with_text:
-            entry["text"] = preview(await state.tokenization.decode(prefix.token_ids))
-        prefixes.append(entry)
     return {
         "object": "cache.stats",
         "model": state.model_name,
@@ -129,6 +124,20 @@ async def stats_json(
         "global": hit_json(cache.total),
         "per_tenant": busiest(cache.per_tenant, max(len(cache.per_tenant), 1)),
         "per_agent": busiest(cache.per_agent, state.settings.max_stats_agents),
+        **pages_json(cache),
+        "top_prefixes": await _prefixes_json(state, cache, with_text),
+        **({} if policy is None else {"retention_policy": policy_json(
+            policy, policy.tenants() if principal.is_admin else [principal.tenant],
+            state.settings.max_stats_agents)}),
+        "engine": engine_json(engine),
+        **_shared_json(state, principal, engine),
+    }
+
+
+def pages_json(cache: CacheStats) -> dict[str, Any]:
+    """The pool: pages by state, retention, pressure (a tenant's view counts its own pages
+    under retention only)."""
+    return {
         "num_pages": cache.num_pages,
         "page_size": cache.page_size,
         "pages_used": cache.pages_used,
@@ -146,35 +155,52 @@ async def stats_json(
         "evictions": cache.evictions,
         "cow_copies": cache.cow_copies,
         "num_sequences": cache.num_sequences,
-        "top_prefixes": prefixes,
-        **({} if policy is None else {"retention_policy": policy_json(
-            policy, policy.tenants() if principal.is_admin else [principal.tenant],
-            state.settings.max_stats_agents)}),
-        "engine": {
-            "num_running": engine.num_running,
-            "num_waiting": engine.num_waiting,
-            "max_waiting": engine.max_waiting,
-            "prefill_tokens_computed": engine.prefill_tokens_computed,
-            "decode_tokens": engine.decode_tokens,
-            "num_preemptions": engine.num_preemptions,
-            "kernel_backend": engine.kernel_backend,
-            "device": engine.device,
-            "dtype": engine.dtype,
-            "kv_dtype": engine.kv_dtype,
-            "spec_drafts": engine.spec_drafts,
-            "spec_draft_tokens": engine.spec_draft_tokens,
-            "spec_accepted_tokens": engine.spec_accepted_tokens,
-            "spec_acceptance_rate": round(engine.spec_accepted_tokens / engine.spec_draft_tokens, 6)
-            if engine.spec_draft_tokens else 0.0,
-        },
-        # what the gateway adapted in clients' requests (docs/clients.md): counted over every
-        # tenant, so only the admin (or anyone, with auth off) sees them
-        **({"clients": state.clients.snapshot()}
-           if principal.is_admin or not state.settings.auth_enabled else {}),
-        # the second KV tier is shared by every tenant (and, in Redis, by the fleet): its
-        # counters would show other tenants' traffic, so only the admin sees them
-        **({"tier": engine.tier} if engine.tier is not None and principal.is_admin else {}),
     }
+
+
+async def _prefixes_json(state: ServerState, cache: CacheStats,
+                         with_text: bool) -> list[dict[str, Any]]:
+    prefixes = []
+    for prefix in cache.top_prefixes[:TOP_PREFIXES]:
+        entry: dict[str, Any] = {"num_tokens": prefix.num_tokens, "num_sharers": prefix.num_sharers}
+        if with_text:
+            entry["text"] = preview(await state.tokenization.decode(prefix.token_ids))
+        prefixes.append(entry)
+    return prefixes
+
+
+def engine_json(engine: EngineStats) -> dict[str, Any]:
+    return {
+        "num_running": engine.num_running,
+        "num_waiting": engine.num_waiting,
+        "max_waiting": engine.max_waiting,
+        "prefill_tokens_computed": engine.prefill_tokens_computed,
+        "decode_tokens": engine.decode_tokens,
+        "num_preemptions": engine.num_preemptions,
+        "kernel_backend": engine.kernel_backend,
+        "device": engine.device,
+        "dtype": engine.dtype,
+        "kv_dtype": engine.kv_dtype,
+        "spec_drafts": engine.spec_drafts,
+        "spec_draft_tokens": engine.spec_draft_tokens,
+        "spec_accepted_tokens": engine.spec_accepted_tokens,
+        "spec_acceptance_rate": round(engine.spec_accepted_tokens / engine.spec_draft_tokens, 6)
+        if engine.spec_draft_tokens else 0.0,
+    }
+
+
+def _shared_json(state: ServerState, principal: Principal, engine: EngineStats) -> dict[str, Any]:
+    """What counts every tenant at once, for those who may see all tenants."""
+    out: dict[str, Any] = {}
+    # what the gateway adapted in clients' requests (docs/clients.md): counted over every
+    # tenant, so only the admin (or anyone, with auth off) sees them
+    if principal.is_admin or not state.settings.auth_enabled:
+        out["clients"] = state.clients.snapshot()
+    # the second KV tier is shared by every tenant (and, in Redis, by the fleet): its
+    # counters would show other tenants' traffic, so only the admin sees them
+    if engine.tier is not None and principal.is_admin:
+        out["tier"] = engine.tier
+    return out
 
 
 @router.get("/v1/cache/stats")

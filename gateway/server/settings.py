@@ -20,6 +20,11 @@ from prefixgate.gateway.server.limits import ConnectionLimits
 DEFAULT_TENANT = "default"
 ENV_PREFIX = "PREFIXGATE_"
 
+# --tool-call-format: "auto" (the one the chat template teaches) or a registered format
+# (gateway/server/tools/formats; a test keeps this list equal to the registry, which the CLI
+# does not import: it pulls the grammar compiler)
+TOOL_CALL_FORMATS = ("auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "deepseek_r1")
+
 # Tenants and keys travel in headers, logs and metric labels: keep them printable and short.
 _TOKEN_RE = re.compile(r"^[A-Za-z0-9._~+/=@-]{1,256}$")
 
@@ -67,18 +72,31 @@ def load_api_keys_file(path: str | Path) -> dict[str, str]:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ValueError(f"--api-keys-file: cannot read {path}: {exc.strerror or exc}") from exc
-    keys: dict[str, str] = {}
+    keys = _KeysFile(path)
+    if text.lstrip().startswith(("{", "[")):
+        keys.read_json(text)
+    else:
+        keys.read_lines(text)
+    return keys.keys
 
-    def add(key: str, tenant: str, where: str) -> None:
-        source = f"{path}{where}"
+
+class _KeysFile:
+    """The ``{key: tenant}`` map of one API-keys file as it is read; errors name the file."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.keys: dict[str, str] = {}
+
+    def add(self, key: str, tenant: str, where: str) -> None:
+        source = f"{self.path}{where}"
         key = _check_token(key, "API key", source)
         tenant = _check_token(tenant, "tenant", source)
-        if key in keys:
+        if key in self.keys:
             raise ValueError(f"{source}: duplicate API key")
-        keys[key] = tenant
+        self.keys[key] = tenant
 
-    stripped = text.lstrip()
-    if stripped.startswith(("{", "[")):
+    def read_json(self, text: str) -> None:
+        path = self.path
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -87,32 +105,36 @@ def load_api_keys_file(path: str | Path) -> dict[str, str]:
             for key, tenant in data.items():
                 if not isinstance(tenant, str):
                     raise ValueError(f"{path}: tenant of key {key!r} must be a string")
-                add(key, tenant, "")
+                self.add(key, tenant, "")
+            return
+        for i, item in enumerate(data):
+            self.read_entry(item, f" [entry {i}]")
+
+    def read_entry(self, item: object, where: str) -> None:
+        """One entry of a JSON list: ``"KEY[:TENANT]"`` or ``{"key": ..., "tenant": ...}``."""
+        if isinstance(item, str):
+            self.add(*parse_api_key(item, f"{self.path}{where}"), where)
+        elif isinstance(item, dict) and isinstance(item.get("key"), str):
+            tenant = item.get("tenant", DEFAULT_TENANT)
+            if not isinstance(tenant, str):
+                raise ValueError(f"{self.path}{where}: 'tenant' must be a string")
+            self.add(item["key"], tenant, where)
         else:
-            for i, item in enumerate(data):
-                where = f" [entry {i}]"
-                if isinstance(item, str):
-                    add(*parse_api_key(item, f"{path}{where}"), where)
-                elif isinstance(item, dict) and isinstance(item.get("key"), str):
-                    tenant = item.get("tenant", DEFAULT_TENANT)
-                    if not isinstance(tenant, str):
-                        raise ValueError(f"{path}{where}: 'tenant' must be a string")
-                    add(item["key"], tenant, where)
-                else:
-                    raise ValueError(
-                        f'{path}{where}: expected "KEY[:TENANT]" or {{"key": ..., "tenant": ...}}'
-                    )
-    else:
+            raise ValueError(
+                f'{self.path}{where}: expected "KEY[:TENANT]" or {{"key": ..., "tenant": ...}}'
+            )
+
+    def read_lines(self, text: str) -> None:
+        """One ``KEY [TENANT]`` per line; ``#`` starts a comment."""
         for lineno, line in enumerate(text.splitlines(), start=1):
             fields = line.split("#", 1)[0].split()
             if not fields:
                 continue
             if len(fields) > 2:
                 raise ValueError(
-                    f"{path}:{lineno}: expected 'KEY [TENANT]', got {len(fields)} fields"
+                    f"{self.path}:{lineno}: expected 'KEY [TENANT]', got {len(fields)} fields"
                 )
-            add(fields[0], fields[1] if len(fields) == 2 else DEFAULT_TENANT, f":{lineno}")
-    return keys
+            self.add(fields[0], fields[1] if len(fields) == 2 else DEFAULT_TENANT, f":{lineno}")
 
 
 def merge_api_keys(specs: Iterable[str], keys_file: str | Path | None) -> dict[str, str]:
@@ -191,6 +213,9 @@ class ServerSettings:
     retention_learn: bool = True
     # slow and greedy clients: header/body deadlines, connection and body-size caps
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)
+    # how the model writes tool calls (gateway/server/tools/dialect.py); "auto": from its
+    # chat template, the gateway's Hermes format when the template teaches none
+    tool_call_format: str = "auto"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -209,6 +234,9 @@ class ServerSettings:
         if self.heartbeat_ttl_s <= 0:
             raise ValueError(f"heartbeat_ttl_s must be > 0, got {self.heartbeat_ttl_s}")
         check_model_aliases(self.model_aliases)
+        if self.tool_call_format not in TOOL_CALL_FORMATS:
+            raise ValueError(f"tool_call_format must be one of {', '.join(TOOL_CALL_FORMATS)}, "
+                             f"got {self.tool_call_format!r}")
         if self.default_temperature is not None and not 0 <= self.default_temperature <= 2:
             raise ValueError(f"default_temperature must be in [0, 2], got {self.default_temperature}")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:

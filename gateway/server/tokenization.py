@@ -10,21 +10,17 @@ from typing import Any, TypeVar
 
 from prefixgate.gateway.engine.api import EngineLike, InvalidRequestError
 from prefixgate.gateway.engine.tokenizer import PromptTooLongError
-from prefixgate.gateway.server.tools import FunctionTool, native_messages, prepare_messages
-from prefixgate.gateway.server.tools.prompt import TOOL_CALL_OPEN, tool_json
+from prefixgate.gateway.server.tools import FunctionTool
+from prefixgate.gateway.server.tools.dialect import ToolDialect, choose_dialect
+from prefixgate.gateway.server.tools.repeats import GuardedParser
 
 T = TypeVar("T")
 
 
 def template_renders_tools(tokenizer: Any) -> bool:
-    """The model's own template writes tools, in the Hermes ``<tool_call>`` format the gateway
-    parses; otherwise the gateway renders tools itself (tools/prompt.py)."""
-    template = getattr(tokenizer, "chat_template", None)
-    return bool(
-        template is not None
-        and getattr(template, "renders_tools", False)
-        and TOOL_CALL_OPEN in template.source
-    )
+    """The model's own template writes tools, in a tool-call format the gateway knows
+    (tools/formats); otherwise the gateway renders tools itself (tools/prompt.py)."""
+    return choose_dialect(getattr(tokenizer, "chat_template", None)).native
 
 
 def template_inputs(
@@ -32,13 +28,18 @@ def template_inputs(
     messages: list[dict[str, Any]],
     tools: list[FunctionTool] | None,
     message_param: str = "messages",
+    dialect: ToolDialect | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """``(messages, tools)`` to hand the chat template, so that replicas and the router (which
-    hashes prompts to place requests) render a conversation with tools identically."""
-    if template_renders_tools(tokenizer):
-        template_tools = [tool_json(t) for t in tools] if tools else None
-        return native_messages(messages, message_param=message_param), template_tools
-    return prepare_messages(messages, tools, message_param=message_param), None
+    hashes prompts to place requests) render a conversation with tools identically.
+    ``dialect``: the server's (None = the one the template teaches)."""
+    if dialect is None:
+        dialect = choose_dialect(getattr(tokenizer, "chat_template", None))
+    return dialect.template_inputs(messages, tools, message_param)
+
+
+# Tokens at the end of a prompt that show whether the template opened a reasoning span there.
+PROMPT_TAIL_TOKENS = 8
 
 
 # A request whose text is under this many characters takes the small lane (it never waits
@@ -66,11 +67,17 @@ class Tokenization:
     A prompt that provably cannot fit ``capacity`` tokens is refused before it is tokenized
     (and its rendering stops as soon as it cannot fit): every token spells at most
     ``tokenizer.max_token_bytes`` bytes.
+
+    ``tool_call_format``: the ``--tool-call-format`` override (None / ``auto``: the one the
+    template teaches); the chosen :class:`ToolDialect` is ``dialect``.
     """
 
-    def __init__(self, engine: EngineLike, capacity: int | None = None):
+    def __init__(self, engine: EngineLike, capacity: int | None = None,
+                 tool_call_format: str | None = None):
         self.engine = engine
         self.capacity = capacity
+        self.dialect = choose_dialect(getattr(engine.tokenizer, "chat_template", None),
+                                      tool_call_format)
         self._small = ThreadPoolExecutor(WORKERS_PER_LANE, thread_name_prefix="prefixgate-tokenize")
         self._large = ThreadPoolExecutor(WORKERS_PER_LANE,
                                          thread_name_prefix="prefixgate-tokenize-large")
@@ -89,9 +96,11 @@ class Tokenization:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
         add_generation_prompt: bool,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         tokenizer = self.engine.tokenizer
-        bounded = functools.partial(tokenizer.apply_chat_template, max_prompt_tokens=self.capacity)
+        bounded = functools.partial(tokenizer.apply_chat_template, max_prompt_tokens=self.capacity,
+                                    **(template_kwargs or {}))
         try:
             return list(await self.run(bounded, messages, tools, add_generation_prompt,
                                        chars=_text_chars(messages) + _text_chars(tools)))
@@ -113,7 +122,7 @@ class Tokenization:
 
     @property
     def template_renders_tools(self) -> bool:
-        return template_renders_tools(self.engine.tokenizer)
+        return self.dialect.native
 
     async def chat_with_tools(
         self,
@@ -121,11 +130,28 @@ class Tokenization:
         tools: list[FunctionTool] | None,
         add_generation_prompt: bool,
         message_param: str = "messages",
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Token ids of a conversation whose turns may carry tools, calls and tool results."""
-        prepared, template_tools = template_inputs(self.engine.tokenizer, messages, tools,
-                                                   message_param)
-        return await self.chat(prepared, template_tools, add_generation_prompt)
+        """Token ids of a conversation whose turns may carry tools, calls and tool results.
+        ``template_kwargs``: the request's controls the template reads (``enable_thinking``)."""
+        prepared, template_tools = self.dialect.template_inputs(messages, tools, message_param)
+        return await self.chat(prepared, template_tools, add_generation_prompt, template_kwargs)
+
+    def output_parser(self, prompt_ids: Sequence[int], tools: Sequence[FunctionTool] | None,
+                      on_repeat: Callable[[], None] | None = None) -> GuardedParser | None:
+        """A parser for one choice's output in the model's dialect (tool calls in its format,
+        its reasoning span apart); None when the output is plain text. Every API surface gets
+        its parser here.
+
+        Args:
+            prompt_ids: the prompt (its end shows whether the template opened a reasoning span).
+            tools: the tools the model sees (None: calls are not parsed).
+            on_repeat: called at a runaway repeated call (tools/repeats.py); None = no guard.
+        """
+        tail = ""
+        if self.dialect.reasoning is not None and prompt_ids:
+            tail = self.engine.tokenizer.decode(list(prompt_ids[-PROMPT_TAIL_TOKENS:]), False)
+        return self.dialect.parser(tools, on_repeat, tail)
 
     async def text(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
         try:

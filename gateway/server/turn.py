@@ -1,47 +1,49 @@
-"""One assistant turn over the engine, shared by the API surfaces that speak in turns (OpenAI
-Responses, Anthropic Messages): a surface translates its wire request into a :class:`ChatTurn`
-(chat-template messages, neutral tools, tool choice, sampling), opens it, and encodes the
-neutral events it yields (text, call start, argument pieces, call end, then :class:`TurnEnd`)
-in its own format. Prompt rendering, grammars, tenancy, ``cache_salt`` and stats are therefore
-identical whichever surface a request arrives on.
+"""One assistant turn over the engine: the pipeline every API surface shares (OpenAI chat and
+text completions, OpenAI Responses, Anthropic Messages).
+
+A surface translates its wire request into a :class:`ChatTurn` (chat-template messages or raw
+prompts, neutral tools, tool choice, sampling), opens it with :func:`open_turn`, and encodes
+what the :class:`TurnStream` yields (per-choice deltas split into text and tool-call events,
+then a :class:`TurnEnd`) in its own format (gateway/server/serving.py runs the stream). Prompt
+rendering, grammars, tenancy, ``cache_salt``, retention and stats are therefore identical
+whichever surface a request arrives on.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
 
-from prefixgate.gateway.engine.api import GenerationRequest, GrammarSpec, Usage
-from prefixgate.gateway.server.auth import Principal
-from prefixgate.gateway.server.generation import (
-    ClientDisconnected,
-    DeltaStream,
-    open_streams,
-    sampling_params,
-    until_disconnect,
+from prefixgate.gateway.engine.api import (
+    ContextLengthError,
+    GenerationRequest,
+    GrammarSpec,
+    SamplingParams,
 )
-from prefixgate.gateway.server.metrics import RequestTimer
+from prefixgate.gateway.server.auth import Principal
+from prefixgate.gateway.server.clients import ClientCounters
+from prefixgate.gateway.server.generation import ClientDisconnected, open_streams
 from prefixgate.gateway.server.retention import (
     note_arrival,
     retain_later,
     retain_tool_pause,
     retention_ttl,
 )
-from prefixgate.gateway.server.state import agent_of, engine_request_id, server_state
-from prefixgate.gateway.server.tools import (
-    CallEnd,
-    Event,
-    FunctionTool,
-    TextPiece,
-    ToolCallOutput,
-    ToolChoice,
-    tool_grammar,
+from prefixgate.gateway.server.settings import ServerSettings
+from prefixgate.gateway.server.state import ServerState, agent_of, engine_request_id, server_state
+from prefixgate.gateway.server.tools import FunctionTool, ToolChoice
+from prefixgate.gateway.server.turn_stream import (
+    ChoiceDelta,
+    ChoiceOutput,
+    OutputSplitter,
+    TurnEnd,
+    TurnStream,
+    matched_stop,
 )
-from prefixgate.gateway.server.tools.repeats import GuardedParser
 
 logger = logging.getLogger("prefixgate.server")
 
@@ -51,11 +53,14 @@ class ChatTurn:
     """A surface-neutral request for one assistant turn.
 
     ``messages`` are OpenAI-style chat-template dicts (system/user/assistant with
-    ``tool_calls``/tool). ``tools`` are all the declared tools (``tool_choice`` "none" hides
-    them from the prompt). The ``*_param`` fields name the surface's own request fields in 400s.
+    ``tool_calls``/tool); text completions send ``prompts`` instead (text or token ids, no
+    template; one engine request each). ``tools`` are all the declared tools (``tool_choice``
+    "none" hides them from the prompt). The ``*_param`` fields name the surface's own request
+    fields in 400s.
     """
 
     messages: list[dict[str, Any]]
+    prompts: list[str | list[int]] | None = None
     tools: list[FunctionTool] = field(default_factory=list)
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     response_format: GrammarSpec | None = None
@@ -72,7 +77,7 @@ class ChatTurn:
     parameters_param: Callable[[int], str] = lambda i: f"tools[{i}].parameters"
     retention_s: float | None = None  # the request's hint for a tool pause (gateway/server/retention.py)
     hold_s: float | None = None  # keep the prompt's pages this long whatever the end (cache_control)
-    # the rest of what gateway.server.generation.sampling_params reads
+    # the rest of what sampling_params (below) reads
     n: int = 1
     min_p: float | None = None
     presence_penalty: float | None = None
@@ -80,10 +85,15 @@ class ChatTurn:
     repetition_penalty: float | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    report_stop: bool = False  # find which stop string ended each choice (Anthropic reports it)
+    # what the chat template reads besides the messages (``enable_thinking``, formats/reasoning.py)
+    template_kwargs: dict[str, Any] | None = None
 
     @property
     def prompt_param(self) -> str:
-        """The field a context-length error names (generation.sampling_params reads it)."""
+        """The field a context-length error names."""
         return self.message_param
 
     @property
@@ -91,107 +101,153 @@ class ChatTurn:
         return self.tools if self.tools and self.tool_choice.mode != "none" else None
 
 
+
+
+def sampling_params(
+    turn: ChatTurn,
+    prompt_len: int,
+    capacity: int,
+    page_size: int,
+    *,
+    settings: ServerSettings | None = None,
+    counters: ClientCounters | None = None,
+) -> SamplingParams:
+    """Map a turn's fields to :class:`SamplingParams` (OpenAI defaults where a field is absent).
+
+    ``settings`` gives the server's defaults for what a request leaves out (``temperature``:
+    ``--default-temperature``, else 1.0 as OpenAI's API).
+    Without ``max_tokens`` the request gets ``--default-max-tokens`` when set,
+    else the rest of the context, as OpenAI's API does; either is cut to the room left. A
+    ``max_tokens`` the request asked for is cut too when ``clamp_max_tokens`` (Anthropic's
+    ``max_tokens`` is a required cap: Claude Code sends 32,000-64,000); else it must fit
+    (OpenAI, vLLM).
+    Raises ContextLengthError when the prompt leaves no room, or an OpenAI max_tokens cannot fit.
+    """
+    max_tokens = _max_tokens(turn, prompt_len, capacity, page_size, settings, counters)
+    default_temperature = settings.default_temperature if settings is not None else None
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=turn.temperature if turn.temperature is not None
+        else 1.0 if default_temperature is None else default_temperature,
+        top_p=1.0 if turn.top_p is None else turn.top_p,
+        top_k=0 if turn.top_k is None or turn.top_k < 0 else turn.top_k,
+        min_p=0.0 if turn.min_p is None else turn.min_p,
+        seed=turn.seed,
+        presence_penalty=turn.presence_penalty or 0.0,
+        frequency_penalty=turn.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if turn.repetition_penalty is None else turn.repetition_penalty,
+        stop=tuple(turn.stop),
+        stop_token_ids=tuple(turn.stop_token_ids),
+        ignore_eos=turn.ignore_eos,
+        logprobs=turn.logprobs,
+        top_logprobs=turn.top_logprobs,
+        n=turn.n,
+    )
+
+
+def _max_tokens(turn: ChatTurn, prompt_len: int, capacity: int, page_size: int,
+                settings: ServerSettings | None, counters: ClientCounters | None) -> int:
+    """The turn's output budget (see :func:`sampling_params`)."""
+    # n > 1: every choice grows its own pages; leave each a share (and a page of slack).
+    share = capacity if turn.n == 1 else capacity // turn.n - 2 * page_size
+    max_tokens, clamp = turn.max_tokens, turn.clamp_max_tokens
+    default_max_tokens = settings.default_max_tokens if settings is not None else None
+    if max_tokens is None and default_max_tokens is not None:
+        max_tokens, clamp = default_max_tokens, True
+        if counters is not None:
+            counters.add("default_max_tokens_applied")
+    if max_tokens is None:
+        max_tokens = max(1, share - prompt_len)
+    elif clamp and prompt_len + max_tokens > share and prompt_len < share:
+        max_tokens = share - prompt_len
+        if counters is not None:
+            counters.add("max_tokens_clamped")
+    if prompt_len + max_tokens > capacity:
+        raise ContextLengthError(prompt_len, max_tokens, capacity, param=turn.prompt_param)
+    return max_tokens
+
+
 @dataclass(frozen=True, slots=True)
-class TurnEnd:
-    """The last event: why generation stopped, usage, the calls made, the text outside calls."""
+class _Caller:
+    """Who sent the turn, as the engine and retention see it."""
 
-    finish_reason: str  # the engine's: "stop" or "length"
-    usage: Usage
-    calls: list[ToolCallOutput]
-    text: str
-    matched_stop: str | None = None
+    tenant: str
+    agent: str | None
+    engine_id: str
+    retention_ttl: float | None
 
 
-class TurnStream:
-    """An opened turn (its engine request is already admitted). Iterate :meth:`events` or call
-    :meth:`collect`; always :meth:`aclose` (idempotent; aborts an unfinished request)."""
+async def _render(state: ServerState, turn: ChatTurn) -> list[list[int]]:
+    """The prompt token ids: the chat template over the messages, or each raw prompt."""
+    if turn.prompts is None:
+        return [await state.tokenization.chat_with_tools(
+            turn.messages, turn.visible_tools, True, turn.message_param, turn.template_kwargs)]
+    rendered = []
+    for prompt in turn.prompts:
+        if isinstance(prompt, list):
+            state.tokenization.check_token_ids(prompt, turn.prompt_param)
+            rendered.append(prompt)
+        else:
+            rendered.append(await state.tokenization.text(prompt, True))
+    return rendered
 
-    def __init__(self, stream: DeltaStream, prompt_ids: list[int], timer: RequestTimer,
-                 parse_tools: bool, tokenizer: Any = None, stop: list[str] | None = None,
-                 on_end: Callable[[TurnEnd, list[int]], None] | None = None,
-                 on_repeat: Callable[[], None] | None = None):
-        self.stream = stream
-        self._on_end = on_end
-        self.prompt_ids = prompt_ids
-        self.timer = timer
 
-        def repeat() -> None:  # a runaway repeat of a call: end the request there
-            stream.engine.finish_early(stream.request.request_id)
-            if on_repeat is not None:
-                on_repeat()
+def _generations(state: ServerState, turn: ChatTurn, caller: _Caller,
+                 prompts: list[list[int]]) -> list[GenerationRequest]:
+    """One engine request per prompt (suffixed ids when there are several)."""
+    grammar = state.tokenization.dialect.grammar(turn.tools, turn.tool_choice,
+                                                 turn.response_format, turn.parameters_param,
+                                                 scope=caller.tenant)
+    out = []
+    for i, prompt in enumerate(prompts):
+        params = sampling_params(turn, len(prompt), state.capacity, state.page_size,
+                                 settings=state.settings, counters=state.clients)
+        request_id = caller.engine_id if len(prompts) == 1 else f"{caller.engine_id}-{i}"
+        out.append(GenerationRequest(
+            tuple(prompt), params, tenant=caller.tenant, agent=caller.agent,
+            cache_salt=turn.cache_salt, request_id=request_id, grammar=grammar))
+    return out
 
-        self._parser = GuardedParser(repeat) if parse_tools else None
-        self._tokenizer = tokenizer
-        self._stop = stop or []
 
-    def _matched_stop(self, output_ids: list[int], shown: str) -> str | None:
-        """Which stop string ended the output (the engine hides it; surfaces that report it,
-        like Anthropic's ``stop_sequence``, find it again in the full decoded output)."""
-        if not self._stop or self._tokenizer is None:
-            return None
-        if output_ids and output_ids[-1] in getattr(self._tokenizer, "eos_token_ids", ()):
-            return None
-        full = self._tokenizer.decode(output_ids)
-        start = max(0, len(shown) - max(map(len, self._stop)))
-        found = [(full.find(s, start), s) for s in self._stop if full.find(s, start) >= 0]
-        return min(found)[1] if found else None
+def _at_end(request: Request, state: ServerState, turn: ChatTurn, caller: _Caller,
+            prompts: list[list[int]]) -> Callable[[TurnEnd], None]:
+    """What the turn does as it ends: find each choice's stop string (when the surface reports
+    it); a choice ending in tool calls keeps its whole prefix (its agent comes back with the
+    results); ``hold_s`` keeps the prompt whatever the end."""
+    tokenizer = state.engine.tokenizer
 
-    async def events(self) -> AsyncIterator[Event | TurnEnd]:
-        text: list[str] = []
-        shown: list[str] = []
-        output_ids: list[int] = []
-        finish: str | None = None
-        try:
-            async for delta in self.stream:
-                self.timer.on_delta(delta, 0)
-                output_ids.extend(delta.token_ids)
-                shown.append(delta.text)
-                finish = delta.finish_reason or finish
-                pieces: list[Event] = []
-                if self._parser is None:
-                    if delta.text:
-                        pieces.append(TextPiece(delta.text))
-                else:
-                    pieces = self._parser.feed(delta.text, delta.finish_reason is not None)
-                for piece in pieces:
-                    if isinstance(piece, TextPiece):
-                        text.append(piece.text)
-                    yield piece
-            usage = self.stream.usage
-            if usage is None or finish is None:
-                raise RuntimeError("the engine stream ended without its final usage delta")
-            calls = []
-            if self._parser is not None:
-                finish, calls = self._parser.finish_reason(finish), self._parser.calls
-            self.timer.on_finish(usage, [finish])
-            joined = "".join(text)
-            matched = self._matched_stop(output_ids, "".join(shown)) if finish == "stop" else None
-            end = TurnEnd(finish, usage, calls, joined.strip() if calls else joined, matched)
-            if self._on_end is not None:
-                self._on_end(end, output_ids)
-            yield end
-        finally:
-            self.timer.on_abort()  # no-op once finished
-            await self.aclose()
+    def on_end(end: TurnEnd) -> None:
+        for choice in end.choices:
+            if turn.report_stop:
+                choice.matched_stop = matched_stop(tokenizer, turn.stop, choice)
+            if choice.ended_in_calls:
+                prompt = prompts[choice.index // turn.n]
+                retain_tool_pause(request, caller.tenant, caller.agent, turn.cache_salt,
+                                  [*prompt, *choice.token_ids], caller.retention_ttl)
+        if turn.hold_s:
+            retain_later(request, caller.tenant, turn.cache_salt, prompts[0], turn.hold_s)
 
-    async def collect(self, request: Request) -> TurnEnd:
-        """The whole turn; raises ClientDisconnected (and aborts) if the client goes first."""
+    return on_end
 
-        async def drain() -> TurnEnd:
-            end = None
-            async for event in self.events():
-                if isinstance(event, TurnEnd):
-                    end = event
-            assert end is not None
-            return end
 
-        try:
-            return await until_disconnect(request, drain())
-        finally:
-            await self.aclose()
+def _splitters(state: ServerState, turn: ChatTurn, caller: _Caller,
+               num_choices: int) -> Callable[[list[int]], OutputSplitter]:
+    """Each choice's splitter, given its prompt: THE place the output parser is chosen (the
+    served model's dialect: tool calls in its format, its reasoning span apart). A runaway repeat of a call ends the request there (only
+    when the turn has one choice: n > 1 choices share an engine request and cannot end alone).
+    """
+    tools = turn.visible_tools
 
-    async def aclose(self) -> None:
-        await self.stream.aclose()
+    def on_repeat() -> None:
+        state.engine.finish_early(caller.engine_id)
+        state.clients.add("repeated_calls_cut")
+
+    guard = on_repeat if num_choices == 1 else None
+
+    def new_splitter(prompt: list[int]) -> OutputSplitter:
+        return OutputSplitter(state.tokenization.output_parser(prompt, tools, guard))
+
+    return new_splitter
 
 
 async def open_turn(request: Request, principal: Principal, turn: ChatTurn,
@@ -201,33 +257,16 @@ async def open_turn(request: Request, principal: Principal, turn: ChatTurn,
     state = server_state(request)
     timer = state.metrics.timer()
     state.check_model(model)
-    prompt = await state.tokenization.chat_with_tools(
-        turn.messages, turn.visible_tools, True, turn.message_param)
-    grammar = tool_grammar(turn.tools, turn.tool_choice, turn.response_format,
-                           turn.parameters_param, scope=principal.tenant)
-    params = sampling_params(turn, len(prompt), state.capacity, state.page_size,  # type: ignore[arg-type]
-                             turn.max_tokens, False, 0,
-                             settings=state.settings,
-                             clamp=turn.clamp_max_tokens, counters=state.clients)
     agent = agent_of(request, turn.user)
-    generation = GenerationRequest(
-        tuple(prompt), params, tenant=principal.tenant, agent=agent,
-        cache_salt=turn.cache_salt, request_id=engine_request_id(request), grammar=grammar)
-    ttl = retention_ttl(request, turn.retention_s)
+    caller = _Caller(principal.tenant, agent, engine_request_id(request),
+                     retention_ttl(request, turn.retention_s))
     note_arrival(request, principal.tenant, agent)  # back from a tool pause: learn its length
-
-    def on_end(end: TurnEnd, output_ids: list[int]) -> None:
-        # a session pausing on its tools comes back with this whole prefix: keep it
-        if end.calls and all(c.complete for c in end.calls):
-            retain_tool_pause(request, principal.tenant, agent, turn.cache_salt,
-                              [*prompt, *output_ids], ttl)
-        if turn.hold_s:
-            retain_later(request, principal.tenant, turn.cache_salt, prompt, turn.hold_s)
-
-    (stream,) = await open_streams(state.engine, [generation])
-    return TurnStream(stream, prompt, timer, parse_tools=turn.visible_tools is not None,
-                      tokenizer=state.engine.tokenizer, stop=turn.stop, on_end=on_end,
-                      on_repeat=lambda: state.clients.add("repeated_calls_cut"))
+    prompts = await _render(state, turn)
+    streams = await open_streams(state.engine, _generations(state, turn, caller, prompts))
+    return TurnStream(streams, prompts, timer, turn.n,
+                      _splitters(state, turn, caller, turn.n * len(prompts)),
+                      _at_end(request, state, turn, caller, prompts))
 
 
-__all__ = ["CallEnd", "ChatTurn", "ClientDisconnected", "TurnEnd", "TurnStream", "open_turn"]
+__all__ = ["ChatTurn", "ChoiceDelta", "ChoiceOutput", "ClientDisconnected", "TurnEnd",
+           "TurnStream", "open_turn", "sampling_params"]

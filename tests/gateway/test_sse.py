@@ -85,3 +85,36 @@ def test_stream_errors_before_the_first_byte_are_http_errors(client, gateway):
     )
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_a_body_that_never_started_is_still_released():
+    """A client gone before the first byte: the body generator never ran (so none of its
+    ``finally`` will), and ``on_close`` releases what it holds (the engine requests)."""
+    import asyncio
+
+    from starlette.requests import ClientDisconnect
+
+    from prefixgate.gateway.server.sse import SSEResponse
+
+    ran, released = [], []
+
+    async def body():
+        try:
+            yield b"data: {}\n\n"
+        finally:
+            ran.append(True)
+
+    async def release() -> None:
+        released.append(True)
+
+    async def gone(message) -> None:
+        raise OSError("the client closed the connection")
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    response = SSEResponse(body(), on_close=release)
+    scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
+    with pytest.raises(ClientDisconnect):
+        asyncio.run(response(scope, receive, gone))
+    assert released == [True] and ran == []

@@ -1,5 +1,5 @@
 """Anthropic Messages wire format: request models (validated, bounded) and the translation to
-a neutral :class:`ChatTurn`; response and stream-event shapes are plain dicts in routes.py.
+a neutral :class:`ChatTurn`; response and stream-event shapes are plain dicts in serving.py.
 
 Accepted: ``system`` (a string or text blocks), ``messages`` with ``text``, ``tool_use`` and
 ``tool_result`` blocks, ``tools`` (``input_schema``), ``tool_choice`` auto / any / tool / none
@@ -9,8 +9,10 @@ Accepted: ``system`` (a string or text blocks), ``messages`` with ``text``, ``to
 and on system, tool and message blocks (accepted; see the README), ``system`` messages inside
 ``messages`` (Claude Code's mid-conversation-system beta). ``max_tokens`` past the context
 left is cut to fit. Claude Code's attribution line (``x-anthropic-billing-header: ...``) is
-left out of the prompt (gateway/server/clients.py). Unknown fields (``thinking``,
-``context_management``, ``output_config.effort``) are ignored; blocks this text-only model
+left out of the prompt (gateway/server/clients.py). ``thinking``
+(enabled / disabled) reaches the chat template (``enable_thinking``), and ``thinking`` blocks
+of earlier assistant turns go back as their reasoning. Unknown fields (``context_management``,
+``output_config.effort``) are ignored; blocks this text-only model
 cannot take (images, documents) are a 400.
 """
 
@@ -34,6 +36,7 @@ from prefixgate.gateway.server.fields import (
     TextChecked,
 )
 from prefixgate.gateway.server.tools import FunctionTool, ToolChoice
+from prefixgate.gateway.server.tools.formats.reasoning import thinking_kwargs
 from prefixgate.gateway.server.tools.grammar import check_schema
 from prefixgate.gateway.server.turn import ChatTurn
 
@@ -75,7 +78,21 @@ class ToolResultBlock(_Model):
         return f"Error: {body}" if self.is_error else body
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+class ThinkingBlock(_Model):
+    """An earlier turn's reasoning; ``redacted_thinking`` blocks (opaque data) are dropped."""
+
+    type: Literal["thinking", "redacted_thinking"]
+    thinking: str = ""
+    signature: str | None = None
+
+
+class ThinkingConfig(_Model):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(default=None, ge=0)
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock,
+                  Field(discriminator="type")]
 
 
 class Message(_Model):
@@ -89,7 +106,8 @@ class Message(_Model):
     def _text_only(cls, value: Any) -> Any:
         if isinstance(value, dict) and value.get("role") == "system":
             return require_part_types(value, ("text",), "block")
-        return require_part_types(value, ("text", "tool_use", "tool_result"), "block")
+        return require_part_types(
+            value, ("text", "tool_use", "tool_result", "thinking", "redacted_thinking"), "block")
 
 
 class Tool(_Model):
@@ -189,6 +207,10 @@ class CountTokensRequest(TextChecked, _Model):
                 turn: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
                 if calls:
                     turn["tool_calls"] = calls
+                thinking = [b.thinking for b in message.content
+                            if isinstance(b, ThinkingBlock) and b.type == "thinking"]
+                if thinking:
+                    turn["reasoning_content"] = "\n".join(thinking)
                 out.append(turn)
                 continue
             for block in message.content:
@@ -221,6 +243,7 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = Field(default=None, ge=0)
     metadata: Metadata | None = None
     output_config: OutputConfig | None = None
+    thinking: ThinkingConfig | None = None
     stream: bool = False
 
     def response_format(self) -> GrammarSpec | None:
@@ -243,10 +266,13 @@ class MessagesRequest(CountTokensRequest):
             top_p=self.top_p,
             top_k=self.top_k,
             stop=list(self.stop_sequences),
+            report_stop=True,  # Anthropic's stop_sequence names the one that matched
             user=self.metadata.user_id if self.metadata else None,
             parameters_param=lambda i: f"tools[{i}].input_schema",
             retention_s=self.cache_ttl_s(),
             hold_s=self.cache_ttl_s(),
+            template_kwargs=thinking_kwargs(
+                None if self.thinking is None else self.thinking.type != "disabled"),
         )
 
     def cache_ttl_s(self) -> float | None:

@@ -54,8 +54,15 @@ from prefixgate.gateway.server.fields import (
     TopLogprobs,
     TopP,
 )
-from prefixgate.gateway.server.tools import FunctionTool, ToolChoice, tool_grammar
+from prefixgate.gateway.server.tools import FunctionTool, ToolChoice
+from prefixgate.gateway.server.tools.dialect import ToolDialect
+from prefixgate.gateway.server.tools.formats.reasoning import (
+    ReasoningEffort,
+    TemplateKwargs,
+    thinking_kwargs,
+)
 from prefixgate.gateway.server.tools.grammar import check_schema
+from prefixgate.gateway.server.turn import ChatTurn
 
 
 class _Request(BaseModel):
@@ -96,6 +103,15 @@ class SamplingRequest(TextChecked, _Request):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The :class:`ChatTurn` fields chat and completions share."""
+        return dict(n=self.n, stop=list(self.stop), stop_token_ids=tuple(self.stop_token_ids),
+                    temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                    min_p=self.min_p, seed=self.seed, presence_penalty=self.presence_penalty,
+                    frequency_penalty=self.frequency_penalty,
+                    repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
+                    user=self.user, cache_salt=self.cache_salt)
 
 
 # --------------------------------------------------------------------------------------------
@@ -152,6 +168,8 @@ class ChatMessage(_Request):
     name: str | None = Field(default=None, max_length=MAX_LABEL_CHARS)
     tool_calls: list[ToolCallIn] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_call_id: str | None = Field(default=None, max_length=MAX_LABEL_CHARS)  # tool turns answering a call
+    # an earlier assistant turn's reasoning (vLLM's field): templates that keep it re-render it
+    reasoning_content: Annotated[str, Field(max_length=MAX_TEXT_CHARS)] | None = None
 
     @model_validator(mode="after")
     def _content_required(self) -> ChatMessage:
@@ -171,6 +189,8 @@ class ChatMessage(_Request):
             out["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None and self.role == "assistant":
+            out["reasoning_content"] = self.reasoning_content
         return out
 
 
@@ -313,6 +333,9 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: TopLogprobs
     response_format: ResponseFormat | None = None
+    # reasoning controls, handed to the chat template (tools/formats/reasoning.py)
+    reasoning_effort: ReasoningEffort | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -326,20 +349,40 @@ class ChatCompletionRequest(SamplingRequest):
     def template_tools(self) -> list[FunctionTool] | None:
         return template_tools(self.tools, self.tool_choice)
 
-    def output_grammar(self, scope: str = "") -> GrammarSpec | None:
+    def output_grammar(self, scope: str = "", dialect: ToolDialect | None = None
+                       ) -> GrammarSpec | None:
         """The grammar of the whole output: tool calls and/or the response format.
 
-        ``scope``: the tenant (grammar caches are per tenant, gateway/server/tools/grammar.py).
+        ``scope``: the tenant (grammar caches are per tenant, gateway/server/tools/grammar.py);
+        ``dialect``: the served model's (calls in its format; None = the gateway's Hermes).
         """
         response = self.response_format.grammar_spec() if self.response_format else None
-        return tool_grammar(
+        return (dialect or ToolDialect()).grammar(
             function_tools(self.tools), tool_choice_of(self.tool_choice, self.parallel_tool_calls),
             response, lambda i: f"tools[{i}].function.parameters", scope=scope)
 
-    @property
-    def expects_tool_calls(self) -> bool:
-        """The output may hold calls (tools visible), so it is parsed for them."""
-        return bool(self.tools) and self.tool_choice != "none"
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the chat template reads besides the messages: ``chat_template_kwargs``, with
+        ``reasoning_effort`` mapped onto ``enable_thinking`` unless those name it."""
+        return {**thinking_kwargs(None, self.reasoning_effort),
+                **(self.chat_template_kwargs.model_dump(exclude_none=True)
+                   if self.chat_template_kwargs else {})}
+
+    def turn(self) -> ChatTurn:
+        """The neutral turn (gateway/server/turn.py) this request asks for."""
+        return ChatTurn(
+            messages=self.template_messages(),
+            tools=function_tools(self.tools),
+            tool_choice=tool_choice_of(self.tool_choice, self.parallel_tool_calls),
+            response_format=self.response_format.grammar_spec() if self.response_format else None,
+            max_tokens=self.requested_max_tokens,
+            parameters_param=lambda i: f"tools[{i}].function.parameters",
+            retention_s=self.retention_seconds,
+            template_kwargs=self.template_kwargs(),
+            logprobs=self.logprobs,
+            top_logprobs=self.top_logprobs or 0,
+            **self.sampling_fields(),
+        )
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -412,6 +455,12 @@ class CompletionRequest(SamplingRequest):
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of must equal n (no server-side best-of selection)")
         return self
+
+    def turn(self) -> ChatTurn:
+        """The neutral turn: the raw prompts, no template, no tools."""
+        return ChatTurn(messages=[], prompts=list(self.prompt), message_param=self.prompt_param,
+                        max_tokens=self.max_tokens, logprobs=self.logprobs is not None,
+                        top_logprobs=self.logprobs or 0, **self.sampling_fields())
 
 
 # --------------------------------------------------------------------------------------------
@@ -523,6 +572,15 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCallOut] | None = None
+    # the model's reasoning span (vLLM's field), sent only when the model reasoned
+    reasoning_content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_no_reasoning(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("reasoning_content") is None:
+            out.pop("reasoning_content", None)
+        return out
 
 
 class ChatChoice(BaseModel):
@@ -568,6 +626,7 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """OpenAI Responses wire format: the request model and its translation to a neutral turn.
 
 Accepted: ``input`` as a string or items (messages with ``input_text`` / ``output_text``
-parts, ``function_call``, ``function_call_output``; ``reasoning`` items are skipped),
+parts, ``function_call``, ``function_call_output``, ``reasoning`` (its text goes back with the
+assistant turn after it)), ``reasoning.effort`` (reaches the chat template),
 ``instructions``, ``tools`` of type ``function`` and ``namespace`` (functions grouped under
 a name, as Codex sends them; hosted tools such as ``web_search`` are left out of the prompt,
 see :meth:`ResponsesRequest._hosted`), ``tool_choice``, ``parallel_tool_calls``,
@@ -29,14 +30,17 @@ from pydantic import (
 from prefixgate.gateway.engine.api import GrammarSpec
 from prefixgate.gateway.server.content import require_part_types
 from prefixgate.gateway.server.fields import (
+    MAX_CONTENT_PARTS,
     MAX_DESCRIPTION_CHARS,
     MAX_MESSAGES,
+    MAX_TEXT_CHARS,
     MAX_TOOLS,
     FunctionName,
     Label,
     TextChecked,
 )
 from prefixgate.gateway.server.tools import FunctionTool, ToolChoice
+from prefixgate.gateway.server.tools.formats.reasoning import ReasoningEffort, thinking_kwargs
 from prefixgate.gateway.server.tools.grammar import check_schema
 from prefixgate.gateway.server.turn import ChatTurn
 
@@ -90,8 +94,24 @@ class FunctionCallOutputItem(_Model):
             p.text for p in self.output)
 
 
+class ReasoningText(_Model):
+    text: Annotated[str, Field(max_length=MAX_TEXT_CHARS)] = ""
+
+
 class ReasoningItem(_Model):
+    """An earlier turn's reasoning: its text goes back to the template with the turn after it
+    (templates that keep reasoning re-render it, so the prompt extends the earlier one)."""
+
     type: Literal["reasoning"]
+    content: list[ReasoningText] | None = Field(default=None, max_length=MAX_CONTENT_PARTS)
+
+    @property
+    def text(self) -> str:
+        return "\n".join(part.text for part in self.content or ())
+
+
+class ReasoningConfig(_Model):
+    effort: ReasoningEffort | None = None
 
 
 def _item_type(value: Any) -> str:
@@ -203,6 +223,7 @@ class ResponsesRequest(TextChecked, _Model):
     cache_salt: Label = None  # the vLLM extra, as on the chat route
     # how long a response ending in function calls keeps its pages (gateway/server/retention.py)
     retention_seconds: float | None = Field(default=None, ge=0, le=3600)
+    reasoning: ReasoningConfig | None = None  # its effort reaches the chat template
 
     # the types of the hosted tools (web_search, file_search, ...) left out of the prompt
     _hosted_tools: list[str] = PrivateAttr(default_factory=list)
@@ -260,10 +281,16 @@ class ResponsesRequest(TextChecked, _Model):
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
         out: list[dict[str, Any]] = []
+        reasoning: str | None = None  # a reasoning item belongs to the assistant turn after it
         for item in self.input:
+            if isinstance(item, ReasoningItem):
+                reasoning = item.text or None
+                continue
             if isinstance(item, MessageItem):
                 role = "system" if item.role == "developer" else item.role
                 out.append({"role": role, "content": item.text})
+                if role == "assistant" and reasoning:
+                    out[-1]["reasoning_content"] = reasoning
             elif isinstance(item, FunctionCallItem):
                 name = qualified_name(item.name, item.namespace)
                 call = {"id": item.call_id, "type": "function",
@@ -274,8 +301,11 @@ class ResponsesRequest(TextChecked, _Model):
                     last.setdefault("tool_calls", []).append(call)
                 else:
                     out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                    if reasoning:
+                        out[-1]["reasoning_content"] = reasoning
             elif isinstance(item, FunctionCallOutputItem):
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
+            reasoning = None
         return out
 
     def response_format(self) -> GrammarSpec | None:
@@ -334,14 +364,20 @@ class ResponsesRequest(TextChecked, _Model):
             message_param="input",
             parameters_param=self.parameters_param,
             retention_s=self.retention_seconds,
+            template_kwargs=thinking_kwargs(
+                None, self.reasoning.effort if self.reasoning else None),
         )
 
 
-def output_messages(text: str, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def output_messages(text: str, calls: list[dict[str, Any]], reasoning: str = ""
+                    ) -> list[dict[str, Any]]:
     """A response's output as chat-template dicts, to continue the conversation from."""
-    if not calls:
-        return [{"role": "assistant", "content": text}]
-    return [{"role": "assistant", "content": text, "tool_calls": calls}]
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = calls
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    return [message]
 
 
 def dumps(value: Any) -> str:

@@ -1,6 +1,8 @@
 """Tool calling shared by every API surface: neutral records (records.py), tools into the
 prompt (prompt.py), tool_choice / response_format into one grammar (grammar.py), and the
-generated text back into calls (parser.py). A surface translates its wire fields into
+generated text back into calls (parser.py); the model's own tool-call formats (formats/) and
+the dialect a server speaks, chosen from its chat template (dialect.py), through which every
+surface gets its prompt inputs, grammar and output parser. A surface translates its wire fields into
 :class:`FunctionTool` / :class:`ToolChoice` and the parser's events back into its own format.
 """
 
@@ -10,6 +12,7 @@ from prefixgate.gateway.server.tools.parser import (
     CallEnd,
     CallStart,
     Event,
+    ReasoningPiece,
     TextPiece,
     ToolCallParser,
     parse_output,
@@ -23,6 +26,7 @@ __all__ = [
     "CallStart",
     "Event",
     "FunctionTool",
+    "ReasoningPiece",
     "TextPiece",
     "ToolCallOutput",
     "ToolCallParser",

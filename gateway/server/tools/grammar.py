@@ -107,12 +107,27 @@ def _format_of(spec: GrammarSpec, scope: str) -> dict[str, Any]:
         "json_object can)", param=spec.param)
 
 
+def _json_content(tool: FunctionTool, param: str, scope: str) -> dict[str, Any]:
+    """A call's arguments as canonical JSON of the tool's schema (a structural-tag element)."""
+    return {"type": "grammar", "grammar": schema_grammar(
+        tool.schema, param, strict=tool.strict, object_only=True, scope=scope)}  # fmt: skip
+
+
+class _Hermes:
+    """The gateway's own call format (tools/prompt.py); tools/formats/hermes.py writes the same."""
+
+    trigger, end, separator = TOOL_CALL_OPEN, CALL_END, CALL_SEPARATOR
+    begin = staticmethod(call_begin)
+    content = staticmethod(_json_content)
+
+
 def tool_grammar(
     tools: Sequence[FunctionTool],
     choice: ToolChoice,
     response_format: GrammarSpec | None,
     parameters_param: Callable[[int], str],
     scope: str = "",
+    fmt: Any = None,
 ) -> GrammarSpec | None:
     """The grammar of a request's output given its tools, tool choice and response format.
 
@@ -122,30 +137,32 @@ def tool_grammar(
         response_format: the JSON grammar asked for the text answer, if any.
         parameters_param: the request field of tool i's schema (for errors).
         scope: the tenant (caches are per tenant, see ``_ebnf``).
+        fmt: the tool-call format calls are written in (a tools/formats ``ToolCallFormat``:
+            ``begin(name)``, ``content(tool, param, scope)``, ``end``, ``separator``,
+            ``trigger``); None = the gateway's Hermes format.
     """
     if not tools or choice.mode == "none":
         return response_format
+    fmt = fmt if fmt is not None else _Hermes
     if choice.mode != "auto":
         # the forced call wins over a JSON format (OpenAI accepts both; instructor sends both):
         # the output is the call, whose arguments follow the tool's schema
         response_format = None
-    tags = []
-    for index, tool in enumerate(tools):
-        if choice.mode == "function" and tool.name != choice.name:
-            continue
-        ebnf = schema_grammar(tool.schema, parameters_param(index), strict=tool.strict,
-                              object_only=True, scope=scope)
-        tags.append({"type": "tag", "begin": call_begin(tool.name),
-                     "content": {"type": "grammar", "grammar": ebnf}, "end": CALL_END})
+    tags = [
+        {"type": "tag", "begin": fmt.begin(tool.name),
+         "content": fmt.content(tool, parameters_param(index), scope), "end": fmt.end}
+        for index, tool in enumerate(tools)
+        if choice.mode != "function" or tool.name == choice.name
+    ]  # fmt: skip
     one_only = choice.mode == "function" or not choice.parallel
-    calls_only = {"type": "tags_with_separator", "tags": tags, "separator": CALL_SEPARATOR,
+    calls_only = {"type": "tags_with_separator", "tags": tags, "separator": fmt.separator,
                   "at_least_one": True, "stop_after_first": one_only}
     if choice.mode != "auto":
-        fmt: dict[str, Any] = calls_only
+        grammar: dict[str, Any] = calls_only
     elif response_format is not None:
-        fmt = {"type": "or", "elements": [_format_of(response_format, scope), calls_only]}
+        grammar = {"type": "or", "elements": [_format_of(response_format, scope), calls_only]}
     else:
-        fmt = {"type": "triggered_tags", "triggers": [TOOL_CALL_OPEN], "tags": tags,
-               "at_least_one": False, "stop_after_first": one_only}
-    source = json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False)
+        grammar = {"type": "triggered_tags", "triggers": [fmt.trigger], "tags": tags,
+                   "at_least_one": False, "stop_after_first": one_only}
+    source = json.dumps({"type": "structural_tag", "format": grammar}, ensure_ascii=False)
     return GrammarSpec("structural_tag", source, param="tools")

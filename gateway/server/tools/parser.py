@@ -50,7 +50,14 @@ class CallEnd:
     call: ToolCallOutput
 
 
-Event = TextPiece | CallStart | CallArguments | CallEnd
+@dataclass(frozen=True, slots=True)
+class ReasoningPiece:
+    """Text of the model's reasoning span (``<think>``), never part of the answer."""
+
+    text: str
+
+
+Event = TextPiece | CallStart | CallArguments | CallEnd | ReasoningPiece
 
 
 def _partial_suffix(text: str, token: str) -> int:

@@ -103,13 +103,16 @@ def tool_response(content: str) -> str:
 
 
 def prepare_messages(messages: list[dict[str, Any]], tools: Sequence[FunctionTool] | None,
-                     *, message_param: str = "messages") -> list[dict[str, Any]]:
+                     *, message_param: str = "messages", system_turn: bool = True
+                     ) -> list[dict[str, Any]]:
     """Template messages with the tools, calls and results written in the gateway's format.
 
     Args:
         messages: OpenAI-style template dicts (``role``, ``content``, ``tool_calls``...).
         tools: the visible tools (None or empty: no tools section).
         message_param: the request field the messages came from (error messages name it).
+        system_turn: the template takes a system turn; if not (Gemma 2), a conversation
+            without one gets the tools section at the start of its first turn instead.
     """
     out: list[dict[str, Any]] = []
     tool_turn = False  # the last output message is a user turn of tool results
@@ -135,6 +138,9 @@ def prepare_messages(messages: list[dict[str, Any]], tools: Sequence[FunctionToo
         if out and out[0]["role"] == "system":
             first = out[0]["content"]
             out[0] = {**out[0], "content": f"{first}\n\n{section}" if first else section}
+        elif out and not system_turn:
+            first = out[0]["content"]
+            out[0] = {**out[0], "content": f"{section}\n\n{first}" if first else section}
         else:
             out.insert(0, {"role": "system", "content": section})
     return out

@@ -16,12 +16,15 @@ released unchanged; a turn without an exact repeat streams the same events in th
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
+from prefixgate.gateway.server.tools.formats.reasoning import ReasoningSplitter
 from prefixgate.gateway.server.tools.parser import (
     CallArguments,
     CallEnd,
     CallStart,
     Event,
+    ReasoningPiece,
     TextPiece,
     ToolCallParser,
 )
@@ -79,16 +82,36 @@ class RepeatGuard:
         return out
 
 
-class GuardedParser:
-    """A :class:`ToolCallParser` behind a :class:`RepeatGuard`: ``on_repeat`` is called once,
-    at the first exact repeat (end the engine request there; None = no guard); the text
-    outside calls is kept in ``text``."""
+class _PlainText:
+    """The output of a turn without tools: all text (reasoning may still be split from it)."""
 
-    def __init__(self, on_repeat: Callable[[], None] | None) -> None:
-        self._parser = ToolCallParser()
+    def feed(self, text: str) -> list[Event]:
+        return [TextPiece(text)] if text else []
+
+    def finish(self) -> list[Event]:
+        return []
+
+
+class GuardedParser:
+    """One choice's output parser: the reasoning span split off (``splitter``), the tool-call
+    parser of the model's format (``parser``; default the gateway's Hermes
+    :class:`ToolCallParser`; :class:`_PlainText` for a turn without tools), and a
+    :class:`RepeatGuard`: ``on_repeat`` is called once, at the first exact repeat (end the
+    engine request there; None = no guard). The text outside calls is kept in ``text``, the
+    reasoning in ``reasoning``.
+
+    NOTE: calls are found in the whole output, reasoning span included, and the span is split
+    from the text around them: a call written inside or right after ``<think>`` is a call.
+    """
+
+    def __init__(self, on_repeat: Callable[[], None] | None, parser: Any = None,
+                 splitter: ReasoningSplitter | None = None) -> None:
+        self._parser = parser if parser is not None else ToolCallParser()
+        self._splitter = splitter
         self._guard = RepeatGuard(enabled=on_repeat is not None)
         self._on_repeat = on_repeat
         self.text: list[str] = []
+        self.reasoning: list[str] = []
 
     @property
     def calls(self) -> list[ToolCallOutput]:
@@ -105,10 +128,30 @@ class GuardedParser:
         events = self._parser.feed(text)
         if final:
             events += self._parser.finish()
+        if self._splitter is not None:
+            events = self._split(events, final)
         out = self._guard.filter(events)
         self.text += [e.text for e in out if isinstance(e, TextPiece)]
+        self.reasoning += [e.text for e in out if isinstance(e, ReasoningPiece)]
         if self._guard.repeated and self._on_repeat is not None:
             self._on_repeat()
+        return out
+
+    def _split(self, events: list[Event], final: bool) -> list[Event]:
+        assert self._splitter is not None
+        out: list[Event] = []
+        pieces = [self._splitter.feed(e.text) if isinstance(e, TextPiece) else e for e in events]
+        if final:
+            pieces.append(self._splitter.finish())
+        for piece in pieces:
+            if not isinstance(piece, tuple):
+                out.append(piece)
+                continue
+            reasoning, content = piece
+            if reasoning:
+                out.append(ReasoningPiece(reasoning))
+            if content:
+                out.append(TextPiece(content))
         return out
 
     def finish_reason(self, engine_reason: str | None) -> str | None:

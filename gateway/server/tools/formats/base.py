@@ -11,13 +11,12 @@ history; a format only has to read and enforce what that template taught the mod
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from prefixgate.gateway.engine.api import GrammarSpec
-from prefixgate.gateway.server.tools.grammar import schema_grammar
+from prefixgate.gateway.server.tools.grammar import schema_grammar, tool_grammar
 from prefixgate.gateway.server.tools.parser import (
     CallArguments,
     CallEnd,
@@ -35,6 +34,7 @@ class ParsedCall:
 
     name: str
     arguments: str
+    id: str | None = None  # the id the model wrote (Mistral's [CALL_ID]); None: we make one
 
 
 class ToolCallFormat:
@@ -55,12 +55,21 @@ class ToolCallFormat:
         """The fixed text before a call's arguments."""
         raise NotImplementedError
 
-    def content(self, tool: FunctionTool) -> dict[str, Any]:
+    def for_template(self, template: str) -> ToolCallFormat:
+        """This format as ``template`` writes it (a variant where templates differ)."""
+        return self
+
+    def history_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The history as the template takes it (default: unchanged)."""
+        return messages
+
+    def content(self, tool: FunctionTool, param: str = "tools", scope: str = "") -> dict[str, Any]:
         """The structural-tag element of a call's arguments: canonical JSON (``json.dumps``
         spacing, the schema's key order), which is what templates' ``tojson`` re-renders, so
-        the next turn's prompt extends this one's tokens."""
+        the next turn's prompt extends this one's tokens. ``param`` names the schema's request
+        field in errors; ``scope`` is the tenant (grammar caches are per tenant)."""
         return {"type": "grammar", "grammar": schema_grammar(
-            tool.schema, "tools", strict=tool.strict, object_only=True)}  # fmt: skip
+            tool.schema, param, strict=tool.strict, object_only=True, scope=scope)}  # fmt: skip
 
     def find_call(self, text: str, start: int) -> int | None:
         """End offset of the call that begins at ``text[start:]`` (at the trigger); None
@@ -80,26 +89,17 @@ class ToolCallFormat:
 
     # ---- grammar ---------------------------------------------------------------------------
 
-    def grammar(self, tools: Sequence[FunctionTool], choice: ToolChoice) -> GrammarSpec | None:
-        """A structural-tag grammar enforcing calls in this format for ``choice``."""
-        if not tools or choice.mode == "none":
-            return None
-        tags = [
-            {"type": "tag", "begin": self.begin(tool.name), "content": self.content(tool),
-             "end": self.end}
-            for tool in tools
-            if choice.mode != "function" or tool.name == choice.name
-        ]  # fmt: skip
-        one_only = choice.mode == "function" or not choice.parallel
-        if choice.mode == "auto":
-            fmt: dict[str, Any] = {"type": "triggered_tags", "triggers": [self.trigger],
-                                   "tags": tags, "at_least_one": False,
-                                   "stop_after_first": one_only}  # fmt: skip
-        else:
-            fmt = {"type": "tags_with_separator", "tags": tags, "separator": self.separator,
-                   "at_least_one": True, "stop_after_first": one_only}  # fmt: skip
-        source = json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False)
-        return GrammarSpec("structural_tag", source, param="tools")
+    def grammar(
+        self,
+        tools: Sequence[FunctionTool],
+        choice: ToolChoice,
+        response_format: GrammarSpec | None = None,
+        parameters_param: Callable[[int], str] = lambda i: f"tools[{i}].parameters",
+        scope: str = "",
+    ) -> GrammarSpec | None:
+        """A structural-tag grammar enforcing calls in this format for ``choice``
+        (tools/grammar.py ``tool_grammar``, with this format's text around each call)."""
+        return tool_grammar(tools, choice, response_format, parameters_param, scope, fmt=self)
 
     # ---- parsing ---------------------------------------------------------------------------
 
@@ -176,8 +176,8 @@ class FormatStreamParser:
                 return
             parsed = [ParsedCall("", "")]
         for one in parsed:
-            call = ToolCallOutput(len(self._calls), new_call_id(), one.name, one.arguments,
-                                  complete=complete)  # fmt: skip
+            call = ToolCallOutput(len(self._calls), one.id or new_call_id(), one.name,
+                                  one.arguments, complete=complete)  # fmt: skip
             self._calls.append(call)
             events += [CallStart(call.index, call.id, call.name),
                        CallArguments(call.index, call.arguments), CallEnd(call)]  # fmt: skip

@@ -10,6 +10,9 @@ parser reads the content after it and, for a call inside the span, the reasoning
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +26,34 @@ class ReasoningFormat:
 
 
 THINK = ReasoningFormat("think", "<think>", "</think>")
+
+# OpenAI's reasoning_effort values; "none" and "minimal" turn a template's thinking off
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+_NO_THINKING = ("none", "minimal")
+
+
+class TemplateKwargs(BaseModel):
+    """``chat_template_kwargs``: only the reasoning switches templates read reach the template
+    (anything else is a 400: a template variable such as ``bos_token`` or ``tools`` is the
+    gateway's to set)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enable_thinking: bool | None = None  # Qwen3, DeepSeek R1 distills, Granite's "thinking"
+    thinking: bool | None = None  # DeepSeek V3.1 / Granite templates
+    reasoning_effort: ReasoningEffort | None = None  # gpt-oss style templates
+
+
+def thinking_kwargs(enabled: bool | None, effort: str | None = None) -> dict[str, Any]:
+    """Template variables for a request's reasoning controls (none given: the template's
+    default). ``enabled``: Anthropic's ``thinking`` type; ``effort``: OpenAI's effort."""
+    out: dict[str, Any] = {}
+    if effort is not None:
+        out["reasoning_effort"] = effort
+        out["enable_thinking"] = effort not in _NO_THINKING
+    if enabled is not None:
+        out["enable_thinking"] = enabled
+    return out
 _REASONING: dict[str, ReasoningFormat] = {THINK.name: THINK}
 
 

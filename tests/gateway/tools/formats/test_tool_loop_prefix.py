@@ -34,7 +34,7 @@ CASES = {
 def _call_text(fmt, args: dict[str, str]) -> str:
     if fmt.name == "qwen3_coder":
         body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in args.items())
-        return fmt.begin("read_file") + body.removesuffix("\n") + fmt.end
+        return fmt.begin("read_file") + body + fmt.end
     return fmt.begin("read_file") + json.dumps(args, ensure_ascii=False) + fmt.end
 
 
