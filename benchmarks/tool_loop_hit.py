@@ -29,6 +29,7 @@ from typing import Any
 from benchmarks.common import base_parser, write_json
 from prefixgate.gateway.engine.tokenizer import Tokenizer
 from prefixgate.gateway.server.tools.dialect import ToolDialect, choose_dialect
+from prefixgate.gateway.server.tools.formats.reasoning import thinking_kwargs
 from prefixgate.gateway.server.tools.prompt import call_begin, canonical_json
 from prefixgate.gateway.server.tools.records import FunctionTool
 from tests.family_fixtures import family_fixture, template
@@ -144,10 +145,13 @@ def agent_loop(tokenizer: Tokenizer, dialect: ToolDialect, case: Case, agent: in
     achieved = ideal = 0
     diverges = ""
 
+    # the thinking rows ask for it (DeepSeek R1's template closes the span unless asked)
+    controls = thinking_kwargs(True) if case.think else {}
+
     def render(messages: list[dict[str, Any]]) -> tuple[list[int], str]:
         prepared, tools = dialect.template_inputs(messages, [READ_FILE])
-        return (tokenizer.apply_chat_template(prepared, tools),
-                tokenizer.render_chat(prepared, tools, True))
+        return (tokenizer.apply_chat_template(prepared, tools, **controls),
+                tokenizer.render_chat(prepared, tools, True, **controls))
 
     for turn in range(TURNS):
         prompt, prompt_text = render(history)
