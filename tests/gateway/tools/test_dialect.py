@@ -201,3 +201,27 @@ def test_a_template_without_a_system_turn_gets_the_tools_in_the_first_turn():
     assert messages[0]["content"].startswith("# Tools") and messages[0]["content"].endswith(
         "\n\nWeather?")
     assert "get_weather" in gemma.render(messages)
+
+
+def test_earlier_reasoning_goes_back_to_the_template_from_every_surface():
+    from prefixgate.gateway.server.anthropic.models import MessagesRequest
+    from prefixgate.gateway.server.openai.protocol import ChatCompletionRequest
+
+    chat = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello", "reasoning_content": "greet"}]})
+    assert chat.template_messages()[1]["reasoning_content"] == "greet"
+    messages = MessagesRequest.model_validate({"max_tokens": 4, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "greet", "signature": "s"},
+            {"type": "redacted_thinking", "data": "opaque"},
+            {"type": "text", "text": "Hello"}]}]})
+    assert messages.chat_messages()[1] == {"role": "assistant", "content": "Hello",
+                                           "reasoning_content": "greet"}
+    responses = ResponsesRequest.model_validate({"input": [
+        {"role": "user", "content": "hi"},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "greet"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}]})
+    assert responses.input_messages()[1]["reasoning_content"] == "greet"
