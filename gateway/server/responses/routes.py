@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -177,6 +177,40 @@ def _dropped_tools(request: Request, body: ResponsesRequest) -> dict[str, str]:
     return {DROPPED_TOOLS_HEADER: ",".join(hosted)}
 
 
+class _ReasoningStream:
+    """The streamed reasoning item: added at the span's first piece, one
+    ``response.reasoning_text.delta`` per piece, done when the answer starts."""
+
+    def __init__(self, builder: _Builder, event: Callable[..., bytes]):
+        self.builder = builder
+        self.event = event
+        self.item: dict[str, Any] | None = None
+
+    def add(self, text: str) -> list[bytes]:
+        out = []
+        if self.item is None:
+            self.item = self.builder.reasoning_item("", status="in_progress")
+            self.builder.output.append(self.item)
+            out.append(self.event("response.output_item.added",
+                                  output_index=len(self.builder.output) - 1, item=self.item))
+        self.item["content"][0]["text"] += text
+        out.append(self.event("response.reasoning_text.delta", item_id=self.item["id"],
+                              output_index=self.builder.output.index(self.item),
+                              content_index=0, delta=text))
+        return out
+
+    def close(self) -> list[bytes]:
+        item, self.item = self.item, None
+        if item is None:
+            return []
+        index = self.builder.output.index(item)
+        item["status"] = "completed"
+        return [self.event("response.reasoning_text.done", item_id=item["id"],
+                           output_index=index, content_index=0,
+                           text=item["content"][0]["text"]),
+                self.event("response.output_item.done", output_index=index, item=item)]
+
+
 async def _stream(request: Request, principal: Principal, body: ResponsesRequest,
                   builder: _Builder, history: list[dict[str, Any]], turn: TurnStream
                   ) -> AsyncIterator[bytes]:
@@ -192,19 +226,7 @@ async def _stream(request: Request, principal: Principal, body: ResponsesRequest
     message: dict[str, Any] | None = None  # the open message item
     text: list[str] = []
     call: dict[str, Any] | None = None  # the open function_call item
-    reasoning: dict[str, Any] | None = None  # the open reasoning item
-
-    def close_reasoning() -> list[bytes]:
-        nonlocal reasoning
-        if reasoning is None:
-            return []
-        index, part = builder.output.index(reasoning), reasoning["content"][0]
-        reasoning["status"] = "completed"
-        out = [event("response.reasoning_text.done", item_id=reasoning["id"],
-                     output_index=index, content_index=0, text=part["text"]),
-               event("response.output_item.done", output_index=index, item=reasoning)]
-        reasoning = None
-        return out
+    reasoning = _ReasoningStream(builder, event)  # the open reasoning item, if any
 
     def close_message() -> list[bytes]:
         nonlocal message
@@ -229,17 +251,10 @@ async def _stream(request: Request, principal: Principal, body: ResponsesRequest
         yield event("response.in_progress", response=builder.response("in_progress"))
         async for item in turn.events():
             if isinstance(item, ReasoningPiece):
-                if reasoning is None:
-                    reasoning = builder.reasoning_item("", status="in_progress")
-                    builder.output.append(reasoning)
-                    yield event("response.output_item.added",
-                                output_index=len(builder.output) - 1, item=reasoning)
-                reasoning["content"][0]["text"] += item.text
-                yield event("response.reasoning_text.delta", item_id=reasoning["id"],
-                            output_index=builder.output.index(reasoning), content_index=0,
-                            delta=item.text)
+                for chunk in reasoning.add(item.text):
+                    yield chunk
                 continue
-            for chunk in close_reasoning():  # the span ended: what follows is the answer
+            for chunk in reasoning.close():  # the span ended: what follows is the answer
                 yield chunk
             if isinstance(item, TextPiece):
                 if message is None:
