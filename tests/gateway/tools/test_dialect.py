@@ -44,6 +44,7 @@ DIALECTS = {
     "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja": ("hermes", False, "think"),
     "microsoft-Phi-3.5-mini-instruct.jinja": ("hermes", False, None),
     "google-gemma-2-2b-it.jinja": ("hermes", False, None),
+    "ibm-granite-granite-3.3-2B-Instruct.jinja": ("granite", True, "think"),
 }
 
 
@@ -103,9 +104,10 @@ def test_a_non_hermes_format_parses_through_the_same_seam():
 
 def test_reasoning_controls():
     assert thinking_kwargs(None) == {}
-    assert thinking_kwargs(None, "none") == {"reasoning_effort": "none", "enable_thinking": False}
+    assert thinking_kwargs(None, "none") == {"reasoning_effort": "none",
+                                             "enable_thinking": False, "thinking": False}
     assert thinking_kwargs(None, "high")["enable_thinking"] is True
-    assert thinking_kwargs(False) == {"enable_thinking": False}
+    assert thinking_kwargs(False) == {"enable_thinking": False, "thinking": False}
     with pytest.raises(ValidationError):
         TemplateKwargs.model_validate({"tools": []})  # template variables are the gateway's
 
@@ -225,3 +227,19 @@ def test_earlier_reasoning_goes_back_to_the_template_from_every_surface():
          "content": [{"type": "reasoning_text", "text": "greet"}]},
         {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}]})
     assert responses.input_messages()[1]["reasoning_content"] == "greet"
+
+
+def test_granite_sees_its_calls_in_the_history():
+    granite = _template("ibm-granite-granite-3.3-2B-Instruct.jinja")
+    dialect = choose_dialect(granite)
+    call = '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+    parser = dialect.parser([WEATHER], None)
+    _events(parser, call)
+    (parsed,) = parser.calls
+    history = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": "", "tool_calls": [{"id": parsed.id,
+                "type": "function", "function": {"name": parsed.name,
+                                                 "arguments": parsed.arguments}}]},
+               {"role": "tool", "tool_call_id": parsed.id, "content": "18 C"}]  # fmt: skip
+    messages, tools = dialect.template_inputs(history, [WEATHER])
+    assert call in granite.render(messages, tools=tools)  # the template alone would drop it
