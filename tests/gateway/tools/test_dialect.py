@@ -243,3 +243,15 @@ def test_granite_sees_its_calls_in_the_history():
                {"role": "tool", "tool_call_id": parsed.id, "content": "18 C"}]  # fmt: skip
     messages, tools = dialect.template_inputs(history, [WEATHER])
     assert call in granite.render(messages, tools=tools)  # the template alone would drop it
+
+
+def test_the_router_hashes_with_the_replicas_dialect():
+    from prefixgate.gateway.engine.loader.hf import _load_tokenizer
+    from prefixgate.gateway.router.prompt import PromptHasher
+    from prefixgate.gateway.server.auth import KeyTable
+    from tests.family_fixtures import family_fixture
+
+    tokenizer = _load_tokenizer(family_fixture("llama3").hf_dir)
+    keys = KeyTable({}, None)
+    assert PromptHasher(tokenizer, "m", 16, 0, keys).dialect.format.name == "llama3_json"
+    assert PromptHasher(tokenizer, "m", 16, 0, keys, "hermes").dialect == ToolDialect()
