@@ -227,6 +227,11 @@ def test_earlier_reasoning_goes_back_to_the_template_from_every_surface():
          "content": [{"type": "reasoning_text", "text": "greet"}]},
         {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}]})
     assert responses.input_messages()[1]["reasoning_content"] == "greet"
+    from prefixgate.gateway.server.responses.models import output_messages
+
+    stored = output_messages("", [{"id": "c1"}], "greet")  # what a stored response continues
+    assert stored == [{"role": "assistant", "content": "", "tool_calls": [{"id": "c1"}],
+                       "reasoning_content": "greet"}]
 
 
 def test_granite_sees_its_calls_in_the_history():
