@@ -442,6 +442,7 @@ async def chat_completions(
 
     def new_parser() -> GuardedParser | None:
         return tokenization.output_parser(prompt, tools, guard)
+
     ttl = retention_ttl(request, body.retention_seconds) if body.expects_tool_calls else 0.0
 
     def retain_tool_pauses(choices: dict[int, ChoiceState]) -> None:
