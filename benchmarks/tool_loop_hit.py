@@ -10,8 +10,8 @@ output: achieved = that common prefix, ideal = turn t's prompt + output, summed 
 turn of every agent. Outputs are tokenized canonically (what a trained model writes, mostly).
 
 Tokenizers: the real ones of the family fixtures (tests/family_fixtures.py). The sdist has no
-Mistral tokenizer: Llama 3's stands in, with Mistral's control tokens added as special tokens
-(as they are in Mistral's own); Qwen's stands in for Hermes 2 Pro (it has ``<|im_end|>``). Nothing is timed; every row's
+Mistral or Granite tokenizer: Llama 3's stands in, with their control tokens added as special
+tokens (as they are in their own); Qwen's stands in for Hermes 2 Pro (it has ``<|im_end|>``). Nothing is timed; every row's
 ratio is deterministic. Where a row is under 0.98, ``diverges`` shows the text at the first
 differing token: what the template re-renders differently from what was generated.
 
@@ -29,6 +29,7 @@ from typing import Any
 from benchmarks.common import base_parser, write_json
 from prefixgate.gateway.engine.tokenizer import Tokenizer
 from prefixgate.gateway.server.tools.dialect import ToolDialect, choose_dialect
+from prefixgate.gateway.server.tools.formats.reasoning import thinking_kwargs
 from prefixgate.gateway.server.tools.prompt import call_begin, canonical_json
 from prefixgate.gateway.server.tools.records import FunctionTool
 from tests.family_fixtures import family_fixture, template
@@ -37,6 +38,7 @@ AGENTS = 8
 TURNS = 4
 TARGET = 0.98
 EOS = "eos"  # the end of turn is the tokenizer's eos token (the Mistral templates write it)
+GRANITE_SPECIALS = ("<|start_of_role|>", "<|end_of_role|>", "<|tool_call|>")
 # Mistral's control tokens (single tokens in its own tokenizer, so nothing merges across them)
 MISTRAL_SPECIALS = ("[INST]", "[/INST]", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "[TOOL_RESULTS]",
                     "[/TOOL_RESULTS]", "[TOOL_CONTENT]", "[AVAILABLE_TOOLS]",
@@ -72,6 +74,8 @@ CASES = {
                      specials=MISTRAL_SPECIALS),
     "deepseek-r1-qwen": Case("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", "qwen3",
                              "<｜end▁of▁sentence｜>", think=True),
+    "granite-3.3": Case("ibm-granite-granite-3.3-2B-Instruct.jinja", "llama3", "<|end_of_text|>",
+                        specials=GRANITE_SPECIALS),
     "phi-3.5": Case("microsoft-Phi-3.5-mini-instruct.jinja", "phi3", "<|end|>"),
     "gemma-2": Case("google-gemma-2-2b-it.jinja", "gemma3", "<end_of_turn>", system=False),
 }  # fmt: skip
@@ -144,10 +148,13 @@ def agent_loop(tokenizer: Tokenizer, dialect: ToolDialect, case: Case, agent: in
     achieved = ideal = 0
     diverges = ""
 
+    # the thinking rows ask for it (DeepSeek R1's template closes the span unless asked)
+    controls = thinking_kwargs(True) if case.think else {}
+
     def render(messages: list[dict[str, Any]]) -> tuple[list[int], str]:
         prepared, tools = dialect.template_inputs(messages, [READ_FILE])
-        return (tokenizer.apply_chat_template(prepared, tools),
-                tokenizer.render_chat(prepared, tools, True))
+        return (tokenizer.apply_chat_template(prepared, tools, **controls),
+                tokenizer.render_chat(prepared, tools, True, **controls))
 
     for turn in range(TURNS):
         prompt, prompt_text = render(history)

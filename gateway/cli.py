@@ -329,7 +329,7 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         choices=TOOL_CALL_FORMATS,
         help="how the model writes tool calls: auto = the format its chat template teaches "
         "(Hermes <tool_call>, Qwen3-Coder XML, Llama 3.x JSON, Mistral [TOOL_CALLS], DeepSeek "
-        "R1), the gateway's Hermes prompt when it teaches none (default {default})",
+        "R1, Granite <|tool_call|>), the gateway's Hermes prompt when it teaches none (default {default})",
     )
     http.add_argument("--host", help="bind address (default {default})")
     http.add_argument("--port", type=int, help="port (default {default}; 0 = any free port)")

@@ -126,8 +126,8 @@ class ChatTemplate:
             "parameters": {"type": "object", "properties": {}}}}
         try:
             text = self.render([{"role": "user", "content": "hi"}], tools=[probe])
-        except ChatTemplateError:
-            return False
+        except (ChatTemplateError, OutputTooLongError):  # a probe is tiny: such a template is
+            return False  # broken, and every request will say so
         return "prefixgate_probe_tool" in text
 
     @functools.cached_property
@@ -135,7 +135,7 @@ class ChatTemplate:
         """Whether the template accepts a system turn (Gemma 2's raises on one; probed once)."""
         try:
             self.render([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
-        except ChatTemplateError:
+        except (ChatTemplateError, OutputTooLongError):
             return False
         return True
 

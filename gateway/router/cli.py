@@ -9,7 +9,7 @@ from typing import Any
 
 from prefixgate.gateway.router.settings import POLICIES, RouterSettings
 from prefixgate.gateway.server.limits import LIMIT_DEFAULTS, add_limit_flags, limits_from_values
-from prefixgate.gateway.server.settings import merge_api_keys
+from prefixgate.gateway.server.settings import TOOL_CALL_FORMATS, merge_api_keys
 
 # RouterSettings field defaults (it cannot be built without replicas)
 _ROUTER = {f.name: f.default for f in dataclasses.fields(RouterSettings)}
@@ -26,6 +26,7 @@ ROUTE_DEFAULTS: dict[str, Any] = {
     "page_size": _ROUTER["page_size"],
     "hash_seed": _ROUTER["hash_seed"],
     "parse_special_tokens": "on" if _ROUTER["parse_special_tokens"] else "off",
+    "tool_call_format": _ROUTER["tool_call_format"],
     "api_key": [],
     "api_keys_file": None,
     "admin_key": _ROUTER["admin_key"],
@@ -83,6 +84,8 @@ def add_route_parser(sub: Any, positive_int: Any, positive_float: Any) -> argpar
     hashing.add_argument("--hash-seed", type=int, help="default {default}")
     hashing.add_argument("--parse-special-tokens", choices=["on", "off"],
                          help="as the replicas (default {default})")
+    hashing.add_argument("--tool-call-format", choices=TOOL_CALL_FORMATS,
+                         help="as the replicas (default {default})")
     hashing.add_argument("--api-key", action="append", metavar="KEY[:TENANT]",
                          help="repeatable; the replicas' keys (tenants salt the hashes)")
     hashing.add_argument("--api-keys-file", metavar="PATH", help="the replicas' keys file")
@@ -111,6 +114,7 @@ def route_settings(values: Mapping[str, Any]) -> RouterSettings:
         page_size=values["page_size"],
         hash_seed=values["hash_seed"],
         parse_special_tokens=values["parse_special_tokens"] == "on",
+        tool_call_format=values["tool_call_format"],
         api_keys=merge_api_keys(values["api_key"], values["api_keys_file"]),
         admin_key=values["admin_key"],
         balance_abs_threshold=values["balance_abs_threshold"],

@@ -23,6 +23,7 @@ from prefixgate.gateway.server.responses.models import ResponsesRequest
 from prefixgate.gateway.server.settings import DEFAULT_TENANT
 from prefixgate.gateway.server.state import AGENT_HEADER
 from prefixgate.gateway.server.tokenization import template_inputs
+from prefixgate.gateway.server.tools.dialect import choose_dialect
 
 logger = logging.getLogger("prefixgate.router")
 
@@ -50,11 +51,14 @@ class PromptHasher:
         model_id: the replicas' ``LoadedModel.name`` (enters the first block's hash).
         page_size, hash_seed: as the replicas (``--page-size``, ``--hash-seed``).
         keys: the replicas' API keys → tenants.
+        tool_call_format: as the replicas' ``--tool-call-format`` (tools/dialect.py).
     """
 
     def __init__(self, tokenizer: Any, model_id: str, page_size: int, hash_seed: int,
-                 keys: KeyTable):
+                 keys: KeyTable, tool_call_format: str | None = None):
         self.tokenizer = tokenizer
+        self.dialect = choose_dialect(getattr(tokenizer, "chat_template", None),
+                                      tool_call_format)
         self.model_id = model_id
         self.hasher = BlockHasher(page_size, hash_seed)
         self.keys = keys
@@ -73,7 +77,8 @@ class PromptHasher:
 
     def _chat_ids(self, messages: list[dict[str, Any]], tools: Any, param: str,
                   template_kwargs: dict[str, Any] | None) -> list[int]:
-        prepared, template_tools = template_inputs(self.tokenizer, messages, tools, param)
+        prepared, template_tools = template_inputs(self.tokenizer, messages, tools, param,
+                                                   self.dialect)
         return list(self.tokenizer.apply_chat_template(prepared, template_tools, True,
                                                        **(template_kwargs or {})))
 

@@ -45,6 +45,7 @@ class RouterSettings:
     page_size: int = 16
     hash_seed: int = 0
     parse_special_tokens: bool = False  # as the replicas' --parse-special-tokens
+    tool_call_format: str = "auto"  # as the replicas' --tool-call-format (the prompt with tools)
     api_keys: Mapping[str, str] = field(default_factory=dict)  # key -> tenant, as the replicas
     admin_key: str | None = None
     # Load guard: a replica is skipped for affinity when its load exceeds the least-loaded

@@ -65,7 +65,7 @@ class RouterState:
         self.fleet = Fleet(settings.replicas, HashFacts(model_id, settings.page_size,
                                                         settings.hash_seed, settings.auth_enabled))
         self.hasher = PromptHasher(tokenizer, model_id, settings.page_size, settings.hash_seed,
-                                   self.keys)
+                                   self.keys, settings.tool_call_format)
         self.policy = make_policy(settings.policy, abs_threshold=settings.balance_abs_threshold,
                                   rel_threshold=settings.balance_rel_threshold,
                                   match_tolerance=settings.match_tolerance, seed=settings.seed)

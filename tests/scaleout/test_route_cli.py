@@ -69,3 +69,13 @@ def test_urls():
     assert default_advertise_url("0.0.0.0", 8001).endswith(":8001")
     with pytest.raises(ValueError, match="advertise-url"):
         default_advertise_url("127.0.0.1", 0)
+
+
+def test_the_tool_call_format_is_the_replicas_on_both_sides():
+    env = {"PREFIXGATE_TOOL_CALL_FORMAT": "hermes"}
+    assert route(["--replica", "http://a:1"], env).tool_call_format == "hermes"
+    assert route(["--replica", "http://a:1"], {}).tool_call_format == "auto"
+    parser = cli.build_parser()
+    args = parser.parse_args(["serve", "--tool-call-format", "llama3_json"])
+    _, settings = cli.configs(cli.resolve(args, parser, env))
+    assert settings.tool_call_format == "llama3_json"  # the flag wins over the environment

@@ -1,6 +1,7 @@
 """``tool_choice`` and ``response_format`` → one :class:`GrammarSpec` for the engine.
 
-Tool calls use xgrammar structural tags over the prompt format of tools/prompt.py. Each
+Tool calls use xgrammar structural tags in the served model's format (tools/formats, chosen
+by tools/dialect.py); by default the gateway's own format of tools/prompt.py, where each
 function is a tag: ``<tool_call>\\n{"name": NAME, "arguments": `` + its parameters' canonical
 JSON + ``}\\n</tool_call>``.
 

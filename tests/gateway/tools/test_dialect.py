@@ -45,6 +45,7 @@ DIALECTS = {
     "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja": ("hermes", False, "think"),
     "microsoft-Phi-3.5-mini-instruct.jinja": ("hermes", False, None),
     "google-gemma-2-2b-it.jinja": ("hermes", False, None),
+    "ibm-granite-granite-3.3-2B-Instruct.jinja": ("granite", True, "think"),
 }
 
 
@@ -104,9 +105,10 @@ def test_a_non_hermes_format_parses_through_the_same_seam():
 
 def test_reasoning_controls():
     assert thinking_kwargs(None) == {}
-    assert thinking_kwargs(None, "none") == {"reasoning_effort": "none", "enable_thinking": False}
+    assert thinking_kwargs(None, "none") == {"reasoning_effort": "none",
+                                             "enable_thinking": False, "thinking": False}
     assert thinking_kwargs(None, "high")["enable_thinking"] is True
-    assert thinking_kwargs(False) == {"enable_thinking": False}
+    assert thinking_kwargs(False) == {"enable_thinking": False, "thinking": False}
     with pytest.raises(ValidationError):
         TemplateKwargs.model_validate({"tools": []})  # template variables are the gateway's
 
@@ -200,3 +202,71 @@ def test_mistral_small_writes_and_keeps_its_call_ids():
     assert messages[2]["tool_call_id"] == ids[1]
     assert dialect.template_inputs(history, [WEATHER])[0] == messages
     _template("Mistral-Small-3.2-24B-Instruct-2506.jinja").render(messages)  # no refusal
+
+
+def test_a_template_without_a_system_turn_gets_the_tools_in_the_first_turn():
+    gemma = _template("google-gemma-2-2b-it.jinja")  # it raises on a system turn
+    dialect = choose_dialect(gemma)
+    assert not dialect.native and not dialect.system_turn
+    messages, tools = dialect.template_inputs([{"role": "user", "content": "Weather?"}], [WEATHER])
+    assert [m["role"] for m in messages] == ["user"] and tools is None
+    assert messages[0]["content"].startswith("# Tools") and messages[0]["content"].endswith(
+        "\n\nWeather?")
+    assert "get_weather" in gemma.render(messages)
+
+
+def test_earlier_reasoning_goes_back_to_the_template_from_every_surface():
+    from prefixgate.gateway.server.anthropic.models import MessagesRequest
+    from prefixgate.gateway.server.openai.protocol import ChatCompletionRequest
+
+    chat = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello", "reasoning_content": "greet"}]})
+    assert chat.template_messages()[1]["reasoning_content"] == "greet"
+    messages = MessagesRequest.model_validate({"max_tokens": 4, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "greet", "signature": "s"},
+            {"type": "redacted_thinking", "data": "opaque"},
+            {"type": "text", "text": "Hello"}]}]})
+    assert messages.chat_messages()[1] == {"role": "assistant", "content": "Hello",
+                                           "reasoning_content": "greet"}
+    responses = ResponsesRequest.model_validate({"input": [
+        {"role": "user", "content": "hi"},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "greet"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}]})
+    assert responses.input_messages()[1]["reasoning_content"] == "greet"
+    from prefixgate.gateway.server.responses.models import output_messages
+
+    stored = output_messages("", [{"id": "c1"}], "greet")  # what a stored response continues
+    assert stored == [{"role": "assistant", "content": "", "tool_calls": [{"id": "c1"}],
+                       "reasoning_content": "greet"}]
+
+
+def test_granite_sees_its_calls_in_the_history():
+    granite = _template("ibm-granite-granite-3.3-2B-Instruct.jinja")
+    dialect = choose_dialect(granite)
+    call = '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+    parser = dialect.parser([WEATHER], None)
+    _events(parser, call)
+    (parsed,) = parser.calls
+    history = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": "", "tool_calls": [{"id": parsed.id,
+                "type": "function", "function": {"name": parsed.name,
+                                                 "arguments": parsed.arguments}}]},
+               {"role": "tool", "tool_call_id": parsed.id, "content": "18 C"}]  # fmt: skip
+    messages, tools = dialect.template_inputs(history, [WEATHER])
+    assert call in granite.render(messages, tools=tools)  # the template alone would drop it
+
+
+def test_the_router_hashes_with_the_replicas_dialect():
+    from prefixgate.gateway.engine.loader.hf import _load_tokenizer
+    from prefixgate.gateway.router.prompt import PromptHasher
+    from prefixgate.gateway.server.auth import KeyTable
+    from tests.family_fixtures import family_fixture
+
+    tokenizer = _load_tokenizer(family_fixture("llama3").hf_dir)
+    keys = KeyTable({}, None)
+    assert PromptHasher(tokenizer, "m", 16, 0, keys).dialect.format.name == "llama3_json"
+    assert PromptHasher(tokenizer, "m", 16, 0, keys, "hermes").dialect == ToolDialect()

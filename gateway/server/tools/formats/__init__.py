@@ -6,6 +6,7 @@ here. ``format_for_template`` picks the one a chat template teaches; a flag can 
     llama3_json   {"name", "parameters"}                         Llama 3.1 / 3.2 / 3.3
     mistral       [TOOL_CALLS]NAME[ARGS]{json}                   Devstral, Mistral Small 3.2, Ministral 3
     deepseek_r1   <｜tool▁calls▁begin｜>…```json ARGS```…         DeepSeek R1 and its distills
+    granite       <|tool_call|>[{"name", "arguments"}]           Granite 3.x
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 # every format module registers itself on import
 from prefixgate.gateway.server.tools.formats import (  # noqa: F401
     deepseek_r1,
+    granite,
     hermes,
     llama3_json,
     mistral,

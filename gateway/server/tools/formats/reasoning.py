@@ -50,9 +50,10 @@ def thinking_kwargs(enabled: bool | None, effort: str | None = None) -> dict[str
     out: dict[str, Any] = {}
     if effort is not None:
         out["reasoning_effort"] = effort
-        out["enable_thinking"] = effort not in _NO_THINKING
+        enabled = effort not in _NO_THINKING if enabled is None else enabled
     if enabled is not None:
-        out["enable_thinking"] = enabled
+        # Qwen3 and DeepSeek R1 read enable_thinking; Granite 3.3 and DeepSeek V3.1 thinking
+        out["enable_thinking"] = out["thinking"] = enabled
     return out
 _REASONING: dict[str, ReasoningFormat] = {THINK.name: THINK}
 

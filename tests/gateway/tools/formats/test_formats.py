@@ -38,6 +38,7 @@ CALLS = {
     "mistral": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}',
     "deepseek_r1": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
     '```json\n{"city": "Paris", "days": 3}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+    "granite": '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]',
     "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
     "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
 }
@@ -57,6 +58,8 @@ TEMPLATES = {
     "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja": "deepseek_r1",
     "microsoft-Phi-3.5-mini-instruct.jinja": None,
     "google-gemma-2-2b-it.jinja": None,
+    "ibm-granite-granite-3.3-2B-Instruct.jinja": "granite",
+    "ibm-granite-granite-4.0.jinja": "hermes",
 }
 
 
