@@ -19,9 +19,9 @@ from prefixgate.cache.ttl_policy import TTLPolicy
 from prefixgate.gateway.engine.config import (
     ADMISSION_ORDERS,
     DECODE_STEP_BUDGET,
-    SHORT_PREFILL_BUDGET,
     DTYPES,
     KV_DTYPES,
+    SHORT_PREFILL_BUDGET,
     STEP_TOKEN_BUDGET,
     EngineConfig,
 )

@@ -260,8 +260,9 @@ class Scheduler:
 
     def step_budget(self) -> int:
         """The coming step's budget: ``decode_step_budget`` while any running stream decodes
-        (a decode waits for the whole step: this bounds its inter-token latency), else
-        ``max_num_batched_tokens`` (nothing decodes: a prefill backlog runs in big chunks)."""
+        (a decode waits for the whole step: this bounds its inter-token latency; at least the
+        decodes plus a page), else ``max_num_batched_tokens`` (nothing decodes: a prefill
+        backlog runs in big chunks)."""
         decodes = sum(1 for s in self.running if s.num_uncomputed == 1)
         if decodes:
             # NOTE: at least a page of prefill a step, however many decode: a long prompt
@@ -270,8 +271,9 @@ class Scheduler:
         return self.max_num_batched_tokens
 
     def schedule(self) -> SchedulerOutput:
-        """Plan one step: running sequences (every decode, then unfinished prefill chunks),
-        then admissions while free pages (above the watermark) and the budget allow."""
+        """Plan one step: every running decode, short prefills whole (:meth:`_admit_short`),
+        the running prefills' next chunks, then admissions while free pages (above the
+        watermark) and the budget allow."""
         plan = _StepPlan(self.step_budget())
         self._schedule_running(plan)  # its short-prefill pass ordered the waiting queue
         if not plan.preempted:
@@ -283,8 +285,8 @@ class Scheduler:
                                tuple(plan.unschedulable), tuple(plan.loads))
 
     def _schedule_running(self, plan: _StepPlan) -> None:
-        """Running sequences, oldest first: every decode (1 token) first, then unfinished
-        prefill chunks in what is left of the budget.
+        """Running sequences, oldest first: every decode (1 token) first, then (after the
+        short-prefill admissions) unfinished prefill chunks in what is left of the budget.
 
         NOTE: decodes are never skipped for budget: n > 1 forks can put more sequences in
         `running` than the budget has tokens, and a skipped decode would wait until older ones
@@ -379,7 +381,7 @@ class Scheduler:
         """Admit waiting sequences in queue order while the step has budget and room.
 
         ``whole_only``: stop at the first whose whole prefill does not fit what is left (the
-        ``"srpt"`` pass that runs before the running prefills' chunks)."""
+        short-prefill pass, :meth:`_admit_short`)."""
         while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
             if not self._try_admit(plan, self.waiting.popleft(), whole_only):
                 break
