@@ -58,9 +58,14 @@ ARMS: dict[str, dict[str, Any]] = {
     "adaptive": dict(max_num_batched_tokens=2048, decode_step_budget=192, protect_waiting=False,
                      admission_order="fcfs"),
     "protect": dict(max_num_batched_tokens=2048, decode_step_budget=192, admission_order="fcfs"),
-    "default": dict(max_num_batched_tokens=2048, decode_step_budget=192),  # + lpm
-    **{f"decode{b}": dict(max_num_batched_tokens=2048, decode_step_budget=b) for b in (64, 96, 128, 256, 384)},
+    # today's: 2048 / 64 while decoding, short prefills (<= 192 units) whole and first, lpm
+    "default": dict(max_num_batched_tokens=2048, decode_step_budget=64, short_prefill_budget=192),
+    **{f"decode{b}": dict(max_num_batched_tokens=2048, decode_step_budget=b) for b in (32, 48, 64, 96, 128, 192, 256)},
     **{f"max{b}": dict(max_num_batched_tokens=b, decode_step_budget=192) for b in (512, 1024, 4096)},
+    "srpt": dict(max_num_batched_tokens=2048, decode_step_budget=64, short_prefill_budget=192,
+                 admission_order="srpt"),
+    **{f"d{d}s{sh}": dict(max_num_batched_tokens=2048, decode_step_budget=d, short_prefill_budget=sh)
+       for d in (48, 64, 96) for sh in (128, 192, 256)},
     "unprotected": dict(max_num_batched_tokens=2048, decode_step_budget=192, protect_waiting=False),
     **{f"wait{w:g}s": dict(max_num_batched_tokens=2048, decode_step_budget=192, max_admission_wait_s=w)
        for w in (1.0, 10.0, 20.0, 30.0, 60.0, 1e9)},

@@ -21,6 +21,7 @@ from prefixgate.gateway.engine.config import (
     DECODE_STEP_BUDGET,
     DTYPES,
     KV_DTYPES,
+    SHORT_PREFILL_BUDGET,
     STEP_TOKEN_BUDGET,
     EngineConfig,
 )
@@ -65,6 +66,7 @@ DEFAULTS: dict[str, Any] = {
     "max_model_len": _ENGINE.max_model_len,
     "max_num_batched_tokens": _ENGINE.max_num_batched_tokens,
     "decode_step_budget": _ENGINE.decode_step_budget,
+    "short_prefill_budget": _ENGINE.short_prefill_budget,
     "protect_waiting": _switch(_ENGINE.protect_waiting),
     "admission_order": _ENGINE.admission_order,
     "max_admission_wait": _ENGINE.max_admission_wait_s,
@@ -237,6 +239,13 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         "--max-num-batched-tokens)",
     )
     sched.add_argument(
+        "--short-prefill-budget",
+        type=_positive_int,
+        help="a waiting request whose whole prefill costs at most this runs first and unsplit, "
+        f"even in a decode step (default {SHORT_PREFILL_BUDGET['cpu']} on CPU; on GPU the "
+        "decode budget)",
+    )
+    sched.add_argument(
         "--protect-waiting",
         type=_on_off,
         metavar="on|off",
@@ -246,14 +255,15 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     sched.add_argument(
         "--admission-order",
         choices=ADMISSION_ORDERS,
-        help="admit waiting requests in arrival order (fcfs) or longest cached prefix first "
-        "(lpm), bounded by --max-admission-wait (default {default})",
+        help="admit waiting requests in arrival order (fcfs), longest cached prefix first (lpm) "
+        "or least prefill compute first (srpt), bounded by --max-admission-wait "
+        "(default {default})",
     )
     sched.add_argument(
         "--max-admission-wait",
         type=float,
         metavar="SECONDS",
-        help="with --admission-order lpm, a request waiting this long is admitted first "
+        help="with --admission-order lpm or srpt, a request waiting this long is admitted first "
         "(no starvation; default {default})",
     )
     sched.add_argument(
@@ -520,6 +530,7 @@ def configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerSettings]:
         max_model_len=values["max_model_len"],
         max_num_batched_tokens=values["max_num_batched_tokens"],
         decode_step_budget=values["decode_step_budget"],
+        short_prefill_budget=values["short_prefill_budget"],
         protect_waiting=values["protect_waiting"] == "on",
         admission_order=values["admission_order"],
         max_admission_wait_s=values["max_admission_wait"],

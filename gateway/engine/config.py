@@ -9,7 +9,7 @@ from prefixgate.gateway.engine.model_config import parse_rope_override
 # KV pool precisions (--kv-dtype); "auto" (or None) = the model's dtype
 KV_DTYPES = ("auto", "fp32", "bf16", "fp16")
 # waiting-queue orders (--admission-order): arrival order, or longest cached prefix first
-ADMISSION_ORDERS = ("fcfs", "lpm")
+ADMISSION_ORDERS = ("fcfs", "lpm", "srpt")
 # compute precisions (--dtype; docs/precision.md); "auto" (or None) = fp32 on CPU, bf16 on GPU.
 # The long names are kept for configurations written before the short ones.
 DTYPES = ("auto", "fp32", "bf16", "fp16", "float32", "bfloat16", "float16")
@@ -43,6 +43,9 @@ class EngineConfig:
     # step budget while any stream decodes: every decode waits for the whole step, so this
     # bounds the inter-token latency; None = decode_token_budget()
     decode_step_budget: int | None = None
+    # a waiting request whose whole prefill costs at most this runs first and unsplit, even in a
+    # step with a smaller budget (a returning agent turn's suffix); None = short_prefill_budget()
+    short_prefill_budget: int | None = None
     # a waiting request's cached prefix is evicted only after every other free page (soft)
     protect_waiting: bool = True
     # "lpm": the waiting request with the longest cached prefix is admitted first, except
@@ -107,6 +110,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if self.short_prefill_budget is not None and self.short_prefill_budget < 1:
+            raise ValueError("short_prefill_budget must be >= 1")
         if self.decode_step_budget is not None and self.decode_step_budget < self.max_num_seqs:
             raise ValueError(
                 f"decode_step_budget ({self.decode_step_budget}) must be >= max_num_seqs ({self.max_num_seqs})"
@@ -142,13 +147,16 @@ class EngineConfig:
 # chunk's attention on top of its tokens: gateway/engine/scheduler.py). The step's budget adapts
 # to what runs (Scheduler.step_budget): while a stream decodes it is the decode budget, since
 # every decode waits for the whole step; on CPU the GEMMs are compute-bound from ~128 rows on, so
-# a step's time grows with its tokens, and 192 is about one warm agent suffix (~60 tokens over a
-# 2k cached prompt = ~100 units) plus the running decodes. When nothing decodes, no one waits
+# a step's time grows with its tokens: 64 keeps a long prompt's chunks from stretching the running
+# streams' inter-token latency, and a short prefill (192 units: about one warm agent suffix, ~60
+# tokens over a 2k cached prompt = ~100 units, plus the running decodes) still runs whole, first,
+# so its first token is one step away (Scheduler._admit_short). When nothing decodes, no one waits
 # for a step but the prefills in it: a backlog runs in big chunks (fewer steps, and a request's
 # cached prefix is used before the traffic behind it can evict it). docs/scheduling.md has the
 # measurements behind both figures.
 STEP_TOKEN_BUDGET = {"cpu": 2048, "cuda": 2048}
-DECODE_STEP_BUDGET = {"cpu": 192}  # a GPU gains throughput from larger steps: no decode bound
+DECODE_STEP_BUDGET = {"cpu": 64}  # a GPU gains throughput from larger steps: no decode bound
+SHORT_PREFILL_BUDGET = {"cpu": 192}
 
 
 def step_token_budget(config: EngineConfig, device_type: str) -> int:
@@ -167,3 +175,11 @@ def decode_token_budget(config: EngineConfig, device_type: str) -> int:
         return min(config.decode_step_budget, ceiling)
     default = DECODE_STEP_BUDGET.get(device_type, ceiling)
     return min(max(default, config.max_num_seqs), ceiling)
+
+
+def short_prefill_budget(config: EngineConfig, device_type: str) -> int:
+    """How much a whole short prefill may cost to run unsplit in a decode step: the configured
+    figure, else the device's default, else the decode budget (no widening)."""
+    if config.short_prefill_budget is not None:
+        return config.short_prefill_budget
+    return SHORT_PREFILL_BUDGET.get(device_type, decode_token_budget(config, device_type))

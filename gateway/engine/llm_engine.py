@@ -30,7 +30,12 @@ from prefixgate.gateway.engine.api import (
     TopLogprob,
     Usage,
 )
-from prefixgate.gateway.engine.config import EngineConfig, decode_token_budget, step_token_budget
+from prefixgate.gateway.engine.config import (
+    EngineConfig,
+    decode_token_budget,
+    short_prefill_budget,
+    step_token_budget,
+)
 from prefixgate.gateway.engine.drafter import DraftState, NgramDrafter
 from prefixgate.gateway.engine.grammar import (
     CompiledGrammar,
@@ -183,6 +188,7 @@ class LLMEngine:
                      if config.num_speculative_tokens else None),
             max_spec_rows=config.speculative_max_rows,
             decode_step_budget=decode_token_budget(config, device_type),
+            short_prefill_budget=short_prefill_budget(config, device_type),
             protect_waiting=config.protect_waiting,
             admission_order=config.admission_order,
             max_admission_wait_s=config.max_admission_wait_s,

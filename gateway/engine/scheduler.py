@@ -125,6 +125,9 @@ class Scheduler:
             are chunked to fit it.
         decode_step_budget: the budget while any running stream decodes (bounds the
             inter-token latency); None = ``max_num_batched_tokens`` (one fixed budget).
+        short_prefill_budget: a waiting request whose whole prefill costs at most this goes
+            first and unsplit, even in a step whose budget is smaller (:meth:`_admit_short`);
+            None = no widening (whole prefills that fit the step's budget still go first).
         max_num_seqs: running sequences at most.
         enable_dedup: hold back a request whose next uncached blocks another running
             sequence is computing right now; it is admitted once they are cached (in-flight
@@ -136,7 +139,8 @@ class Scheduler:
         protect_waiting: a waiting request's cached prefix is protected from eviction until
             it is admitted (soft: ``KVCacheManager.hold_prefix``).
         admission_order: "lpm" (longest cached prefix first, with ``max_admission_wait_s``
-            as the age bound: :meth:`_order_waiting`) or "fcfs" (arrival order).
+            as the age bound: :meth:`_order_waiting`), "srpt" (least prefill compute left
+            first, same age bound) or "fcfs" (arrival order).
         clock: seconds, monotonic (the age bound's clock).
 
     Two rules keep time-to-first-token low without giving up throughput:
@@ -161,6 +165,7 @@ class Scheduler:
         drafter: NgramDrafter | None = None,
         max_spec_rows: int = 8,
         decode_step_budget: int | None = None,
+        short_prefill_budget: int | None = None,
         protect_waiting: bool = True,
         admission_order: str = "lpm",
         max_admission_wait_s: float = 60.0,
@@ -175,6 +180,7 @@ class Scheduler:
         self.cache = cache
         self.max_num_batched_tokens = max_num_batched_tokens
         self.decode_step_budget = min(decode_step_budget or max_num_batched_tokens, max_num_batched_tokens)
+        self.short_prefill_budget = short_prefill_budget or 0
         self.protect_waiting = protect_waiting
         self.admission_order = admission_order
         self.max_admission_wait_s = max_admission_wait_s
@@ -254,28 +260,33 @@ class Scheduler:
 
     def step_budget(self) -> int:
         """The coming step's budget: ``decode_step_budget`` while any running stream decodes
-        (a decode waits for the whole step: this bounds its inter-token latency), else
-        ``max_num_batched_tokens`` (nothing decodes: a prefill backlog runs in big chunks)."""
-        if any(s.num_uncomputed == 1 for s in self.running):
-            return self.decode_step_budget
+        (a decode waits for the whole step: this bounds its inter-token latency; at least the
+        decodes plus a page), else ``max_num_batched_tokens`` (nothing decodes: a prefill
+        backlog runs in big chunks)."""
+        decodes = sum(1 for s in self.running if s.num_uncomputed == 1)
+        if decodes:
+            # NOTE: at least a page of prefill a step, however many decode: a long prompt
+            # admitted among max_num_seqs streams must not crawl one token a step
+            return max(self.decode_step_budget, min(decodes + self.cache.page_size, self.max_num_batched_tokens))
         return self.max_num_batched_tokens
 
     def schedule(self) -> SchedulerOutput:
-        """Plan one step: running sequences (every decode, then unfinished prefill chunks),
-        then admissions while free pages (above the watermark) and the budget allow."""
+        """Plan one step: every running decode, short prefills whole (:meth:`_admit_short`),
+        the running prefills' next chunks, then admissions while free pages (above the
+        watermark) and the budget allow."""
         plan = _StepPlan(self.step_budget())
-        self._schedule_running(plan)
+        self._schedule_running(plan)  # its short-prefill pass ordered the waiting queue
         if not plan.preempted:
-            self._order_waiting()
             self._admit(plan)
+        self.waiting.extendleft(reversed(plan.deferred))  # dedup and tier waits stay first
         for seq in plan.unschedulable:
             seq.status = SeqStatus.FINISHED
         return SchedulerOutput(tuple(plan.chunks), tuple(plan.pairs), tuple(plan.preempted),
                                tuple(plan.unschedulable), tuple(plan.loads))
 
     def _schedule_running(self, plan: _StepPlan) -> None:
-        """Running sequences, oldest first: every decode (1 token) first, then unfinished
-        prefill chunks in what is left of the budget.
+        """Running sequences, oldest first: every decode (1 token) first, then (after the
+        short-prefill admissions) unfinished prefill chunks in what is left of the budget.
 
         NOTE: decodes are never skipped for budget: n > 1 forks can put more sequences in
         `running` than the budget has tokens, and a skipped decode would wait until older ones
@@ -284,8 +295,11 @@ class Scheduler:
         if self.drafter is not None:
             spec_rows = self.max_spec_rows - sum(1 for s in self.running if s.num_uncomputed == 1)
         for decodes in (True, False):
+            if not decodes and not plan.preempted:
+                self._admit_short(plan)
             for seq in list(self.running):
-                if seq.status is not SeqStatus.RUNNING or (seq.num_uncomputed == 1) != decodes:
+                if (seq.status is not SeqStatus.RUNNING or (seq.num_uncomputed == 1) != decodes
+                        or seq.seq_id in plan.scheduled):
                     continue
                 drafts: list[int] = []
                 if decodes:
@@ -326,29 +340,53 @@ class Scheduler:
         NOTE: nothing starves: a preempted request, and one waiting ``max_admission_wait_s``
         or longer, go before every other, in arrival order; equal prefixes keep arrival order.
         """
-        if self.admission_order != "lpm" or len(self.waiting) < 2:
+        if self.admission_order == "fcfs" or len(self.waiting) < 2:
             return
         now = self.clock()
         window = [self.waiting.popleft() for _ in range(min(len(self.waiting), ADMISSION_WINDOW))]
 
-        def rank(item: tuple[int, Sequence]) -> tuple[int, int, int]:
+        def rank(item: tuple[int, Sequence]) -> tuple[int, float, int]:
             index, seq = item
             if seq.admitted_order >= 0 or now - seq.arrival_time >= self.max_admission_wait_s:
                 return (0, 0, index)
             seq.cached_blocks = self.cache.count_cached_blocks(self.cache.block_hashes(seq), seq.cached_blocks)
+            if self.admission_order == "srpt":
+                cached = min(seq.cached_blocks * self.cache.page_size, len(seq.token_ids) - 1)
+                return (1, self._cost(cached, len(seq.token_ids) - cached), index)
             return (1, -seq.cached_blocks, index)
 
         ordered = [seq for _, seq in sorted(enumerate(window), key=rank)]
         self.waiting.extendleft(reversed(ordered))
 
-    def _admit(self, plan: _StepPlan) -> None:
-        """Admit waiting sequences in queue order while the step has budget and room."""
-        while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
-            if not self._try_admit(plan, self.waiting.popleft()):
-                break
-        self.waiting.extendleft(reversed(plan.deferred))
+    def _admit_short(self, plan: _StepPlan) -> None:
+        """Before the running prefills' next chunks: admit waiting requests whose whole prefill
+        fits what the step has left, widened to ``short_prefill_budget`` (queue order, stop at
+        the first that does not fit whole).
 
-    def _try_admit(self, plan: _StepPlan, seq: Sequence) -> bool:
+        NOTE: a returning turn's short suffix would otherwise wait behind every long prompt
+        admitted before it (their chunks take the step's budget first) and, split to fit a
+        small decode budget, pay several steps for its first token; a long prompt is chunked
+        at the decode budget, so the running streams' inter-token latency stays bounded
+        except for steps that carry one short prefill whole.
+        """
+        if not self.waiting:
+            return
+        self._order_waiting()
+        widen = max(0, self.short_prefill_budget - plan.step_budget)
+        plan.budget += widen
+        self._admit(plan, whole_only=True)
+        plan.budget -= widen
+
+    def _admit(self, plan: _StepPlan, whole_only: bool = False) -> None:
+        """Admit waiting sequences in queue order while the step has budget and room.
+
+        ``whole_only``: stop at the first whose whole prefill does not fit what is left (the
+        short-prefill pass, :meth:`_admit_short`)."""
+        while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
+            if not self._try_admit(plan, self.waiting.popleft(), whole_only):
+                break
+
+    def _try_admit(self, plan: _StepPlan, seq: Sequence, whole_only: bool = False) -> bool:
         """Admit ``seq`` into this step, defer it, or fail it; False = it goes back to the
         head of the queue and admission stops (FIFO: nothing behind it goes first)."""
         blocks = self.cache.block_hashes(seq)
@@ -372,7 +410,7 @@ class Scheduler:
         remaining = len(seq.token_ids) - start
         n = self._fit(start, remaining, plan.budget, not plan.has_prefill)
         own_step = plan.step_budget - plan.num_decodes  # what a step would leave it
-        if n <= 0 or (n < remaining and plan.has_prefill and self._cost(start, remaining) <= own_step):
+        if n <= 0 or (n < remaining and (whole_only or plan.has_prefill and self._cost(start, remaining) <= own_step)):
             # NOTE: nothing fits, or it would fit the next step whole: split here, its first
             # token would wait a second step anyway. A held tier load stays held.
             self.waiting.appendleft(seq)
@@ -413,6 +451,7 @@ class Scheduler:
         n = self._fit(seq.num_computed, seq.num_uncomputed, plan.budget, not plan.has_prefill)
         plan.pairs += self.cache.prepare_write(seq.seq_id, n)
         plan.chunks.append(self._chunk(seq, n))
+        plan.scheduled.add(seq.seq_id)
         plan.budget -= self._cost(seq.num_computed, n)
         plan.has_prefill = True
 

@@ -15,7 +15,12 @@ from prefixgate.gateway.engine.api import (
     OverloadedError,
     SamplingParams,
 )
-from prefixgate.gateway.engine.config import EngineConfig, decode_token_budget, step_token_budget
+from prefixgate.gateway.engine.config import (
+    EngineConfig,
+    decode_token_budget,
+    short_prefill_budget,
+    step_token_budget,
+)
 from prefixgate.gateway.engine.engine import AsyncEngine
 
 SYSTEM = (
@@ -259,14 +264,20 @@ def test_async_engine_wakes_the_loop_once_per_step(make_engine, tokenizer):
 def test_step_token_budget_defaults_by_device() -> None:
     assert step_token_budget(EngineConfig(), "cpu") == 2048
     assert step_token_budget(EngineConfig(), "cuda") == 2048
-    # while a stream decodes: 192 on CPU (the inter-token latency bound), no bound on GPU
-    assert decode_token_budget(EngineConfig(), "cpu") == 192
+    # while a stream decodes: 64 on CPU (the inter-token latency bound), no bound on GPU;
+    # a short prefill may run whole up to 192 on CPU, on GPU up to the decode budget
+    assert decode_token_budget(EngineConfig(), "cpu") == 64
     assert decode_token_budget(EngineConfig(), "cuda") == 2048
+    assert short_prefill_budget(EngineConfig(), "cpu") == 192
+    assert short_prefill_budget(EngineConfig(), "cuda") == 2048
+    assert short_prefill_budget(EngineConfig(short_prefill_budget=96), "cpu") == 96
+    with pytest.raises(ValueError, match="short_prefill_budget"):
+        EngineConfig(short_prefill_budget=0)
     # never below the running-sequence cap, never above the step budget; explicit ones win
     assert step_token_budget(EngineConfig(max_num_seqs=3000), "cpu") == 3000
     assert decode_token_budget(EngineConfig(max_num_seqs=300), "cpu") == 300
     assert step_token_budget(EngineConfig(max_num_batched_tokens=4096), "cpu") == 4096
-    assert decode_token_budget(EngineConfig(max_num_batched_tokens=128), "cpu") == 128
+    assert decode_token_budget(EngineConfig(max_num_batched_tokens=128, decode_step_budget=512), "cpu") == 128
     assert decode_token_budget(EngineConfig(decode_step_budget=512), "cpu") == 512
     with pytest.raises(ValueError, match="must be >= max_num_seqs"):
         EngineConfig(max_num_batched_tokens=32, max_num_seqs=64)
@@ -284,7 +295,7 @@ def test_the_scheduler_counts_attention_with_the_models_flop_ratio(make_engine, 
     engine = make_engine()
     assert engine.scheduler.context_scale == 3072
     assert engine.scheduler.max_num_batched_tokens == 2048
-    assert engine.scheduler.decode_step_budget == 192
+    assert (engine.scheduler.decode_step_budget, engine.scheduler.short_prefill_budget) == (64, 192)
 
 
 def test_bf16_kv_serves_with_prefix_caching(make_engine, tokenizer):

@@ -23,6 +23,75 @@ def test_the_budget_is_big_until_a_stream_decodes_then_bounded():
     assert [c.num_tokens for c in step(s).chunks] == [64]
 
 
+def test_a_short_prefill_goes_before_a_long_prompts_next_chunk():
+    s = Scheduler(KVCacheManager(256, 4, watermark=0), max_num_batched_tokens=32)
+    long = seq(range(100, 300), "long")
+    s.add(long)
+    step(s)  # long's first chunk: it runs now
+    short = seq(range(8), "short")
+    s.add(short)
+    out = step(s)
+    # whole and first: its first token is this step's, not after long's 5 remaining chunks
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [("short", 8), ("long", 24)]
+    too_big = seq(range(400, 440), "too_big")  # 40 tokens: never whole in 32, waits its turn
+    s.add(too_big)
+    out = step(s)
+    assert [c.seq.request_id for c in out.chunks] == ["short", "long"]
+    assert [x.request_id for x in s.waiting] == ["too_big"]
+
+
+def test_a_short_prefill_runs_whole_in_a_decode_step_a_long_one_in_small_chunks():
+    s = Scheduler(KVCacheManager(256, 4, watermark=0), max_num_batched_tokens=256,
+                  decode_step_budget=8, short_prefill_budget=40)
+    streamer = seq(range(4), "streamer")
+    s.add(streamer)
+    step(s)  # streamer decodes from now on: the step budget is 8
+    turn, prompt = seq(range(10, 40), "turn"), seq(range(500, 600), "prompt")
+    s.add(turn)
+    s.add(prompt)
+    out = step(s)
+    # the 30-token turn fits the widened 40 whole: one step to its first token; the 100-token
+    # prompt does not: it waits for the decode budget's chunks
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [("streamer", 1), ("turn", 30)]
+    out = step(s)
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [
+        ("streamer", 1), ("turn", 1), ("prompt", 6)]
+
+
+def test_many_decodes_leave_a_prefill_at_least_a_page_a_step():
+    s = Scheduler(KVCacheManager(256, 4, watermark=0), max_num_batched_tokens=256,
+                  decode_step_budget=4, short_prefill_budget=1)
+    streams = [seq(range(10 * i, 10 * i + 3), f"s{i}") for i in range(6)]
+    for x in streams:
+        s.add(x)
+    step(s)
+    prompt = seq(range(500, 600), "prompt")
+    s.add(prompt)
+    assert s.step_budget() == 6 + 4  # six decodes exceed the budget of 4: one page on top
+    out = step(s)
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks][-1] == ("prompt", 4)
+
+
+def test_srpt_admits_the_least_prefill_compute_first():
+    now = [0.0]
+    s = lpm_scheduler(now)
+    s.admission_order = "srpt"
+    long_hit = seq([*range(16), *range(80, 92)], "long_hit")  # 16 cached, 12 to compute
+    short_cold = seq(range(200, 206), "short_cold")  # nothing cached, 6 to compute
+    s.add(long_hit)
+    s.add(short_cold)
+    out = step(s)
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks][0] == ("short_cold", 6)
+    now[0] = 10.0  # past the age bound: arrival order again
+    s2 = lpm_scheduler(now)
+    s2.admission_order = "srpt"
+    first, later = seq(range(300, 307), "first"), seq(range(400, 403), "later")
+    s2.add(first)
+    now[0] = 20.0
+    s2.add(later)
+    assert [c.seq.request_id for c in step(s2).chunks][0] == "first"
+
+
 def test_the_decode_budget_never_exceeds_the_step_budget():
     s = Scheduler(KVCacheManager(8, 4), max_num_batched_tokens=32, decode_step_budget=100)
     assert s.decode_step_budget == 32
@@ -42,7 +111,7 @@ def evicting_scenario(protect: bool):
         s.finish(done)  # 3 free-but-cached pages each, released tail first
     big = seq(range(100, 132), "big")
     s.add(big)
-    back = seq([*range(12), 50, 51], "back")
+    back = seq([*range(12), *range(50, 70)], "back")  # 20 uncached tokens: never whole in 16
     s.add(back)
     for _ in range(2):  # big's two 16-token chunks; back waits for budget
         out = step(s)
