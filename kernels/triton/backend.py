@@ -6,6 +6,7 @@ import torch
 
 from prefixgate.kernels.backend import AttentionInputs
 from prefixgate.kernels.checks import check_kv_caches
+from prefixgate.kernels.sliding_window import paged_attention_windowed
 from prefixgate.kernels.triton.attention import paged_attention_triton
 from prefixgate.kernels.triton.copy_pages import copy_pages_triton
 from prefixgate.kernels.triton.write_kv import write_kv_triton
@@ -15,7 +16,9 @@ class TritonStep:
     """One step's attention on the Triton backend (``StepAttention``).
 
     The launchers read their shapes through their checks on every call (they need them to
-    size the grid); none of them syncs the device.
+    size the grid); none of them syncs the device. A sliding-window layer attends through the
+    torch windowed path (kernels/sliding_window.py, on the same device): the Triton kernels
+    have no window mask yet.
     """
 
     __slots__ = ("_inputs",)
@@ -24,12 +27,17 @@ class TritonStep:
         self._inputs = inputs
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                window: int | None = None) -> torch.Tensor:
         inputs = self._inputs
         write_kv_triton(key, value, k_cache, v_cache, inputs.slot_mapping)
+        addressing = (inputs.block_tables_tensor, inputs.seq_lens_tensor,
+                      inputs.query_start_loc_tensor)
+        if window is not None:
+            return paged_attention_windowed(query, k_cache, v_cache, *addressing, scale, window,
+                                            check=False)
         return paged_attention_triton(
-            query, k_cache, v_cache, inputs.block_tables_tensor, inputs.seq_lens_tensor,
-            inputs.query_start_loc_tensor, scale,
+            query, k_cache, v_cache, *addressing, scale,
             max_query_len=inputs.max_query_len,  # host int: no device sync to learn it
         )
 

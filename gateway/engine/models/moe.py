@@ -107,5 +107,9 @@ class MoEMLP:
             start += count
         return out
 
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + mlp(x)`` (the decoder's residual step, as for a dense MLP)."""
+        return residual + self(x)
+
 
 __all__ = ["MoEMLP"]
