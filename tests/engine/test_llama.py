@@ -12,8 +12,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from prefixgate.gateway.engine.model_config import ModelConfig, RopeScaling, UnsupportedModelError
-from prefixgate.gateway.engine.models.linear import Linear, onednn_linear_available
 from prefixgate.gateway.engine.models.layers import rms_norm
+from prefixgate.gateway.engine.models.linear import Linear, onednn_linear_available
 from prefixgate.gateway.engine.models.rope import RotaryEmbedding, inverse_frequencies
 from prefixgate.kernels.cpu.library import native_status
 
