@@ -1,7 +1,8 @@
 """The test oracle: naive per-token loops in float64 over the paged KV layout.
 
 Slow and obviously right; every backend (kernels/torch_cpu, kernels/triton, the native CPU
-kernels) is tested against it, and never against another production backend alone.
+kernels) is tested against it, and never against another production backend alone. Also the
+routed experts of an MoE MLP (kernels/torch_cpu/moe.py, kernels/triton/moe.py), token by token.
 """
 
 from __future__ import annotations
@@ -51,4 +52,18 @@ def naive_paged_attention(batch: PagedBatch) -> torch.Tensor:  # [T, Hq, D] floa
             q = q_all[starts[s] + j]  # [Hq, D]
             probs = torch.softmax(torch.einsum("hd,chd->hc", q, k) * batch.scale, dim=-1)
             out[starts[s] + j] = torch.einsum("hc,chd->hd", probs, v)
+    return out
+
+
+def naive_moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                      weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """Token by token, choice by choice, in float64: ``sum_k w * down(silu(gate) * up)``."""
+    x, gate_up, down, weights = (t.double().cpu() for t in (x, gate_up, down, weights))
+    inter = down.shape[2]
+    out = torch.zeros_like(x)
+    for t, chosen in enumerate(experts.cpu().tolist()):
+        for j, e in enumerate(chosen):
+            hidden = gate_up[e] @ x[t]  # [2I]
+            act = torch.nn.functional.silu(hidden[:inter]) * hidden[inter:]
+            out[t] += weights[t, j] * (down[e] @ act)
     return out

@@ -26,11 +26,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from prefixgate import kernels
 from prefixgate.gateway.engine.model_config import ModelConfig, check_weights
 from prefixgate.gateway.engine.models.forward_batch import ForwardBatch
 from prefixgate.gateway.engine.models.layers import DenseMLP, activation_dtype, rms_norm
 from prefixgate.gateway.engine.models.linear import Linear
-from prefixgate.gateway.engine.models.moe import MoEMLP
+from prefixgate.gateway.engine.models.moe import GroupedMoEMLP, MoEMLP
 from prefixgate.gateway.engine.models.rope import RotaryEmbedding
 from prefixgate.gateway.engine.models.weights import WeightPlacer
 from prefixgate.kernels.cpu.ops import rope_native
@@ -59,8 +60,11 @@ class DecoderModel:
             of docs/precision.md: the matrices in bf16 (GGUF blocks expanded to it), every
             activation, norm, RoPE and the attention in fp32 (:func:`activation_dtype`).
         max_positions: longest sequence to support (RoPE table size).
-        kernel_backend: the runner's kernel backend name, for the record (the runner binds
-            the backend object; a step brings it in ``ForwardBatch.attention``).
+        kernel_backend: the runner's kernel backend name: the runner binds the attention
+            backend object (a step brings it in ``ForwardBatch.attention``); an MoE model binds
+            the backend's grouped experts op (``kernels.moe_experts_op``) here, except with
+            the native CPU ops (one native linear layer per expert, blocks kept). None: the
+            per-expert layers.
         native_ops: on CPU in fp32, run RMSNorm, SiLU-and-multiply, RoPE and the K/V write as
             fused native ops (kernels/cpu/ops.py) where the library builds.
         quantized_weights: ggml-block matrices stay in their blocks where the native kernel
@@ -161,17 +165,21 @@ class DecoderModel:
                 place.named_linear([prefix + "down_proj.weight"]),
                 cfg.activation, place.native,
             )  # fmt: skip
-        gates, ups, downs = (
-            place.expert_parts(f"{prefix}experts.{n}_proj.weight") for n in ("gate", "up", "down")
-        )
+        router = place.tensor(prefix + "gate.weight")
+        routing = {"top_k": cfg.num_experts_per_tok, "normalize": cfg.norm_topk_prob}
+        names = [f"{prefix}experts.{n}_proj.weight" for n in ("gate", "up", "down")]
+        if self.kernel_backend is not None and not place.native:
+            # the backend's grouped op over the stacked experts, bound once here
+            gate, up, down = (place.place(place.weights[n], self.dtype) for n in names)
+            op = kernels.moe_experts_op(self.kernel_backend)
+            return GroupedMoEMLP(router, torch.cat([gate, up], 1), down, op, **routing)
+        # the native CPU linear layers, one per expert (ggml blocks kept as they are)
+        gates, ups, downs = (place.expert_parts(n) for n in names)
         experts = [
             (place.linear([gate, up]), place.linear([down]))
             for gate, up, down in zip(gates, ups, downs, strict=True)
         ]
-        return MoEMLP(
-            place.tensor(prefix + "gate.weight"), experts,
-            top_k=cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob,
-        )  # fmt: skip
+        return MoEMLP(router, experts, **routing)
 
     # ---- the forward pass --------------------------------------------------------------
 

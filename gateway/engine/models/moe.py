@@ -112,4 +112,30 @@ class MoEMLP:
         return residual + self(x)
 
 
-__all__ = ["MoEMLP"]
+class GroupedMoEMLP(MoEMLP):
+    """The same routing, the experts stacked and computed by the kernel backend's grouped op
+    (``kernels.moe_experts_op``: on Triton one grouped GEMM over the tokens sorted by expert).
+
+    Args:
+        router: ``[E, H]``; gate_up: ``[E, 2I, H]``; down: ``[E, H, I]``; op: the bound op.
+    """
+
+    def __init__(
+        self,
+        router: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        op: Callable[..., torch.Tensor],
+        *,
+        top_k: int,
+        normalize: bool,
+    ) -> None:
+        super().__init__(router, [], top_k=top_k, normalize=normalize)
+        self.gate_up, self.down, self.op = gate_up, down, op
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        weights, experts = self.route(x)
+        return self.op(x, self.gate_up, self.down, weights, experts)
+
+
+__all__ = ["GroupedMoEMLP", "MoEMLP", "StackedExperts"]
