@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from prefixgate.kernels.quant import QuantizedTensor
+from prefixgate.kernels.torch_cpu.moe import grouped_by_expert
 
 # x [n, in] -> [n, out]: a Linear (models/linear.py), or any callable computing one
 Projection = Callable[[torch.Tensor], torch.Tensor]
@@ -87,25 +88,13 @@ class MoEMLP:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         weights, experts = self.route(x)
-        flat = experts.flatten()  # [T * k]
-        order = flat.argsort(stable=True)  # choices grouped by expert
-        token_of = order // self.top_k
-        weight_of = weights.flatten()[order]
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = token_of[start : start + count]
-            gate_up_proj, down_proj = self.experts[expert]
-            gate_up = gate_up_proj(x.index_select(0, rows))  # [n, 2I]
-            inter = gate_up.shape[1] // 2
-            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-            y = down_proj(act)  # [n, H]
-            out.index_add_(0, rows, y * weight_of[start : start + count, None])
-            start += count
-        return out
+        return grouped_by_expert(x, weights, experts, self.num_experts, self._expert)
+
+    def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, H]
+        gate_up_proj, down_proj = self.experts[expert]
+        gate_up = gate_up_proj(x)  # [n, 2I]
+        inter = gate_up.shape[1] // 2
+        return down_proj(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
 
     def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + mlp(x)`` (the decoder's residual step, as for a dense MLP)."""
