@@ -12,6 +12,7 @@ import transformers
 from prefixgate.gateway.engine.loader import load_gguf, load_model
 from prefixgate.gateway.engine.models.moe import StackedExperts
 from prefixgate.gateway.engine.runner import SeqChunk
+from prefixgate.kernels import dispatch
 from prefixgate.kernels.cpu.ops import quant_native_available
 from prefixgate.kernels.quant import QuantizedTensor
 from tests.engine.models.conftest import make_runner
@@ -64,3 +65,19 @@ def test_q8_0_gguf_computes_in_its_blocks_like_dequantized(name):
     ours = blocks.execute([SeqChunk(ids, 0, [0, 1, 2], True)])[0]
     reference = dense.execute([SeqChunk(ids, 0, [0, 1, 2], True)])[0]
     assert (ours - reference).abs().max().item() < LAYOUT_ATOL
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_moe"])
+def test_the_forward_resolves_no_kernel_backend(monkeypatch, name):
+    # every layer, sliding ones included, goes through the backend bound at runner start: a
+    # per-call resolution (kernels.write_kv / paged_attention) would hit the patched registry
+    runner = make_runner(load_model(family_fixture(name).hf_dir))
+    ids = list(range(100, 140))  # past Gemma's 8-token window
+    before = runner.execute([SeqChunk(ids, 0, [0, 1, 2], True)])[0]
+
+    def resolved_per_call(*_args, **_kwargs):
+        raise AssertionError("a kernel backend was resolved during the forward")
+
+    monkeypatch.setattr(dispatch, "resolve_backend", resolved_per_call)
+    monkeypatch.setattr(dispatch, "_ops", resolved_per_call)
+    assert torch.equal(runner.execute([SeqChunk(ids, 0, [3, 4, 5], True)])[0], before)
