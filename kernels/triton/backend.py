@@ -6,7 +6,6 @@ import torch
 
 from prefixgate.kernels.backend import AttentionInputs
 from prefixgate.kernels.checks import check_kv_caches
-from prefixgate.kernels.sliding_window import paged_attention_windowed
 from prefixgate.kernels.triton.attention import paged_attention_triton
 from prefixgate.kernels.triton.copy_pages import copy_pages_triton
 from prefixgate.kernels.triton.write_kv import write_kv_triton
@@ -16,9 +15,8 @@ class TritonStep:
     """One step's attention on the Triton backend (``StepAttention``).
 
     The launchers read their shapes through their checks on every call (they need them to
-    size the grid); none of them syncs the device. A sliding-window layer attends through the
-    torch windowed path (kernels/sliding_window.py, on the same device): the Triton kernels
-    have no window mask yet.
+    size the grid); none of them syncs the device. A sliding layer's window is a mask in the
+    same kernels (they start at the first page the window reaches).
     """
 
     __slots__ = ("_inputs",)
@@ -31,14 +29,11 @@ class TritonStep:
                 window: int | None = None) -> torch.Tensor:
         inputs = self._inputs
         write_kv_triton(key, value, k_cache, v_cache, inputs.slot_mapping)
-        addressing = (inputs.block_tables_tensor, inputs.seq_lens_tensor,
-                      inputs.query_start_loc_tensor)
-        if window is not None:
-            return paged_attention_windowed(query, k_cache, v_cache, *addressing, scale, window,
-                                            check=False)
         return paged_attention_triton(
-            query, k_cache, v_cache, *addressing, scale,
+            query, k_cache, v_cache, inputs.block_tables_tensor, inputs.seq_lens_tensor,
+            inputs.query_start_loc_tensor, scale,
             max_query_len=inputs.max_query_len,  # host int: no device sync to learn it
+            window=window,
         )
 
 

@@ -31,8 +31,12 @@ def naive_copy_pages(kv_pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
         kv_pool[:, :, d] = kv_pool[:, :, s]
 
 
-def naive_paged_attention(batch: PagedBatch) -> torch.Tensor:  # [T, Hq, D] float64
-    """Per query token, per head: gather its visible keys slot by slot, softmax in float64."""
+def naive_paged_attention(batch: PagedBatch, window: int | None = None) -> torch.Tensor:
+    """Per query token, per head: gather its visible keys slot by slot, softmax in float64.
+
+    ``window``: a sliding layer, each token sees only the last ``window`` positions (itself
+    included). Returns ``[T, Hq, D]`` float64.
+    """
     q_all = batch.query.double().cpu()
     k_flat = batch.k_cache.double().cpu().flatten(0, 1)  # [num_slots, Hkv, D]
     v_flat = batch.v_cache.double().cpu().flatten(0, 1)
@@ -46,7 +50,9 @@ def naive_paged_attention(batch: PagedBatch) -> torch.Tensor:  # [T, Hq, D] floa
         n_new = starts[s + 1] - starts[s]
         for j in range(n_new):
             pos = ctx - n_new + j
-            slots = [tables[s][p // page_size] * page_size + p % page_size for p in range(pos + 1)]
+            first = 0 if window is None else max(0, pos - window + 1)
+            slots = [tables[s][p // page_size] * page_size + p % page_size
+                     for p in range(first, pos + 1)]
             k = k_flat[slots].repeat_interleave(group, dim=1)  # [pos + 1, Hq, D]
             v = v_flat[slots].repeat_interleave(group, dim=1)
             q = q_all[starts[s] + j]  # [Hq, D]

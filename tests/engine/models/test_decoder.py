@@ -11,7 +11,7 @@ import transformers
 
 from prefixgate.gateway.engine.loader import load_gguf, load_model
 from prefixgate.gateway.engine.models.moe import StackedExperts
-from prefixgate.gateway.engine.runner import SeqChunk
+from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
 from prefixgate.kernels import dispatch
 from prefixgate.kernels.cpu.ops import quant_native_available
 from prefixgate.kernels.quant import QuantizedTensor
@@ -81,3 +81,21 @@ def test_the_forward_resolves_no_kernel_backend(monkeypatch, name):
     monkeypatch.setattr(dispatch, "resolve_backend", resolved_per_call)
     monkeypatch.setattr(dispatch, "_ops", resolved_per_call)
     assert torch.equal(runner.execute([SeqChunk(ids, 0, [3, 4, 5], True)])[0], before)
+
+
+def test_gemma3_sliding_layers_on_the_triton_backend_match_transformers():
+    # the Triton kernels' window (in the interpreter here): chunks and a decode step that read
+    # Gemma 3's 8-token local layers across page and window boundaries
+    pytest.importorskip("triton")
+    fixture = family_fixture("gemma3")
+    runner = ModelRunner.from_loaded(
+        load_model(fixture.hf_dir), num_pages=8, page_size=16, device="cpu",
+        dtype=torch.float32, kernel_backend="triton", native_kernels=False,
+    )  # fmt: skip
+    ids = list(range(100, 141))
+    with torch.inference_mode():
+        reference = fixture.hf_model()(torch.tensor([ids])).logits[0]
+    table = [5, 2, 7]
+    for start, end in ((0, 21), (21, 40), (40, 41)):  # the last one: a decode row
+        ours = runner.execute([SeqChunk(ids[start:end], start, table, True)])[0]
+        assert (ours - reference[end - 1]).abs().max().item() < PREFILL_ATOL
