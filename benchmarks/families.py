@@ -21,7 +21,8 @@ Workload (every size is a flag):
 Reported per family: prefill and decode tokens per CPU second (and per wall second),
 parameters (total; active for MoE), and ``per_param_vs_smollm2`` = (tokens per CPU second x
 parameters) / SmolLM2's: 1.0 = as fast per parameter as the Llama path, lower = the family's
-extras cost more than their share of the weights.
+extras cost more than their share of the weights; ``per_active_param_vs_smollm2`` the same with
+the parameters a token reads (an MoE's chosen experts only).
 
     python -m benchmarks.families --json out/families.json
     python -m benchmarks.families --families smollm2 gemma3 --prefill 256 --steps 4
@@ -166,13 +167,15 @@ def main() -> None:
     rows: list[tuple[str, Any]] = []
     for name, r in results.items():
         for phase in ("prefill", "decode"):
-            r[f"{phase}_per_param_vs_smollm2"] = (
-                r[f"{phase}_tok_s"] * r["params"] / (smol[f"{phase}_tok_s"] * smol["params"])
-            )
+            for params in ("params", "active_params"):
+                r[f"{phase}_per_{params[:-1]}_vs_smollm2"] = (
+                    r[f"{phase}_tok_s"] * r[params] / (smol[f"{phase}_tok_s"] * smol[params])
+                )
         for phase in ("prefill", "decode"):
-            rows.append((f"{name:<10} {phase:<7} tok/CPU-s (tok/s) | per param vs smollm2",
+            rows.append((f"{name:<10} {phase:<7} tok/CPU-s (tok/s) | per param (active) vs smollm2",
                          f"{r[f'{phase}_tok_s']:.1f} ({r[f'{phase}_tok_wall_s']:.1f}) | "
-                         f"{r[f'{phase}_per_param_vs_smollm2']:.2f}"))
+                         f"{r[f'{phase}_per_param_vs_smollm2']:.2f} "
+                         f"({r[f'{phase}_per_active_param_vs_smollm2']:.2f})"))
         rows.append((f"{name:<10} params (active)",
                      f"{r['params'] / 1e6:.1f}M ({r['active_params'] / 1e6:.1f}M)"))
     print_table(f"families at SmolLM2-135M's shape, CPU fp32, {torch.get_num_threads()} threads "
