@@ -18,6 +18,8 @@ Public API (layout in kernels/layout.py; backends in kernels/backend.py, kernels
         backend.prepare_metadata(AttentionInputs) -> StepAttention (once per step)
         step.forward(q, k, v, k_cache, v_cache, scale) -> [T, Hq, D]   (every layer)
         backend.copy_pages(src, dst)
+    moe_experts_op(name) -> op(x, gate_up, down, weights, experts): the backend's grouped
+        MoE experts (kernels/torch_cpu/moe.py, kernels/triton/moe.py), bound once by the model
     register_backend(BackendSpec(...)): add a backend to the registry
     one-off ops for tests and benchmarks (resolved per call):
     write_kv(key, value, k_cache, v_cache, slot_mapping, *, backend=None, native=False,
@@ -47,6 +49,7 @@ from prefixgate.kernels.dispatch import (
     backend_spec,
     copy_pages,
     create_backend,
+    moe_experts_op,
     paged_attention,
     register_backend,
     resolve_backend,
@@ -67,6 +70,7 @@ __all__ = [
     "copy_pages",
     "create_backend",
     "native_decode_available",
+    "moe_experts_op",
     "native_status",
     "page_bytes",
     "paged_attention",

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -129,6 +130,33 @@ def plan_attention(
         raise ValueError(
             f"query_start_loc has {len(starts)} entries for {len(lens)} sequences (need S + 1)"
         )
+    prefill, decode = _split_rows(block_tables, lens, starts, page_size)
+    shared: list[SharedPrefixDecode] = []
+    if share_prefixes and len(decode) > 1:
+        groups = _shared_runs(decode, block_tables, lens, page_size)
+        grouped = {s for members, _ in groups for s in members}
+        decode = [s for s in decode if s not in grouped]
+        for members, n_shared in groups:
+            shared += _shared_decode(members, n_shared, block_tables, lens, starts, page_size,
+                                     kv_row_elems, device)
+    padded = [
+        _padded(chunk, block_tables, lens, starts, page_size, 0, device)
+        for chunk in _budget_chunks(decode, lens, kv_row_elems)
+    ]
+    return AttentionPlan(
+        starts=starts,
+        lens=lens,
+        prefill=prefill,
+        padded=padded,
+        shared=shared,
+        use_native=use_native,
+    )
+
+
+def _split_rows(
+    block_tables: Sequence[Sequence[int]], lens: list[int], starts: list[int], page_size: int
+) -> tuple[list[int], list[int]]:
+    """The sequences with several new rows (prefill) and with one (decode), checked."""
     prefill: list[int] = []
     decode: list[int] = []
     for s, ctx_len in enumerate(lens):
@@ -147,42 +175,34 @@ def plan_attention(
             decode.append(s)
         elif n_new > 1:
             prefill.append(s)
+    return prefill, decode
 
-    shared: list[SharedPrefixDecode] = []
-    if share_prefixes and len(decode) > 1:
-        groups = _shared_runs(decode, block_tables, lens, page_size)
-        grouped = {s for members, _ in groups for s in members}
-        decode = [s for s in decode if s not in grouped]
-        for members, n_shared in groups:
-            run = [int(p) for p in block_tables[members[0]][:n_shared]]
-            contiguous = run == list(range(run[0], run[0] + n_shared))
-            run_pages = torch.tensor(run, dtype=torch.int64, device=device)
-            skip = n_shared * page_size
-            # the members' own pages are gathered on the torch path: keep that under budget
-            for part in _budget_chunks(members, [n - skip for n in lens], kv_row_elems):
-                shared.append(
-                    SharedPrefixDecode(
-                        shared_pages=run_pages,
-                        shared_first_page=run[0] if contiguous else None,
-                        shared_len=skip,
-                        suffix=_padded(
-                            part, block_tables, lens, starts, page_size, n_shared, device
-                        ),
-                    )
-                )
 
-    padded = [
-        _padded(chunk, block_tables, lens, starts, page_size, 0, device)
-        for chunk in _budget_chunks(decode, lens, kv_row_elems)
+def _shared_decode(
+    members: list[int],
+    n_shared: int,
+    block_tables: Sequence[Sequence[int]],
+    lens: list[int],
+    starts: list[int],
+    page_size: int,
+    kv_row_elems: int,
+    device: torch.device | str,
+) -> list[SharedPrefixDecode]:
+    """One group's cascade: its run of ``n_shared`` pages, then each member's own pages."""
+    run = [int(p) for p in block_tables[members[0]][:n_shared]]
+    contiguous = run == list(range(run[0], run[0] + n_shared))
+    run_pages = torch.tensor(run, dtype=torch.int64, device=device)
+    skip = n_shared * page_size
+    # the members' own pages are gathered on the torch path: keep that under budget
+    return [
+        SharedPrefixDecode(
+            shared_pages=run_pages,
+            shared_first_page=run[0] if contiguous else None,
+            shared_len=skip,
+            suffix=_padded(part, block_tables, lens, starts, page_size, n_shared, device),
+        )
+        for part in _budget_chunks(members, [n - skip for n in lens], kv_row_elems)
     ]
-    return AttentionPlan(
-        starts=starts,
-        lens=lens,
-        prefill=prefill,
-        padded=padded,
-        shared=shared,
-        use_native=use_native,
-    )
 
 
 def _budget_chunks(seqs: list[int], lengths: list[int], kv_row_elems: int) -> list[list[int]]:
@@ -229,9 +249,29 @@ def _shared_runs(
         while same < limit and table_a[same] == table_b[same]:
             same += 1
         links.append(same)
+    tree = _cartesian_tree(links)
+    lo, hi, whole = _keep_whole(tree, links, page_size)
+    groups: list[tuple[list[int], int]] = []
+    pending = [tree.root]
+    while pending:
+        node = pending.pop()
+        if whole[node]:
+            groups.append((order[lo[node] : hi[node] + 1], links[node]))
+        else:
+            pending.extend(child for child in (tree.left[node], tree.right[node]) if child >= 0)
+    return groups
 
-    # Cartesian tree over the links (minimum at the root; ties chain to the right), built with
-    # a monotonic stack in O(n); a node covers sequences lo..hi and splits at its own link.
+
+class _Tree(NamedTuple):
+    left: list[int]  # per node, its left child (-1: none)
+    right: list[int]
+    root: int
+    postorder: list[int]  # children before parents
+
+
+def _cartesian_tree(links: list[int]) -> _Tree:
+    """The Cartesian tree over ``links`` (minimum at the root; ties chain to the right), built
+    with a monotonic stack in O(n); node i covers sequences lo..hi and splits at link i."""
     num_links = len(links)
     left, right = [-1] * num_links, [-1] * num_links
     stack: list[int] = []
@@ -245,34 +285,33 @@ def _shared_runs(
         stack.append(i)
     root = stack[0]
     # post-order without recursion (thousands of sequences on one prompt make a deep chain)
-    lo, hi = list(range(num_links)), [i + 1 for i in range(num_links)]
-    saved, whole = [0] * num_links, [False] * num_links
-    postorder: list[int] = []
+    preorder: list[int] = []
     pending = [root]
     while pending:
         node = pending.pop()
-        postorder.append(node)
+        preorder.append(node)
         pending.extend(child for child in (left[node], right[node]) if child >= 0)
-    for node in reversed(postorder):
+    return _Tree(left, right, root, preorder[::-1])
+
+
+def _keep_whole(
+    tree: _Tree, links: list[int], page_size: int
+) -> tuple[list[int], list[int], list[bool]]:
+    """Per node, the sequences it covers (``lo..hi`` of the order) and whether it is kept as
+    one group (it saves more re-read tokens whole than split at its weakest link)."""
+    num_links = len(links)
+    lo, hi = list(range(num_links)), [i + 1 for i in range(num_links)]
+    saved, whole = [0] * num_links, [False] * num_links
+    for node in tree.postorder:
         split = 0
-        if left[node] >= 0:
-            lo[node] = lo[left[node]]
-            split += saved[left[node]]
-        if right[node] >= 0:
-            hi[node] = hi[right[node]]
-            split += saved[right[node]]
+        for child in (tree.left[node], tree.right[node]):
+            if child >= 0:
+                lo[node], hi[node] = min(lo[node], lo[child]), max(hi[node], hi[child])
+                split += saved[child]
         together = (hi[node] - lo[node]) * links[node] * page_size  # (members - 1) * run
         whole[node] = together >= MIN_SHARED_SAVING_TOKENS and together >= split
         saved[node] = together if whole[node] else split
-    groups: list[tuple[list[int], int]] = []
-    pending = [root]
-    while pending:
-        node = pending.pop()
-        if whole[node]:
-            groups.append((order[lo[node] : hi[node] + 1], links[node]))
-        else:
-            pending.extend(child for child in (left[node], right[node]) if child >= 0)
-    return groups
+    return lo, hi, whole
 
 
 def _padded(

@@ -1,14 +1,17 @@
 """What a kernel backend is: an object chosen once at start-up (kernels/dispatch.py), bound
 to the KV pool, that prepares each step's attention metadata once for every layer.
 
-    backend = create_backend(name, kv_pool, ...)        # runner start-up
-    step = backend.prepare_metadata(inputs)             # once per step (the runner)
-    out = step.forward(q, k, v, k_cache, v_cache, scale) # every layer (the model)
-    backend.copy_pages(src, dst)                        # copy-on-write, before the forward
+    backend = create_backend(name, kv_pool, ...)           # runner start-up
+    step = backend.prepare_metadata(inputs)                # once per step (the runner)
+    out = step.forward(q, k, v, k_cache, v_cache, scale)   # every layer (the model)
+    out = step.forward(..., scale, window=w)               # a sliding-window layer
+    backend.copy_pages(src, dst)                           # copy-on-write, before the forward
 
 ``forward`` writes the step's K/V into the layer's pages, then attends over them; it
 validates the layout on the step's first call only (every layer's caches are views of one pool,
-and every layer's q/k/v come out of the same projections).
+and every layer's q/k/v come out of the same projections). ``window`` makes it a sliding layer
+(Gemma 3's local layers): each row sees only the last ``window`` positions, itself included;
+the pages still hold every token, so prefix hits and copy-on-write work as for full layers.
 """
 
 from __future__ import annotations
@@ -46,8 +49,10 @@ class StepAttention(Protocol):
         k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
         v_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
-        """Write ``key``/``value`` into their slots, then attend ``query`` over the pages."""
+        """Write ``key``/``value`` into their slots, then attend ``query`` over the pages
+        (over the last ``window`` positions of each row only, when given)."""
         ...
 
 

@@ -65,6 +65,8 @@ class BackendSpec:
         runs_on: whether it can run on a device type (given explicitly).
         requirement: what it needs when it cannot (for the errors).
         native_cpu: it hands fp32 CPU rows to the native kernels (kernels/cpu/).
+        moe: ``"module:function"`` of its routed-experts op (an MoE MLP's chosen experts in
+            one call; layout in kernels/torch_cpu/moe.py), imported on first use.
     """
 
     name: str
@@ -75,10 +77,15 @@ class BackendSpec:
     runs_on: Callable[[str], bool] = lambda device_type: True
     requirement: str = ""
     native_cpu: bool = False
+    moe: str = ""
 
     def load(self) -> Any:
-        module, _, name = self.target.partition(":")
-        return getattr(importlib.import_module(module), name)
+        return _import(self.target)
+
+
+def _import(target: str) -> Any:
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 _REGISTRY: dict[str, BackendSpec] = {}
@@ -161,6 +168,12 @@ def create_backend(name: str, kv_pool: torch.Tensor, **options: Any) -> Attentio
     return _REGISTRY[name].load()(kv_pool, **options)
 
 
+def moe_experts_op(name: str) -> Callable[..., torch.Tensor]:
+    """The routed-experts op of backend ``name`` (a resolved name), bound once by the model:
+    ``op(x [T, H], gate_up [E, 2I, H], down [E, H, I], weights [T, k], experts [T, k])``."""
+    return _import(_REGISTRY[name].moe)
+
+
 def _ops(device: torch.device, backend: str | None) -> Any:
     return _REGISTRY[resolve_backend(device, backend)].load()
 
@@ -170,9 +183,11 @@ register_backend(BackendSpec(
     installed=triton_available, install="pip install 'prefixgate[gpu]'",
     runs_on=lambda device_type: device_type == "cuda" or _interpreting(),
     requirement="CUDA, or TRITON_INTERPRET=1 to run in Triton's CPU interpreter",
+    moe="prefixgate.kernels.triton.moe:moe_experts_triton",
 ))
 register_backend(BackendSpec(
     "torch", "prefixgate.kernels.torch_cpu.backend:TorchBackend", native_cpu=True,
+    moe="prefixgate.kernels.torch_cpu.moe:moe_experts_torch",
 ))
 
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-# The Llama-family architectures (models/llama_family.py registers them with the rest).
+# The Llama-family architectures (models/llama.py registers them with the rest).
 # Values: does the file store q/k/v biases.
 # GGUF and HF spell them the same way; "smollm2" is plain llama.
 SUPPORTED_ARCHITECTURES: dict[str, bool] = {

@@ -150,6 +150,48 @@ def _derive_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple
     return [(left, right) for _, _, _, left, right in candidates]
 
 
+
+def _add_gguf_tokens(backend: BackendTokenizer, vocab: GGUFVocab) -> None:
+    """Register the file's control tokens (and its bos/eos/unk/pad/eot/eom) as special and its
+    user-defined tokens as added tokens, so neither is split by the model."""
+    tokens = vocab.tokens
+    types = vocab.token_types or ()
+    spelled = set(_byte_alphabet().values()) if vocab.model == "gpt2" else None
+    special_ids = {
+        i
+        for i in (
+            vocab.bos_token_id,
+            vocab.eos_token_id,
+            vocab.unk_token_id,
+            vocab.pad_token_id,
+            vocab.eot_token_id,
+            vocab.eom_token_id,
+        )
+        if i is not None
+    }
+    special: list[AddedToken] = []
+    user_defined: list[AddedToken] = []
+    for index, token in enumerate(tokens):
+        kind = types[index] if index < len(types) else None
+        if kind == TOKEN_TYPE_CONTROL or index in special_ids:
+            # NOTE: in a byte-level vocabulary a "control" token spelled outside the byte
+            # alphabet is a llama.cpp mislabel; adding it would grow the vocabulary
+            if spelled is not None and not set(token) <= spelled:
+                continue
+            special.append(AddedToken(token, special=True, normalized=False))
+        elif kind == TOKEN_TYPE_USER_DEFINED and backend.token_to_id(token) == index:
+            # (a user-defined token respelled into the byte alphabet stays a plain token)
+            user_defined.append(AddedToken(token, special=False, normalized=False))
+    backend.add_special_tokens(special)
+    backend.add_tokens(user_defined)
+    if backend.get_vocab_size(with_added_tokens=True) != len(tokens):
+        # duplicate token strings in the file collapse; ids stay as the file numbers them
+        logger.warning(
+            "tokenizer has %d distinct tokens, the GGUF file lists %d",
+            backend.get_vocab_size(with_added_tokens=True),
+            len(tokens),
+        )
+
 def _build_byte_level(vocab: GGUFVocab) -> BackendTokenizer:
     alphabet = _byte_alphabet()
     spelled = set(alphabet.values())
@@ -304,43 +346,8 @@ class Tokenizer:
                 f"GGUF tokenizer model {vocab.model!r} is not supported; supported: "
                 f"{', '.join(SUPPORTED_GGUF_TOKENIZERS)}"
             )
+        _add_gguf_tokens(backend, vocab)
         tokens = vocab.tokens
-        types = vocab.token_types or ()
-        spelled = set(_byte_alphabet().values()) if vocab.model == "gpt2" else None
-        special_ids = {
-            i
-            for i in (
-                vocab.bos_token_id,
-                vocab.eos_token_id,
-                vocab.unk_token_id,
-                vocab.pad_token_id,
-                vocab.eot_token_id,
-                vocab.eom_token_id,
-            )
-            if i is not None
-        }
-        special: list[AddedToken] = []
-        user_defined: list[AddedToken] = []
-        for index, token in enumerate(tokens):
-            kind = types[index] if index < len(types) else None
-            if kind == TOKEN_TYPE_CONTROL or index in special_ids:
-                # NOTE: in a byte-level vocabulary a "control" token spelled outside the byte
-                # alphabet is a llama.cpp mislabel; adding it would grow the vocabulary
-                if spelled is not None and not set(token) <= spelled:
-                    continue
-                special.append(AddedToken(token, special=True, normalized=False))
-            elif kind == TOKEN_TYPE_USER_DEFINED and backend.token_to_id(token) == index:
-                # (a user-defined token respelled into the byte alphabet stays a plain token)
-                user_defined.append(AddedToken(token, special=False, normalized=False))
-        backend.add_special_tokens(special)
-        backend.add_tokens(user_defined)
-        if backend.get_vocab_size(with_added_tokens=True) != len(tokens):
-            # duplicate token strings in the file collapse; ids stay as the file numbers them
-            logger.warning(
-                "tokenizer has %d distinct tokens, the GGUF file lists %d",
-                backend.get_vocab_size(with_added_tokens=True),
-                len(tokens),
-            )
 
         def text(token_id: int | None) -> str | None:
             return (

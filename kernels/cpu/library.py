@@ -126,81 +126,83 @@ def _build(compiler: str) -> Path:
     return target
 
 
-def _declare(lib: ctypes.CDLL) -> None:
-    """ctypes signatures of the exported functions, in the C argument order."""
-    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+# ctypes signatures of the exported functions, in the C argument order: name -> (argtypes,
+# restype), grouped by source file
+_SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     # paged_decode.c
-    lib.pg_paged_decode_f32.argtypes = [
-        *(p, i64, p, p, p, i64, p, p, p, i64, p),  # tensors and strides
-        *(i32, i32, i32, i32, i32, f32),  # sizes and scale
-        i32,  # num_threads
-        i64,  # num_pages
-        i64,  # num_rows
-        i32,  # kv_bf16
-    ]
-    lib.pg_paged_decode_f32.restype = i32
+    "pg_paged_decode_f32": ([
+        *(_p, _i64, _p, _p, _p, _i64, _p, _p, _p, _i64, _p),  # tensors and strides
+        *(_i32, _i32, _i32, _i32, _i32, _f32),  # sizes and scale
+        _i32,  # num_threads
+        _i64,  # num_pages
+        _i64,  # num_rows
+        _i32,  # kv_bf16
+    ], _i32),
     # cpu_ops.c
-    lib.pg_rms_norm_f32.argtypes = [p, i64, p, p, i64, i64, i32, f32, i32]
-    lib.pg_rms_norm_f32.restype = None
-    lib.pg_silu_mul_f32.argtypes = [p, i64, p, i64, i32, i32]
-    lib.pg_silu_mul_f32.restype = None
-    lib.pg_rope_f32.argtypes = [p, i64, i32, i32, p, p, i64, i32]
-    lib.pg_rope_f32.restype = None
-    lib.pg_write_kv_f32.argtypes = [p, i64, p, i64, p, p, p, i64, i64, i64]
-    lib.pg_write_kv_f32.restype = i32
-    lib.pg_write_kv_bf16.argtypes = [p, i64, p, i64, p, p, p, i64, i64, i64]
-    lib.pg_write_kv_bf16.restype = i32
+    "pg_rms_norm_f32": ([_p, _i64, _p, _p, _i64, _i64, _i32, _f32, _i32], None),
+    "pg_silu_mul_f32": ([_p, _i64, _p, _i64, _i32, _i32], None),
+    "pg_rope_f32": ([_p, _i64, _i32, _i32, _p, _p, _i64, _i32], None),
+    "pg_write_kv_f32": ([_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64, _i64], _i32),
+    "pg_write_kv_bf16": ([_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64, _i64], _i32),
     # linear.c
-    lib.pg_linear_f32.argtypes = [p, i64, p, p, p, i64, p, i64, i32, i32, i32, i32]
-    lib.pg_linear_f32.restype = None
-    lib.pg_linear_preferred.argtypes = []
-    lib.pg_linear_preferred.restype = i32
+    "pg_linear_f32": ([_p, _i64, _p, _p, _p, _i64, _p, _i64, _i32, _i32, _i32, _i32], None),
+    "pg_linear_preferred": ([], _i32),
     # linear_quant.c
-    lib.pg_linear_quant_f32.argtypes = [i32, p, i64, p, p, p, i64, p, i64, i32, i32, i32, i32, i32]
-    lib.pg_linear_quant_f32.restype = i32
-    lib.pg_linear_quant_preferred.argtypes = []
-    lib.pg_linear_quant_preferred.restype = i32
-    lib.pg_quant_group_bytes.argtypes = [i32]
-    lib.pg_quant_group_bytes.restype = i32
-    lib.pg_quant_rows_f32.argtypes = [i32, p, i64, i32, p, i64, p, i64, i32]
-    lib.pg_quant_rows_f32.restype = i64
+    "pg_linear_quant_f32": (
+        [_i32, _p, _i64, _p, _p, _p, _i64, _p, _i64, _i32, _i32, _i32, _i32, _i32], _i32
+    ),
+    "pg_linear_quant_preferred": ([], _i32),
+    "pg_quant_group_bytes": ([_i32], _i32),
+    "pg_quant_rows_f32": ([_i32, _p, _i64, _i32, _p, _i64, _p, _i64, _i32], _i64),
     # linear_amx.c (a stub answering "no" where the library was built without AMX)
-    lib.pg_amx_available.argtypes = []
-    lib.pg_amx_available.restype = i32
-    lib.pg_linear_quant_amx_f32.argtypes = [i32, p, i64, p, p, p, i64, p, i64, i32, i32, i32, i32]
-    lib.pg_linear_quant_amx_f32.restype = i32
-    lib.amx_available = bool(lib.pg_amx_available())  # asks Linux for the tile state once
+    "pg_amx_available": ([], _i32),
+    "pg_linear_quant_amx_f32": (
+        [_i32, _p, _i64, _p, _p, _p, _i64, _p, _i64, _i32, _i32, _i32, _i32], _i32
+    ),
     # linear_bf16.c (-1 where the library was built without AVX512-BF16)
-    lib.pg_linear_bf16_preferred.argtypes = []
-    lib.pg_linear_bf16_preferred.restype = i32
-    lib.pg_linear_bf16.argtypes = [p, i64, p, p, p, i64, p, i64, i32, i32, i32, i32, i32]
-    lib.pg_linear_bf16.restype = i32
+    "pg_linear_bf16_preferred": ([], _i32),
+    "pg_linear_bf16": ([_p, _i64, _p, _p, _p, _i64, _p, _i64, _i32, _i32, _i32, _i32, _i32], _i32),
     # token_bitmask.c
-    lib.pg_apply_token_bitmask_f32.argtypes = [p, i64, p, i64, i64, i64]
-    lib.pg_apply_token_bitmask_f32.restype = None
+    "pg_apply_token_bitmask_f32": ([_p, _i64, _p, _i64, _i64, _i64], None),
     # paged_prefill.c
-    lib.pg_paged_prefill_f32.argtypes = [
-        *(p, i64, p, p, p, i64),  # query, its row stride, k/v caches, pages, pages given
-        *(i32, i32, p, i64),  # ctx_len, n_rows, out, its row stride
-        *(i32, i32, i32, i32, f32, i32, i64),  # heads, head_dim, page_size, scale, threads, pool
-        i32,  # kv_bf16
-    ]
-    lib.pg_paged_prefill_f32.restype = i32
+    "pg_paged_prefill_f32": ([
+        *(_p, _i64, _p, _p, _p, _i64),  # query, its row stride, k/v caches, pages, pages given
+        *(_i32, _i32, _p, _i64),  # ctx_len, n_rows, out, its row stride
+        *(_i32, _i32, _i32, _i32, _f32, _i32, _i64),  # heads, head_dim, page_size, scale,
+        # threads, pool
+        _i32,  # kv_bf16
+    ], _i32),
     # paged_cascade.c
-    lib.pg_cascade_decode_f32.argtypes = [
-        *(p, i64, p, p, p, i64, i32),  # query, its row stride, k/v caches, run pages, tokens
-        *(p, i32, p, p, i64, p),  # rows, their count, own_lse, out, its row stride, lse
-        *(i32, i32, i32, i32, f32, i32),  # heads, head_dim, page_size, scale, threads
-        *(i64, i64, i32),  # pool pages, query rows, kv_bf16
-    ]
-    lib.pg_cascade_decode_f32.restype = i32
-    limits = (ctypes.c_int(), ctypes.c_int())
-    lib.pg_limits(ctypes.byref(limits[0]), ctypes.byref(limits[1]))
-    lib.max_group, lib.max_head_dim = limits[0].value, limits[1].value
-    lib.pg_prefill_limits(ctypes.byref(limits[0]), ctypes.byref(limits[1]))
-    lib.prefill_max_group, lib.prefill_max_head_dim = limits[0].value, limits[1].value
-    lib.pg_cascade_limits(ctypes.byref(limits[0]), ctypes.byref(limits[1]))
-    lib.cascade_max_rows, lib.cascade_max_head_dim = limits[0].value, limits[1].value
+    "pg_cascade_decode_f32": ([
+        *(_p, _i64, _p, _p, _p, _i64, _i32),  # query, its row stride, k/v caches, run pages,
+        # tokens
+        *(_p, _i32, _p, _p, _i64, _p),  # rows, their count, own_lse, out, its row stride, lse
+        *(_i32, _i32, _i32, _i32, _f32, _i32),  # heads, head_dim, page_size, scale, threads
+        *(_i64, _i64, _i32),  # pool pages, query rows, kv_bf16
+    ], _i32),
+}  # fmt: skip
+
+# the kernels' compile-time limits: C function -> the two attributes set on the library
+_LIMITS = {
+    "pg_limits": ("max_group", "max_head_dim"),
+    "pg_prefill_limits": ("prefill_max_group", "prefill_max_head_dim"),
+    "pg_cascade_limits": ("cascade_max_rows", "cascade_max_head_dim"),
+}
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """Set the exported functions' ctypes signatures; read the AMX state and the limits."""
+    for name, (argtypes, restype) in _SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, restype
+    lib.amx_available = bool(lib.pg_amx_available())  # asks Linux for the tile state once
+    for name, attributes in _LIMITS.items():
+        limits = (ctypes.c_int(), ctypes.c_int())
+        getattr(lib, name)(ctypes.byref(limits[0]), ctypes.byref(limits[1]))
+        for attribute, limit in zip(attributes, limits, strict=True):
+            setattr(lib, attribute, limit.value)
 
 
 @functools.cache

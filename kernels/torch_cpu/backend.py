@@ -8,6 +8,7 @@ from prefixgate.kernels.attention_plan import AttentionPlan, plan_attention
 from prefixgate.kernels.backend import AttentionInputs
 from prefixgate.kernels.checks import check_attention_inputs, check_kv_caches, check_write_inputs
 from prefixgate.kernels.cpu.ops import NativeKVWriter, bind_kv_writer, kv_write_accepts
+from prefixgate.kernels.sliding_window import paged_attention_windowed
 from prefixgate.kernels.torch_cpu.attention import (
     copy_pages_torch,
     paged_attention_torch,
@@ -38,7 +39,8 @@ class TorchStep:
         self._checked = True
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                window: int | None = None) -> torch.Tensor:
         if not self._checked:
             self._check(query, key, value, k_cache, v_cache)
         inputs = self._inputs
@@ -46,10 +48,13 @@ class TorchStep:
             self._writer(key, value, k_cache, v_cache, inputs.slot_mapping)
         else:
             write_kv_torch(key, value, k_cache, v_cache, inputs.slot_mapping, check=False)
-        return paged_attention_torch(
-            query, k_cache, v_cache, inputs.block_tables_tensor, inputs.seq_lens_tensor,
-            inputs.query_start_loc_tensor, scale, self.plan, check=False,
-        )
+        addressing = (inputs.block_tables_tensor, inputs.seq_lens_tensor,
+                      inputs.query_start_loc_tensor)
+        if window is not None:
+            return paged_attention_windowed(query, k_cache, v_cache, *addressing, scale, window,
+                                            check=False)
+        return paged_attention_torch(query, k_cache, v_cache, *addressing, scale, self.plan,
+                                     check=False)
 
 
 class TorchBackend:

@@ -27,6 +27,7 @@ def paged_attention_triton(
     *,
     max_query_len: int | None = None,
     pages_per_split: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of each sequence's new query rows over its paged context (Triton).
 
@@ -35,6 +36,8 @@ def paged_attention_triton(
             does); ``1`` skips the prefill launch. ``None`` launches both kernels.
         pages_per_split: force the split-K size of decode (tests); ``None`` picks it from
             the batch shape and the device's SM count.
+        window: a sliding layer: each row sees only the last ``window`` positions, itself
+            included (None: the whole context).
     Returns:
         ``[T, Hq, D]`` in the query's dtype. Rows of sequences with n_s == 0 do not exist.
     """
@@ -50,12 +53,13 @@ def paged_attention_triton(
         max_query_len is None or max_query_len >= 0,
         f"max_query_len must be >= 0, got {max_query_len}",
     )
+    require(window is None or window > 0, f"window must be positive, got {window}")
     # dense rows even when query is a strided view (q sliced out of a fused qkv)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if shapes.num_tokens == 0:
         return out
     args = (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, shapes)
-    paged_decode_triton(*args, pages_per_split=pages_per_split)
+    paged_decode_triton(*args, pages_per_split=pages_per_split, window=window)
     if max_query_len is None or max_query_len > 1:
-        paged_prefill_triton(*args)
+        paged_prefill_triton(*args, window=window)
     return out

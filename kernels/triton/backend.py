@@ -15,7 +15,8 @@ class TritonStep:
     """One step's attention on the Triton backend (``StepAttention``).
 
     The launchers read their shapes through their checks on every call (they need them to
-    size the grid); none of them syncs the device.
+    size the grid); none of them syncs the device. A sliding layer's window is a mask in the
+    same kernels (they start at the first page the window reaches).
     """
 
     __slots__ = ("_inputs",)
@@ -24,13 +25,15 @@ class TritonStep:
         self._inputs = inputs
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                window: int | None = None) -> torch.Tensor:
         inputs = self._inputs
         write_kv_triton(key, value, k_cache, v_cache, inputs.slot_mapping)
         return paged_attention_triton(
             query, k_cache, v_cache, inputs.block_tables_tensor, inputs.seq_lens_tensor,
             inputs.query_start_loc_tensor, scale,
             max_query_len=inputs.max_query_len,  # host int: no device sync to learn it
+            window=window,
         )
 
 

@@ -82,7 +82,7 @@ def plan_decode_splits(
     return DecodeSplitPlan(math.ceil(max_pages / pages_per_split), pages_per_split)
 
 
-@triton.jit(do_not_specialize=["pages_per_split", "num_splits", "stride_bt_s"])
+@triton.jit(do_not_specialize=["pages_per_split", "num_splits", "stride_bt_s", "window"])
 def _paged_decode_kernel(
     query_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [num_pages, page_size, Hkv, D]
@@ -97,6 +97,7 @@ def _paged_decode_kernel(
     scale_log2,  # softmax scale * log2(e): scores live in the log2 domain (exp2 is cheaper)
     pages_per_split,
     num_splits,
+    window,  # WINDOWED: the row sees only the last `window` positions, itself included
     stride_q_t,
     stride_q_h,
     stride_o_t,
@@ -113,6 +114,7 @@ def _paged_decode_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    WINDOWED: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -128,6 +130,12 @@ def _paged_decode_kernel(
     if tok_begin >= ctx_len:
         return  # past this sequence's context; the reduce ignores the split
     tok_end = tl.minimum(tok_begin + pages_per_split * PAGE_SIZE, ctx_len)
+    if WINDOWED:
+        # a split wholly before the window holds nothing visible (the reduce skips it too)
+        win_begin = tl.maximum(ctx_len - window, 0)
+        if tok_end <= win_begin:
+            return
+        tok_begin = tl.maximum(tok_begin, win_begin)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -193,10 +201,12 @@ def paged_decode_triton(
     out: torch.Tensor,  # [T, Hq, D], rows of decode sequences are written
     shapes: AttentionShapes,
     pages_per_split: int | None = None,
+    window: int | None = None,
 ) -> DecodeSplitPlan:
     """Decode attention for every sequence with exactly one query row; returns the split plan.
 
     Arguments are validated by the caller (``paged_attention_triton``), which passes ``shapes``.
+    ``window``: each row sees only the last ``window`` positions (a sliding layer).
     """
     require(query.stride(-1) == 1, f"query last dim must be contiguous, strides {query.stride()}")
     require(out.stride(-1) == 1, f"out last dim must be contiguous, strides {out.stride()}")
@@ -241,6 +251,7 @@ def paged_decode_triton(
         scale * math.log2(math.e),
         plan.pages_per_split,
         plan.num_splits,
+        window or 0,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -257,6 +268,7 @@ def paged_decode_triton(
         PAGE_SIZE=shapes.page_size,
         BLOCK_N=block_n,
         SPLIT_K=plan.num_splits > 1,
+        WINDOWED=window is not None,
         COMPUTE_DTYPE=compute_dtype(k_cache.dtype),
         DOT_PRECISION=dot_precision(k_cache.dtype),
         num_warps=4,
@@ -272,5 +284,6 @@ def paged_decode_triton(
             out,
             plan.pages_per_split,
             shapes.page_size,
+            window,
         )
     return plan

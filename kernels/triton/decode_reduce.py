@@ -22,7 +22,7 @@ import triton.language as tl
 
 
 # per-step scalars stay runtime values: one compiled kernel per BLOCK_SPLITS, not per shape
-@triton.jit(do_not_specialize=["tokens_per_split", "num_splits"])
+@triton.jit(do_not_specialize=["tokens_per_split", "num_splits", "window"])
 def _decode_reduce_kernel(
     partial_out_ptr,  # [S, Hq, num_splits, D] fp32
     partial_max_ptr,  # [S, Hq, num_splits] fp32
@@ -32,12 +32,14 @@ def _decode_reduce_kernel(
     out_ptr,  # [T, Hq, D]
     tokens_per_split,
     num_splits,
+    window,  # WINDOWED: splits wholly before the last `window` positions were skipped
     stride_o_t,
     stride_o_h,
     NUM_Q_HEADS: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,  # num_splits rounded up to a power of two
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -50,12 +52,15 @@ def _decode_reduce_kernel(
     offs_s = tl.arange(0, BLOCK_SPLITS)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < num_valid
+    if WINDOWED:
+        s_mask = s_mask & (offs_s >= tl.maximum(ctx_len - window, 0) // tokens_per_split)
     d_mask = offs_d < HEAD_DIM
     part = (seq.to(tl.int64) * NUM_Q_HEADS + head) * num_splits + offs_s  # [BLOCK_SPLITS]
 
     split_max = tl.load(partial_max_ptr + part, mask=s_mask, other=float("-inf"))
     split_sum = tl.load(partial_sum_ptr + part, mask=s_mask, other=0.0)
-    # split 0 always holds >= 1 key, so m_max is finite and unwritten splits weigh 0
+    # the first valid split always holds >= 1 key, so m_max is finite and unwritten splits
+    # weigh 0
     m_max = tl.max(split_max, 0)
     weight = tl.where(s_mask, tl.exp2(split_max - m_max), 0.0)  # [BLOCK_SPLITS]
     denom = tl.sum(weight * split_sum, 0)
@@ -81,8 +86,10 @@ def decode_reduce_triton(
     out: torch.Tensor,  # [T, Hq, D]
     pages_per_split: int,
     page_size: int,
+    window: int | None = None,
 ) -> None:
-    """Merge decode partials into the decode sequences' ``out`` rows."""
+    """Merge decode partials into the decode sequences' ``out`` rows (``window``: as the decode
+    kernel was given it)."""
     num_seqs, num_q_heads, num_splits, head_dim = partial_out.shape
     for name, tensor in (
         ("partial_out", partial_out),
@@ -111,11 +118,13 @@ def decode_reduce_triton(
         out,
         pages_per_split * page_size,
         num_splits,
+        window or 0,
         out.stride(0),
         out.stride(1),
         NUM_Q_HEADS=num_q_heads,
         BLOCK_SPLITS=triton.next_power_of_2(num_splits),
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
+        WINDOWED=window is not None,
         num_warps=4,
     )

@@ -44,7 +44,7 @@ PREFILL_BLOCK_N = 64  # keys per loop iteration
 # Per-step scalars stay runtime values (one compiled kernel however the batch changes); for
 # num_seqs it also matters for correctness of compilation: Triton turns an int equal to 1 into
 # a constant, which could not be the loop-carried bound of the binary search.
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt_s"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt_s", "window"])
 def _paged_prefill_kernel(
     query_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [num_pages, page_size, Hkv, D]
@@ -55,6 +55,7 @@ def _paged_prefill_kernel(
     out_ptr,  # [T, Hq, D]
     scale_log2,  # softmax scale * log2(e)
     num_seqs,
+    window,  # WINDOWED: a row sees only the last `window` positions, itself included
     stride_q_t,
     stride_q_h,
     stride_o_t,
@@ -70,6 +71,7 @@ def _paged_prefill_kernel(
     BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    WINDOWED: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -121,8 +123,11 @@ def _paged_prefill_kernel(
     # keys up to the tile's last row; rows are causal within it
     last_token = tl.minimum(tile_in_seq * BLOCK_Q + BLOCK_Q, num_new) - 1
     kv_end = first_pos + last_token + 1
+    kv_begin = 0
+    if WINDOWED:  # from the first window of the tile's first row
+        kv_begin = tl.maximum(first_pos + tile_in_seq * BLOCK_Q - window + 1, 0)
 
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range(kv_begin, kv_end, BLOCK_N):
         toks = start + offs_n  # [BLOCK_N] key positions
         tok_mask = toks < kv_end
         pages = tl.load(bt_row + toks // PAGE_SIZE, mask=tok_mask, other=0).to(tl.int64)
@@ -132,11 +137,16 @@ def _paged_prefill_kernel(
         scores = tl.dot(q, tl.trans(k.to(COMPUTE_DTYPE)), input_precision=DOT_PRECISION)
         scores = scores * scale_log2  # [BLOCK_M, BLOCK_N]
         visible = (toks[None, :] <= q_pos[:, None]) & tok_mask[None, :]
+        if WINDOWED:
+            visible = visible & (toks[None, :] > q_pos[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
         # key 0 is visible to every row in the first iteration, so m_i is finite from then on
         m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
+        m_use = m_new
+        if WINDOWED:  # a later row may see no key of an early iteration: exp2 of 0, not NaN
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(scores - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         pv = tl.dot(p.to(COMPUTE_DTYPE), v.to(COMPUTE_DTYPE), input_precision=DOT_PRECISION)
@@ -160,10 +170,12 @@ def paged_prefill_triton(
     scale: float,
     out: torch.Tensor,  # [T, Hq, D], rows of prefill sequences are written
     shapes: AttentionShapes,
+    window: int | None = None,
 ) -> None:
     """Attention for every sequence with n_s > 1 new rows (prefix from pages + causal new part).
 
     Arguments are validated by the caller (``paged_attention_triton``), which passes ``shapes``.
+    ``window``: each row sees only the last ``window`` positions (a sliding layer).
     """
     require(query.stride(-1) == 1, f"query last dim must be contiguous, strides {query.stride()}")
     require(out.stride(-1) == 1, f"out last dim must be contiguous, strides {out.stride()}")
@@ -190,6 +202,7 @@ def paged_prefill_triton(
         out,
         scale * math.log2(math.e),
         shapes.num_seqs,
+        window or 0,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -205,6 +218,7 @@ def paged_prefill_triton(
         BLOCK_D=triton.next_power_of_2(shapes.head_dim),
         PAGE_SIZE=shapes.page_size,
         BLOCK_N=PREFILL_BLOCK_N,
+        WINDOWED=window is not None,
         COMPUTE_DTYPE=compute_dtype(k_cache.dtype),
         DOT_PRECISION=dot_precision(k_cache.dtype),
         num_warps=8 if block_m >= 128 else 4,

@@ -12,8 +12,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from prefixgate.gateway.engine.model_config import ModelConfig, RopeScaling, UnsupportedModelError
+from prefixgate.gateway.engine.models.layers import rms_norm
 from prefixgate.gateway.engine.models.linear import Linear, onednn_linear_available
-from prefixgate.gateway.engine.models.llama import rms_norm
 from prefixgate.gateway.engine.models.rope import RotaryEmbedding, inverse_frequencies
 from prefixgate.kernels.cpu.library import native_status
 
@@ -228,4 +228,4 @@ def test_models_over_one_loaded_model_share_their_quantized_layers(loaded_model)
     if first.layers[0].qkv.quant is None:
         pytest.skip(f"quantized native kernel not available here: {native_status()}")
     assert first.layers[0].qkv is second.layers[0].qkv and first.lm_head is second.lm_head
-    assert first.layers[-1].down is second.layers[-1].down
+    assert first.layers[-1].mlp.down is second.layers[-1].mlp.down

@@ -50,7 +50,7 @@ def test_bf16_mode_layout(bf16_runner):
     model = runner.model
     assert model.act_dtype == torch.float32 and model.final_norm.dtype == torch.float32
     layer = model.layers[0]
-    for linear in (layer.qkv, layer.o, layer.gate_up, layer.down, model.lm_head):
+    for linear in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down, model.lm_head):
         assert linear.bf16 and linear.quant is None  # GGUF blocks expanded to bf16
         assert linear.native is not None and linear.native.dtype == torch.bfloat16
 

@@ -1,7 +1,8 @@
 """The test oracle: naive per-token loops in float64 over the paged KV layout.
 
 Slow and obviously right; every backend (kernels/torch_cpu, kernels/triton, the native CPU
-kernels) is tested against it, and never against another production backend alone.
+kernels) is tested against it, and never against another production backend alone. Also the
+routed experts of an MoE MLP (kernels/torch_cpu/moe.py, kernels/triton/moe.py), token by token.
 """
 
 from __future__ import annotations
@@ -30,8 +31,12 @@ def naive_copy_pages(kv_pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
         kv_pool[:, :, d] = kv_pool[:, :, s]
 
 
-def naive_paged_attention(batch: PagedBatch) -> torch.Tensor:  # [T, Hq, D] float64
-    """Per query token, per head: gather its visible keys slot by slot, softmax in float64."""
+def naive_paged_attention(batch: PagedBatch, window: int | None = None) -> torch.Tensor:
+    """Per query token, per head: gather its visible keys slot by slot, softmax in float64.
+
+    ``window``: a sliding layer, each token sees only the last ``window`` positions (itself
+    included). Returns ``[T, Hq, D]`` float64.
+    """
     q_all = batch.query.double().cpu()
     k_flat = batch.k_cache.double().cpu().flatten(0, 1)  # [num_slots, Hkv, D]
     v_flat = batch.v_cache.double().cpu().flatten(0, 1)
@@ -45,10 +50,26 @@ def naive_paged_attention(batch: PagedBatch) -> torch.Tensor:  # [T, Hq, D] floa
         n_new = starts[s + 1] - starts[s]
         for j in range(n_new):
             pos = ctx - n_new + j
-            slots = [tables[s][p // page_size] * page_size + p % page_size for p in range(pos + 1)]
+            first = 0 if window is None else max(0, pos - window + 1)
+            slots = [tables[s][p // page_size] * page_size + p % page_size
+                     for p in range(first, pos + 1)]
             k = k_flat[slots].repeat_interleave(group, dim=1)  # [pos + 1, Hq, D]
             v = v_flat[slots].repeat_interleave(group, dim=1)
             q = q_all[starts[s] + j]  # [Hq, D]
             probs = torch.softmax(torch.einsum("hd,chd->hc", q, k) * batch.scale, dim=-1)
             out[starts[s] + j] = torch.einsum("hc,chd->hd", probs, v)
+    return out
+
+
+def naive_moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                      weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """Token by token, choice by choice, in float64: ``sum_k w * down(silu(gate) * up)``."""
+    x, gate_up, down, weights = (t.double().cpu() for t in (x, gate_up, down, weights))
+    inter = down.shape[2]
+    out = torch.zeros_like(x)
+    for t, chosen in enumerate(experts.cpu().tolist()):
+        for j, e in enumerate(chosen):
+            hidden = gate_up[e] @ x[t]  # [2I]
+            act = torch.nn.functional.silu(hidden[:inter]) * hidden[inter:]
+            out[t] += weights[t, j] * (down[e] @ act)
     return out

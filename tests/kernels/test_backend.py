@@ -10,6 +10,7 @@ import torch
 
 from prefixgate import kernels
 from prefixgate.kernels.cpu import ops
+from prefixgate.kernels.sliding_window import paged_attention_windowed
 from prefixgate.kernels.torch_cpu import backend as torch_backend
 from tests.kernels.oracle import naive_copy_pages, naive_paged_attention, naive_write_kv
 from tests.kernels.paged_case import ALL_DEVICES, TOLERANCES, PagedBatch, make_paged_batch
@@ -107,3 +108,22 @@ def test_registry_lists_and_creates_the_backends() -> None:
     assert not kernels.backend_spec("triton").native_cpu
     with pytest.raises(ValueError, match="use one of \\('auto', 'triton', 'torch'\\)"):
         kernels.resolve_backend("cpu", "cuda-graphs")
+
+
+@pytest.mark.parametrize("name", _backends())
+def test_a_sliding_layer_passes_its_window_to_the_same_forward(name: str) -> None:
+    # a full layer and a window-4 layer over one step's addressing, through one bound step
+    batch = make_paged_batch(CTX, NEW, group_size=2, seed=2)
+    pool = torch.stack([torch.stack([batch.k_cache, batch.v_cache])] * 2)
+    step = kernels.create_backend(name, pool).prepare_metadata(
+        _step_inputs(batch, slots := _new_slots(batch)))
+    key = torch.randn(slots.shape[0], *pool.shape[4:])
+    full = step.forward(batch.query, key, key, pool[0, 0], pool[0, 1], batch.scale)
+    windowed = step.forward(batch.query, key, key, pool[1, 0], pool[1, 1], batch.scale, window=4)
+    args = (batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.scale)
+    want = paged_attention_windowed(batch.query, pool[1, 0], pool[1, 1], *args, 4)
+    torch.testing.assert_close(windowed, want, **TOLERANCES[torch.float32])
+    # a window as long as every context sees what a full layer sees
+    unbounded = step.forward(batch.query, key, key, pool[1, 0], pool[1, 1], batch.scale,
+                             window=max(CTX))
+    torch.testing.assert_close(unbounded, full, **TOLERANCES[torch.float32])

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
 from gguf.quants import dequantize
 from tqdm import tqdm
 
@@ -279,6 +279,32 @@ def _check_tensors(
         )
 
 
+def _read_tensor(
+    tensor: ReaderTensor, shape: tuple[int, ...], keep_quantized: bool,
+    unpermute_heads: int | None,
+) -> torch.Tensor | QuantizedTensor:
+    """One GGUF tensor as fp32, or (``keep_quantized``, a kept type) as its ggml blocks.
+
+    ``unpermute_heads``: undo llama.cpp's Q/K row permutation for this many heads.
+    """
+    qtype = KEPT_QUANTIZED.get(tensor.tensor_type) if keep_quantized else None
+    rows = int(np.prod(shape[:-1]))  # MoE experts [E, I, H]: E * I rows of blocks
+    if qtype is not None and len(shape) in (2, 3):
+        array = np.asarray(tensor.data).reshape(rows, -1)  # a row's blocks, as bytes
+    else:
+        qtype = None
+        array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+    if unpermute_heads is not None:
+        array = _unpermute_rows(array, unpermute_heads)
+    # NOTE: F32 tensors and raw blocks are read-only views of the memory-mapped file;
+    # copy them out
+    if qtype is not None:
+        data = torch.from_numpy(np.array(array, dtype=np.uint8, copy=True))
+        # a stacked [E, I, H] stays one [E * I, H] block matrix; its family regroups it
+        return QuantizedTensor(qtype, data, (rows, shape[-1]))
+    return torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+
+
 def load_gguf(
     path: str | Path, *, progress: bool | None = None, keep_quantized: bool = True
 ) -> LoadedModel:
@@ -311,7 +337,6 @@ def load_gguf(
     _check_tensors(reader, path, config.architecture, layer_tensors)
     tokenizer = Tokenizer.from_gguf_vocab(_read_vocab(reader, path))
 
-    permute = family.gguf_permuted_qk
     weights: dict[str, torch.Tensor] = {}
     bar = tqdm(
         reader.tensors,
@@ -325,25 +350,12 @@ def load_gguf(
         if name is None:  # a RoPE table: already folded into the config
             continue
         shape = tuple(reversed(shapes[tensor.name]))
-        qtype = KEPT_QUANTIZED.get(tensor.tensor_type) if keep_quantized else None
-        rows = int(np.prod(shape[:-1]))  # MoE experts [E, I, H]: E * I rows of blocks
-        if qtype is not None and len(shape) in (2, 3):
-            array = np.asarray(tensor.data).reshape(rows, -1)  # a row's blocks, as bytes
-        else:
-            qtype = None
-            array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-        if permute and tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
-            array = _unpermute_rows(array, config.num_heads)
-        elif permute and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
-            array = _unpermute_rows(array, config.num_kv_heads)
-        # NOTE: F32 tensors and raw blocks are read-only views of the memory-mapped file;
-        # copy them out
-        if qtype is not None:
-            data = torch.from_numpy(np.array(array, dtype=np.uint8, copy=True))
-            # a stacked [E, I, H] stays one [E * I, H] block matrix; its family regroups it
-            weights[name] = QuantizedTensor(qtype, data, (rows, shape[-1]))
-        else:
-            weights[name] = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+        unpermute_heads = None
+        if family.gguf_permuted_qk and tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
+            unpermute_heads = config.num_heads
+        elif family.gguf_permuted_qk and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
+            unpermute_heads = config.num_kv_heads
+        weights[name] = _read_tensor(tensor, shape, keep_quantized, unpermute_heads)
     bar.close()
     weights = family.adapt_weights(weights, config, "gguf")
     check_weights(config, weights, source=path.name)

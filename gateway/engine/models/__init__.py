@@ -1,5 +1,6 @@
-"""Model code, one file per architecture family; each family registers itself
-(models/registry.py) and ``build_model`` picks by architecture."""
+"""Model code: one decoder (models/decoder.py) every family configures, and one file per
+architecture family that registers itself (models/registry.py); ``build_model`` picks by
+architecture."""
 
 from __future__ import annotations
 
@@ -9,14 +10,14 @@ from typing import Any
 import torch
 
 from prefixgate.gateway.engine.model_config import ModelConfig
+from prefixgate.gateway.engine.models.decoder import DecoderModel
 from prefixgate.gateway.engine.models.forward_batch import ForwardBatch
-from prefixgate.gateway.engine.models.llama import LlamaModel
 from prefixgate.gateway.engine.models.registry import families, family_for
 
 # every family module registers itself on import; the Llama family first, so messages that
 # list the supported architectures start with the common ones
 # isort: off
-from prefixgate.gateway.engine.models import llama_family  # noqa: F401, E402
+from prefixgate.gateway.engine.models import llama  # noqa: F401, E402
 from prefixgate.gateway.engine.models import qwen3, qwen3_moe, gemma3, phi3  # noqa: F401, E402
 # isort: on
 
@@ -46,4 +47,4 @@ def build_model(
     )
 
 
-__all__ = ["ForwardBatch", "LlamaModel", "build_model", "families", "family_for"]
+__all__ = ["DecoderModel", "ForwardBatch", "build_model", "families", "family_for"]

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from prefixgate.kernels.quant import QuantizedTensor
+from prefixgate.kernels.torch_cpu.moe import grouped_by_expert
 
 # x [n, in] -> [n, out]: a Linear (models/linear.py), or any callable computing one
 Projection = Callable[[torch.Tensor], torch.Tensor]
@@ -87,25 +88,43 @@ class MoEMLP:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         weights, experts = self.route(x)
-        flat = experts.flatten()  # [T * k]
-        order = flat.argsort(stable=True)  # choices grouped by expert
-        token_of = order // self.top_k
-        weight_of = weights.flatten()[order]
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = token_of[start : start + count]
-            gate_up_proj, down_proj = self.experts[expert]
-            gate_up = gate_up_proj(x.index_select(0, rows))  # [n, 2I]
-            inter = gate_up.shape[1] // 2
-            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-            y = down_proj(act)  # [n, H]
-            out.index_add_(0, rows, y * weight_of[start : start + count, None])
-            start += count
-        return out
+        return grouped_by_expert(x, weights, experts, self.num_experts, self._expert)
+
+    def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, H]
+        gate_up_proj, down_proj = self.experts[expert]
+        gate_up = gate_up_proj(x)  # [n, 2I]
+        inter = gate_up.shape[1] // 2
+        return down_proj(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + mlp(x)`` (the decoder's residual step, as for a dense MLP)."""
+        return residual + self(x)
 
 
-__all__ = ["MoEMLP"]
+class GroupedMoEMLP(MoEMLP):
+    """The same routing, the experts stacked and computed by the kernel backend's grouped op
+    (``kernels.moe_experts_op``: on Triton one grouped GEMM over the tokens sorted by expert).
+
+    Args:
+        router: ``[E, H]``; gate_up: ``[E, 2I, H]``; down: ``[E, H, I]``; op: the bound op.
+    """
+
+    def __init__(
+        self,
+        router: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        op: Callable[..., torch.Tensor],
+        *,
+        top_k: int,
+        normalize: bool,
+    ) -> None:
+        super().__init__(router, [], top_k=top_k, normalize=normalize)
+        self.gate_up, self.down, self.op = gate_up, down, op
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        weights, experts = self.route(x)
+        return self.op(x, self.gate_up, self.down, weights, experts)
+
+
+__all__ = ["GroupedMoEMLP", "MoEMLP", "StackedExperts"]

@@ -60,7 +60,6 @@ def _split_fused(weights: dict[str, Any], config: Any, _fmt: str) -> dict[str, A
 PHI3 = register_family(
     ModelFamily(
         name="phi3",
-        # the configurable decoder: it runs partial rotary, which models/llama.py does not
         model_class=DecoderModel,
         hf_model_types=("phi3",),
         gguf_architectures=("phi3",),

@@ -11,7 +11,8 @@ import transformers
 
 from prefixgate.gateway.engine.loader import load_gguf, load_model
 from prefixgate.gateway.engine.models.moe import StackedExperts
-from prefixgate.gateway.engine.runner import SeqChunk
+from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
+from prefixgate.kernels import dispatch
 from prefixgate.kernels.cpu.ops import quant_native_available
 from prefixgate.kernels.quant import QuantizedTensor
 from tests.engine.models.conftest import make_runner
@@ -64,3 +65,37 @@ def test_q8_0_gguf_computes_in_its_blocks_like_dequantized(name):
     ours = blocks.execute([SeqChunk(ids, 0, [0, 1, 2], True)])[0]
     reference = dense.execute([SeqChunk(ids, 0, [0, 1, 2], True)])[0]
     assert (ours - reference).abs().max().item() < LAYOUT_ATOL
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_moe"])
+def test_the_forward_resolves_no_kernel_backend(monkeypatch, name):
+    # every layer, sliding ones included, goes through the backend bound at runner start: a
+    # per-call resolution (kernels.write_kv / paged_attention) would hit the patched registry
+    runner = make_runner(load_model(family_fixture(name).hf_dir))
+    ids = list(range(100, 140))  # past Gemma's 8-token window
+    before = runner.execute([SeqChunk(ids, 0, [0, 1, 2], True)])[0]
+
+    def resolved_per_call(*_args, **_kwargs):
+        raise AssertionError("a kernel backend was resolved during the forward")
+
+    monkeypatch.setattr(dispatch, "resolve_backend", resolved_per_call)
+    monkeypatch.setattr(dispatch, "_ops", resolved_per_call)
+    assert torch.equal(runner.execute([SeqChunk(ids, 0, [3, 4, 5], True)])[0], before)
+
+
+def test_gemma3_sliding_layers_on_the_triton_backend_match_transformers():
+    # the Triton kernels' window (in the interpreter here): chunks and a decode step that read
+    # Gemma 3's 8-token local layers across page and window boundaries
+    pytest.importorskip("triton")
+    fixture = family_fixture("gemma3")
+    runner = ModelRunner.from_loaded(
+        load_model(fixture.hf_dir), num_pages=8, page_size=16, device="cpu",
+        dtype=torch.float32, kernel_backend="triton", native_kernels=False,
+    )  # fmt: skip
+    ids = list(range(100, 141))
+    with torch.inference_mode():
+        reference = fixture.hf_model()(torch.tensor([ids])).logits[0]
+    table = [5, 2, 7]
+    for start, end in ((0, 21), (21, 40), (40, 41)):  # the last one: a decode row
+        ours = runner.execute([SeqChunk(ids[start:end], start, table, True)])[0]
+        assert (ours - reference[end - 1]).abs().max().item() < PREFILL_ATOL

@@ -1,12 +1,18 @@
-"""models/moe.py: the routed MLP against computing every expert densely, and only the chosen
-experts touched."""
+"""models/moe.py: the routed MLP against computing every expert densely, only the chosen
+experts touched, and the backend's grouped experts op in the model against transformers."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from prefixgate.gateway.engine.models.moe import MoEMLP
+from prefixgate import kernels
+from prefixgate.gateway.engine.loader import load_model
+from prefixgate.gateway.engine.models.moe import GroupedMoEMLP, MoEMLP
+from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
+from tests.engine.test_fidelity import PREFILL_ATOL
+from tests.family_fixtures import family_fixture
 
 EXPERTS, TOP_K, HIDDEN, INTER = 6, 2, 16, 8
 
@@ -50,3 +56,25 @@ def test_unchosen_experts_are_never_computed():
     gate_up[unused] = float("nan")  # any read of these would poison the output
     down[unused] = float("nan")
     assert torch.equal(moe(x), before)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_grouped_experts_of_the_bound_backend_match_transformers(backend):
+    # without the native CPU ops the model binds its backend's grouped experts op (on Triton,
+    # the grouped GEMM, here in the interpreter); the logits are transformers' all the same
+    if backend == "triton":
+        pytest.importorskip("triton")
+    fixture = family_fixture("qwen3_moe")
+    loaded = load_model(fixture.hf_dir)
+    runner = ModelRunner.from_loaded(
+        loaded, num_pages=8, page_size=16, device="cpu", dtype=torch.float32,
+        kernel_backend=backend, native_kernels=False,
+    )  # fmt: skip
+    mlp = runner.model.layers[0].mlp
+    assert isinstance(mlp, GroupedMoEMLP) and mlp.op is kernels.moe_experts_op(backend)
+    ids = list(range(300, 333))
+    ours = runner.execute([SeqChunk(ids, 0, [0, 1, 2], True)])[0]
+    with torch.inference_mode():
+        reference = fixture.hf_model()(torch.tensor([ids])).logits[0, -1]
+    assert (ours - reference).abs().max().item() < PREFILL_ATOL

@@ -5,7 +5,8 @@ Run as ``python -m tests.kernels.triton.sm90_compile`` in a process WITHOUT ``TR
 (front end, MLIR passes, LLVM, ptxas) for the production case (bf16, D 128, 8 KV / 32 query
 heads, page 16) with the constexprs and launch options the launchers use, so GPU-only compile
 errors show up on a CPU-only machine too. With the NVIDIA ``cuobjdump`` that Triton ships it
-also reports registers and spill stack per kernel.
+also reports registers and spill stack per kernel. ``--variants``: the attention kernels'
+sliding-window variants and the MoE grouped GEMM instead.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from triton.compiler import ASTSource
 from prefixgate.kernels.triton.copy_pages import _copy_pages_kernel
 from prefixgate.kernels.triton.decode import DECODE_BLOCK_N, _paged_decode_kernel
 from prefixgate.kernels.triton.decode_reduce import _decode_reduce_kernel
+from prefixgate.kernels.triton.moe import _expert_gemm_kernel
 from prefixgate.kernels.triton.prefill import (
     PREFILL_BLOCK_M_LONG,
     PREFILL_BLOCK_M_SHORT,
@@ -33,6 +36,9 @@ from prefixgate.kernels.triton.prefill import (
 from prefixgate.kernels.triton.write_kv import _write_kv_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
+DEFAULT = ("write_kv", "decode_split", "decode_single", "decode_reduce", "prefill",
+           "prefill_short", "copy_pages")
+VARIANTS = ("decode_split", "decode_reduce", "prefill", "moe_gemm")  # (windowed attention)
 D, HKV, GROUP, PAGE = 128, 8, 4, 16
 ATTENTION_PTRS = {
     "query_ptr": "*bf16",
@@ -85,8 +91,9 @@ def compile_one(fn, ptrs: dict, consts: dict, num_warps: int, num_stages: int = 
     return report
 
 
-def main() -> dict:
-    assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "unset TRITON_INTERPRET"
+def _kernels(windowed: bool) -> dict[str, tuple]:
+    """name -> (kernel, pointer types, constexprs, num_warps), as the launchers launch them;
+    ``windowed``: the attention kernels' sliding-window variants."""
     attention = {
         "HEAD_DIM": D,
         "BLOCK_D": D,
@@ -94,9 +101,10 @@ def main() -> dict:
         "GROUP_SIZE": GROUP,
         "COMPUTE_DTYPE": tl.bfloat16,
         "DOT_PRECISION": "tf32",
+        "WINDOWED": windowed,
     }
-    results = {
-        "write_kv": compile_one(
+    kernels = {
+        "write_kv": (
             _write_kv_kernel,
             {
                 "key_ptr": "*bf16",
@@ -106,9 +114,9 @@ def main() -> dict:
                 "slot_mapping_ptr": "*i64",
             },
             {"PAGE_SIZE": PAGE, "NUM_KV_HEADS": HKV, "HEAD_DIM": D, "BLOCK_H": HKV, "BLOCK_D": D},
-            num_warps=4,
+            4,
         ),
-        "decode_split": compile_one(
+        "decode_split": (
             _paged_decode_kernel,
             ATTENTION_PTRS,
             {
@@ -118,9 +126,9 @@ def main() -> dict:
                 "BLOCK_N": DECODE_BLOCK_N,
                 "SPLIT_K": True,
             },
-            num_warps=4,
+            4,
         ),
-        "decode_single": compile_one(
+        "decode_single": (
             _paged_decode_kernel,
             ATTENTION_PTRS,
             {
@@ -130,9 +138,9 @@ def main() -> dict:
                 "BLOCK_N": DECODE_BLOCK_N,
                 "SPLIT_K": False,
             },
-            num_warps=4,
+            4,
         ),
-        "decode_reduce": compile_one(
+        "decode_reduce": (
             _decode_reduce_kernel,
             ATTENTION_PTRS,
             {
@@ -140,10 +148,11 @@ def main() -> dict:
                 "BLOCK_SPLITS": 8,
                 "HEAD_DIM": D,
                 "BLOCK_D": D,
+                "WINDOWED": windowed,
             },
-            num_warps=4,
+            4,
         ),
-        "prefill": compile_one(
+        "prefill": (
             _paged_prefill_kernel,
             ATTENTION_PTRS,
             {
@@ -152,9 +161,9 @@ def main() -> dict:
                 "BLOCK_M": PREFILL_BLOCK_M_LONG,
                 "BLOCK_N": PREFILL_BLOCK_N,
             },
-            num_warps=8,
+            8,
         ),
-        "prefill_short": compile_one(
+        "prefill_short": (
             _paged_prefill_kernel,
             ATTENTION_PTRS,
             {
@@ -163,18 +172,39 @@ def main() -> dict:
                 "BLOCK_M": PREFILL_BLOCK_M_SHORT,
                 "BLOCK_N": PREFILL_BLOCK_N,
             },
-            num_warps=4,
+            4,
         ),
-        "copy_pages": compile_one(
+        "copy_pages": (
             _copy_pages_kernel,
             {"kv_pool_ptr": "*bf16", "src_ptr": "*i64", "dst_ptr": "*i64"},
             {"PAGE_ELEMS": PAGE * HKV * D, "BLOCK": 4096},
-            num_warps=4,
+            4,
         ),
     }
+    kernels["moe_gemm"] = (
+        _expert_gemm_kernel,
+        {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "pairs_ptr": "*i32",
+         "block_expert_ptr": "*i32", "routing_ptr": "*bf16"},
+        {"ROW_DIV": 8, "APPLY_WEIGHT": True, "COMPUTE_DTYPE": tl.bfloat16,
+         "DOT_PRECISION": "tf32", "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32},
+        4,
+    )  # fmt: skip
+    return kernels
+
+
+def main(variants: bool = False) -> dict:
+    """``variants``: the attention kernels' sliding-window variants (a Gemma 3 local layer)
+    and the MoE grouped GEMM, instead of the default set."""
+    assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "unset TRITON_INTERPRET"
+    kernels = _kernels(windowed=variants)
+    chosen = VARIANTS if variants else DEFAULT
+    results = {}
+    for name in chosen:
+        fn, ptrs, consts, num_warps = kernels[name]
+        results[name] = compile_one(fn, ptrs, consts, num_warps=num_warps)
     print(json.dumps(results))
     return results
 
 
 if __name__ == "__main__":
-    main()
+    main(variants="--variants" in sys.argv[1:])

@@ -151,3 +151,18 @@ def test_query_sliced_from_fused_qk(device: str) -> None:
     ):
         assert out.is_contiguous()
         torch.testing.assert_close(out.cpu().double(), expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("window", "pages_per_split"), [(1, None), (5, 1), (20, 1), (40, 2),
+                                                         (1000, 1)])
+def test_sliding_window_never_reads_outside_it(device: str, window: int,
+                                               pages_per_split: int | None) -> None:
+    """A sliding layer: each row sees its last ``window`` positions only; NaN everywhere outside
+    the contexts, and split-K splits wholly before the window skipped by decode and reduce."""
+    batch = make_paged_batch(*MIXED, group_size=3, device=device, seed=window,
+                             garbage=float("nan"))
+    out = paged_attention_triton(*batch.args(), pages_per_split=pages_per_split, window=window)
+    torch.testing.assert_close(
+        out.cpu().double(), naive_paged_attention(batch, window), atol=2e-5, rtol=1e-5
+    )

@@ -1,0 +1,188 @@
+"""Tokens/s of every model family at SmolLM2-135M's shape, per parameter, relative to SmolLM2.
+
+Workload (every size is a flag):
+  * models: each registered family configured at SmolLM2-135M-Instruct's shape (hidden 576,
+    30 layers, 9 query / 3 KV heads of 64, MLP 1536, vocabulary 49,152, tied embeddings), with
+    what the family adds: Qwen3's q/k norms; Gemma 3's sandwich and ``1 + w`` norms, GeGLU,
+    embedding scale, softcapping and 5 sliding (``--window``) layers to 1 global; Phi-4-mini's
+    partial rotary (0.75); Qwen3-MoE with 16 experts of width 384, top-4 (the active MLP is
+    SmolLM2's width; total parameters 2.4x). Random fp32 weights (speed does not depend on
+    the values; no download), CPU, fp32, the runner's defaults (native CPU kernels where the
+    library builds). ``smollm2`` is the Llama family at that shape: the reference row.
+  * prefill: one sequence of ``--prefill`` random token ids into an empty cache (one
+    ``ModelRunner.execute``); decode: ``--batch`` sequences, each with a private copy of a
+    ``--context``-token context, ``--steps`` greedy steps per sample.
+  * timing: ``--threads`` torch threads (default 1), medians of ``--repeats`` samples after a
+    warm-up, in CPU time of the process (``time.process_time``) as well as wall time: families
+    run one after another (one model in memory at a time), and on a shared machine the wall
+    time of one family against the next swings by multiples while the CPU time a step costs
+    holds.
+
+Reported per family: prefill and decode tokens per CPU second (and per wall second),
+parameters (total; active for MoE), and ``per_param_vs_smollm2`` = (tokens per CPU second x
+parameters) / SmolLM2's: 1.0 = as fast per parameter as the Llama path, lower = the family's
+extras cost more than their share of the weights; ``per_active_param_vs_smollm2`` the same with
+the parameters a token reads (an MoE's chosen experts only).
+
+    python -m benchmarks.families --json out/families.json
+    python -m benchmarks.families --families smollm2 gemma3 --prefill 256 --steps 4
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from benchmarks.common import base_parser, print_table, write_json
+from benchmarks.model import _OurDecode
+from prefixgate.gateway.engine.model_config import ModelConfig, expected_weight_shapes
+from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
+
+FIRST_ORDINARY_TOKEN = 100
+
+SMOLLM2 = ModelConfig(
+    architecture="llama", name="smollm2", vocab_size=49152, hidden_size=576,
+    intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+    rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
+    tie_word_embeddings=True, attention_bias=False,
+)  # fmt: skip
+
+
+def _gemma3(window: int) -> dict[str, Any]:
+    layers = tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(SMOLLM2.num_layers))
+    return {
+        "architecture": "gemma3_text", "qk_norm": True, "norm_weight_offset": 1.0,
+        "activation": "gelu_tanh", "embedding_scale": SMOLLM2.hidden_size**0.5,
+        "sandwich_norms": True, "final_logit_softcapping": 30.0, "sliding_window": window,
+        "layer_types": layers, "rope_local_theta": 10000.0,
+    }  # fmt: skip
+
+
+def family_configs(window: int) -> dict[str, ModelConfig]:
+    """Every family at SmolLM2-135M's shape (the module docstring says what each adds)."""
+    options: dict[str, dict[str, Any]] = {
+        "smollm2": {},
+        "llama3": {"rope_theta": 500000.0},
+        "qwen3": {"architecture": "qwen3", "qk_norm": True},
+        "qwen3_moe": {
+            "architecture": "qwen3_moe", "qk_norm": True, "num_experts": 16,
+            "num_experts_per_tok": 4, "moe_intermediate_size": 384,
+        },
+        "gemma3": _gemma3(window),
+        "phi3": {"architecture": "phi3"},
+        "phi4_mini": {"architecture": "phi3", "rotary_dim": 48},
+    }  # fmt: skip
+    return {name: dataclasses.replace(SMOLLM2, name=name, **o) for name, o in options.items()}
+
+
+def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, shape in expected_weight_shapes(config).items():
+        if name.endswith("norm.weight"):
+            weights[name] = torch.full(shape, 1.0 - config.norm_weight_offset)
+        else:
+            weights[name] = torch.randn(shape, generator=gen) * 0.02
+    return weights
+
+
+def parameter_counts(config: ModelConfig) -> tuple[int, int]:
+    """Total parameters, and those one token reads (the chosen experts only, for MoE)."""
+    total = active = 0
+    for name, shape in expected_weight_shapes(config).items():
+        count = int(torch.Size(shape).numel())
+        total += count
+        if ".mlp.experts." in name:
+            count = count * config.num_experts_per_tok // config.num_experts
+        active += count
+    return total, active
+
+
+def _medians(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """Median (CPU seconds, wall seconds) of ``fn()`` after one warm-up call."""
+    fn()
+    cpu, wall = [], []
+    for _ in range(repeats):
+        cpu_start, wall_start = time.process_time(), time.perf_counter()
+        fn()
+        cpu.append(time.process_time() - cpu_start)
+        wall.append(time.perf_counter() - wall_start)
+    return statistics.median(cpu), statistics.median(wall)
+
+
+def measure(config: ModelConfig, args: Any) -> dict[str, float]:
+    """Prefill and decode tokens/s of one family (the runner built, measured, released)."""
+    capacity = args.context + args.steps * (args.repeats + 1) + 1
+    pages_per_seq = -(-max(capacity, args.prefill) // 16)
+    runner = ModelRunner(config, random_weights(config), num_pages=pages_per_seq * args.batch,
+                         page_size=16, device="cpu", dtype=torch.float32)
+    gen = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(FIRST_ORDINARY_TOKEN, config.vocab_size, (args.prefill,),
+                           generator=gen).tolist()
+    table = list(range(pages_per_seq))
+
+    prefill_cpu, prefill_wall = _medians(
+        lambda: runner.execute([SeqChunk(prompt, 0, table, True)]), args.repeats
+    )
+    context = prompt[: args.context]
+    first = int(runner.execute([SeqChunk(context, 0, table, True)])[0].argmax())
+    decode = _OurDecode(runner, args.batch, args.context, capacity, first)
+    decode_cpu, decode_wall = _medians(lambda: decode.run(args.steps), args.repeats)
+    total, active = parameter_counts(config)
+    decoded = args.batch * args.steps
+    return {
+        "prefill_tok_s": args.prefill / prefill_cpu,
+        "decode_tok_s": decoded / decode_cpu,
+        "prefill_tok_wall_s": args.prefill / prefill_wall,
+        "decode_tok_wall_s": decoded / decode_wall,
+        "params": total,
+        "active_params": active,
+    }
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--families", nargs="+", default=None, help="default: every family")
+    parser.add_argument("--prefill", type=int, default=512)
+    parser.add_argument("--context", type=int, default=512, help="decode context length")
+    parser.add_argument("--batch", type=int, default=8, help="decode batch")
+    parser.add_argument("--steps", type=int, default=8, help="decode steps per sample")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--window", type=int, default=512, help="Gemma 3's sliding window")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    configs = family_configs(args.window)
+    names = args.families or list(configs)
+    if "smollm2" not in names:
+        names = ["smollm2", *names]
+    results = {name: measure(configs[name], args) for name in names}
+    smol = results["smollm2"]
+    rows: list[tuple[str, Any]] = []
+    for name, r in results.items():
+        for phase in ("prefill", "decode"):
+            for params in ("params", "active_params"):
+                r[f"{phase}_per_{params[:-1]}_vs_smollm2"] = (
+                    r[f"{phase}_tok_s"] * r[params] / (smol[f"{phase}_tok_s"] * smol[params])
+                )
+        for phase in ("prefill", "decode"):
+            rows.append((f"{name:<10} {phase:<7} tok/CPU-s (tok/s) | per param (active) vs smollm2",
+                         f"{r[f'{phase}_tok_s']:.1f} ({r[f'{phase}_tok_wall_s']:.1f}) | "
+                         f"{r[f'{phase}_per_param_vs_smollm2']:.2f} "
+                         f"({r[f'{phase}_per_active_param_vs_smollm2']:.2f})"))
+        rows.append((f"{name:<10} params (active)",
+                     f"{r['params'] / 1e6:.1f}M ({r['active_params'] / 1e6:.1f}M)"))
+    print_table(f"families at SmolLM2-135M's shape, CPU fp32, {torch.get_num_threads()} threads "
+                f"(prefill {args.prefill}; decode b={args.batch} at {args.context})", rows)
+    write_json(args.json, {"args": {k: v for k, v in vars(args).items() if k != "json"},
+                           "threads": torch.get_num_threads(), "families": results})
+
+
+if __name__ == "__main__":
+    main()
