@@ -517,7 +517,12 @@ def resolve(
 
 def configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerSettings]:
     """Split resolved values into the engine's config and the server's settings."""
-    engine = EngineConfig(
+    return engine_config(values), server_settings(values)
+
+
+def engine_config(values: Mapping[str, Any]) -> EngineConfig:
+    """The engine's share of the resolved values."""
+    return EngineConfig(
         model=values["model"],
         served_model_name=values["served_model_name"],
         rope_scaling=values["rope_scaling"],
@@ -549,7 +554,11 @@ def configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerSettings]:
         kv_tier_path=values["kv_tier_path"],
         parse_special_tokens=values["parse_special_tokens"] == "on",
     )
-    settings = ServerSettings(
+
+
+def server_settings(values: Mapping[str, Any]) -> ServerSettings:
+    """The HTTP server's share of the resolved values."""
+    return ServerSettings(
         host=values["host"],
         port=values["port"],
         api_keys=merge_api_keys(values["api_key"], values["api_keys_file"]),
@@ -575,7 +584,6 @@ def configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerSettings]:
         retention_learn=values["retention_learn"] == "on",
         limits=limits_from_values(values),
     )
-    return engine, settings
 
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
