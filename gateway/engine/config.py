@@ -8,7 +8,8 @@ from prefixgate.gateway.engine.model_config import parse_rope_override
 
 # KV pool precisions (--kv-dtype); "auto" (or None) = the model's dtype
 KV_DTYPES = ("auto", "fp32", "bf16", "fp16")
-# waiting-queue orders (--admission-order): arrival order, or longest cached prefix first
+# waiting-queue orders (--admission-order): arrival order, longest cached prefix first, or least
+# prefill compute first
 ADMISSION_ORDERS = ("fcfs", "lpm", "srpt")
 # compute precisions (--dtype; docs/precision.md); "auto" (or None) = fp32 on CPU, bf16 on GPU.
 # The long names are kept for configurations written before the short ones.
@@ -179,7 +180,10 @@ def decode_token_budget(config: EngineConfig, device_type: str) -> int:
 
 def short_prefill_budget(config: EngineConfig, device_type: str) -> int:
     """How much a whole short prefill may cost to run unsplit in a decode step: the configured
-    figure, else the device's default, else the decode budget (no widening)."""
+    figure, else the device's default, else the decode budget (no widening); never above
+    :func:`step_token_budget` (no step outgrows the one a prefill backlog gets)."""
     if config.short_prefill_budget is not None:
-        return config.short_prefill_budget
-    return SHORT_PREFILL_BUDGET.get(device_type, decode_token_budget(config, device_type))
+        budget = config.short_prefill_budget
+    else:
+        budget = SHORT_PREFILL_BUDGET.get(device_type, decode_token_budget(config, device_type))
+    return min(budget, step_token_budget(config, device_type))

@@ -271,6 +271,7 @@ def test_step_token_budget_defaults_by_device() -> None:
     assert short_prefill_budget(EngineConfig(), "cpu") == 192
     assert short_prefill_budget(EngineConfig(), "cuda") == 2048
     assert short_prefill_budget(EngineConfig(short_prefill_budget=96), "cpu") == 96
+    assert short_prefill_budget(EngineConfig(short_prefill_budget=9000), "cpu") == 2048
     with pytest.raises(ValueError, match="short_prefill_budget"):
         EngineConfig(short_prefill_budget=0)
     # never below the running-sequence cap, never above the step budget; explicit ones win
