@@ -8,9 +8,13 @@ check the direction.
 
 Cost model of one CPU step (SmolLM2-135M, fitted to the README's quiet-machine figures: decode
 b1 ~12 ms, b16 ~40-50 ms, a 2,048-token prefill ~500-580 tok/s):
-    step_s = STEP_BASE_S + STEP_UNIT_S * units
+    step_s = STEP_BASE_S + STEP_UNIT_S * units + STEP_KV_READ_S * sum(chunk start positions)
 where a decode row is 1 unit and a prefill chunk of n tokens from position s costs
-n * (1 + (s + n / 2) / 3072) units (the scheduler's own context_scale cost).
+n * (1 + (s + n / 2) / 3072) units (the scheduler's own context_scale cost). The last term is
+what the units leave out: each prefill chunk streams its sequence's whole cached K/V once, so a
+long prompt cut in small chunks re-reads its early K/V many times (fitted to the real burst:
+8 decodes + ~28 prefill tokens at depth ~3,000 take ~4x a decode-only step, where the units
+alone give ~3x). ``--kv-read-s 0`` gives the pure unit model.
 
 Workloads:
   * ``trace``: the Mooncake FAST'25 synthetic trace (../shared/traces), sessions rebuilt from
@@ -24,6 +28,7 @@ Workloads:
   * ``burst``: 16 streams decode 256 tokens; after their 24th token two 6,000-token prompts
     arrive: the streams' inter-token latency p90 during the burst over before it, and the
     long prompts' TTFT.
+  * ``long``: one 16,000-token prompt alone (nothing decodes): its TTFT.
   * ``swarm``: 16 agents x 3 turns over a 2,000-token shared prompt, 32 output tokens, closed
     loop with no pauses (benchmarks.engine's shape).
 
@@ -48,6 +53,7 @@ from prefixgate.gateway.engine.scheduler import Scheduler
 from prefixgate.gateway.engine.sequence import SeqStatus, Sequence
 
 STEP_BASE_S, STEP_UNIT_S, CONTEXT_SCALE, PAGE = 0.012, 0.0015, 3072, 16
+STEP_KV_READ_S = 0.000013
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 ARMS: dict[str, dict[str, Any]] = {
     # the old defaults: one 192 budget, no protection, arrival order
@@ -58,13 +64,15 @@ ARMS: dict[str, dict[str, Any]] = {
     "adaptive": dict(max_num_batched_tokens=2048, decode_step_budget=192, protect_waiting=False,
                      admission_order="fcfs"),
     "protect": dict(max_num_batched_tokens=2048, decode_step_budget=192, admission_order="fcfs"),
-    # today's: 2048 / 64 while decoding, short prefills (<= 192 units) whole and first, lpm
-    "default": dict(max_num_batched_tokens=2048, decode_step_budget=64, short_prefill_budget=192),
+    # today's: 512 / 64 while decoding, short prefills (<= 192 units) whole and first, lpm
+    # (equal prefixes: least compute first)
+    "default": dict(max_num_batched_tokens=512, decode_step_budget=64, short_prefill_budget=192),
     **{f"decode{b}": dict(max_num_batched_tokens=2048, decode_step_budget=b) for b in (32, 48, 64, 96, 128, 192, 256)},
-    **{f"max{b}": dict(max_num_batched_tokens=b, decode_step_budget=192) for b in (512, 1024, 4096)},
-    "srpt": dict(max_num_batched_tokens=2048, decode_step_budget=64, short_prefill_budget=192,
+    **{f"max{b}": dict(max_num_batched_tokens=b, decode_step_budget=64, short_prefill_budget=192)
+       for b in (256, 1024, 2048, 4096)},
+    "srpt": dict(max_num_batched_tokens=512, decode_step_budget=64, short_prefill_budget=192,
                  admission_order="srpt"),
-    **{f"d{d}s{sh}": dict(max_num_batched_tokens=2048, decode_step_budget=d, short_prefill_budget=sh)
+    **{f"d{d}s{sh}": dict(max_num_batched_tokens=512, decode_step_budget=d, short_prefill_budget=sh)
        for d in (48, 64, 96) for sh in (128, 192, 256)},
     "unprotected": dict(max_num_batched_tokens=2048, decode_step_budget=192, protect_waiting=False),
     **{f"wait{w:g}s": dict(max_num_batched_tokens=2048, decode_step_budget=192, max_admission_wait_s=w)
@@ -134,8 +142,9 @@ def swarm_sessions(rng: random.Random) -> list[Session]:
 class Sim:
     """Drives one Scheduler on a virtual clock; records per-request times."""
 
-    def __init__(self, scheduler: Scheduler):
+    def __init__(self, scheduler: Scheduler, kv_read_s: float = STEP_KV_READ_S):
         self.s = scheduler
+        self.kv_read_s = kv_read_s
         self.now = 0.0
         scheduler.clock = lambda: self.now
         self.prefill = 0
@@ -155,8 +164,9 @@ class Sim:
             raise RuntimeError(f"{seq.request_id} can never fit the pool")
         units = sum(1 if c.seq.num_computed >= c.seq.num_prompt_tokens else self.s._cost(c.start_pos, c.num_tokens)
                     for c in out.chunks)
-        self.prefill += sum(c.num_tokens for c in out.chunks if c.seq.num_computed < c.seq.num_prompt_tokens)
-        self.now += STEP_BASE_S + STEP_UNIT_S * units
+        prefills = [c for c in out.chunks if c.seq.num_computed < c.seq.num_prompt_tokens]
+        self.prefill += sum(c.num_tokens for c in prefills)
+        self.now += STEP_BASE_S + STEP_UNIT_S * units + self.kv_read_s * sum(c.start_pos for c in prefills)
         self.s.commit(out)
         finished = []
         for c in out.chunks:
@@ -173,8 +183,9 @@ class Sim:
         return finished
 
 
-def run_sessions(arm: dict[str, Any], sessions: list[Session], num_pages: int) -> dict[str, Any]:
-    sim = Sim(Scheduler(KVCacheManager(num_pages, PAGE), context_scale=CONTEXT_SCALE, **arm))
+def run_sessions(arm: dict[str, Any], sessions: list[Session], num_pages: int,
+                 kv_read_s: float = STEP_KV_READ_S) -> dict[str, Any]:
+    sim = Sim(Scheduler(KVCacheManager(num_pages, PAGE), context_scale=CONTEXT_SCALE, **arm), kv_read_s)
     due = [(s.turns[0].pause_s, i, 0) for i, s in enumerate(sessions)]
     heapq.heapify(due)
     live = 0
@@ -210,8 +221,8 @@ def summarise(sim: Sim) -> dict[str, Any]:
             "protected_evicted": stats.protected_evicted}
 
 
-def run_burst(arm: dict[str, Any], rng: random.Random) -> dict[str, Any]:
-    sim = Sim(Scheduler(KVCacheManager(8192, PAGE), context_scale=CONTEXT_SCALE, **arm))
+def run_burst(arm: dict[str, Any], rng: random.Random, kv_read_s: float = STEP_KV_READ_S) -> dict[str, Any]:
+    sim = Sim(Scheduler(KVCacheManager(8192, PAGE), context_scale=CONTEXT_SCALE, **arm), kv_read_s)
     streams = [sim.submit(f"d{i}", [rng.randrange(1 << 20) for _ in range(64)], 256) for i in range(16)]
     burst_at = None
     longs: list[str] = []
@@ -236,6 +247,15 @@ def run_burst(arm: dict[str, Any], rng: random.Random) -> dict[str, Any]:
             "itl_ratio": pct(during, 0.9) / pct(before, 0.9), "long_ttft_s": end - burst_at}
 
 
+def run_long(arm: dict[str, Any], rng: random.Random, kv_read_s: float = STEP_KV_READ_S) -> dict[str, Any]:
+    """One Claude-Code-sized prompt (16,000 tokens) alone: its TTFT (no stream decodes)."""
+    sim = Sim(Scheduler(KVCacheManager(8192, PAGE), context_scale=CONTEXT_SCALE, **arm), kv_read_s)
+    sim.submit("long", [rng.randrange(1 << 20) for _ in range(16000)], 1)
+    while sim.s.has_work():
+        sim.step()
+    return {"long_ttft_s": sim.records["long"]["tokens"][0], "steps": len(sim.records["long"]["tokens"])}
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return math.nan
@@ -246,12 +266,14 @@ def pct(values: list[float], q: float) -> float:
 def run(workload: str, arm: dict[str, Any], args: Any) -> dict[str, Any]:
     rng = random.Random(0)
     if workload == "trace":
-        return run_sessions(arm, trace_sessions(args.sessions, args.time_scale), args.trace_pages)
+        return run_sessions(arm, trace_sessions(args.sessions, args.time_scale), args.trace_pages, args.kv_read_s)
     if workload == "agents":
-        return run_sessions(arm, agent_sessions(rng), args.agent_pages)
+        return run_sessions(arm, agent_sessions(rng), args.agent_pages, args.kv_read_s)
     if workload == "swarm":
-        return run_sessions(arm, swarm_sessions(rng), 4096)
-    return run_burst(arm, rng)
+        return run_sessions(arm, swarm_sessions(rng), 4096, args.kv_read_s)
+    if workload == "long":
+        return run_long(arm, rng, args.kv_read_s)
+    return run_burst(arm, rng, args.kv_read_s)
 
 
 def main() -> None:
@@ -262,6 +284,8 @@ def main() -> None:
     parser.add_argument("--trace-pages", type=int, default=1456)
     parser.add_argument("--time-scale", type=float, default=0.1, help="trace gaps x this")
     parser.add_argument("--agent-pages", type=int, default=1200)
+    parser.add_argument("--kv-read-s", type=float, default=STEP_KV_READ_S,
+                        help="seconds per cached token a prefill chunk re-reads (0: units only)")
     args = parser.parse_args()
     results: dict[str, dict[str, Any]] = {}
     for workload in args.workloads.split(","):
@@ -273,7 +297,8 @@ def main() -> None:
     for workload, arms in results.items():
         print_table(workload, [(f"{arm}.{key}", f"{value:.4g}" if isinstance(value, float) else value)
                                for arm, row in arms.items() for key, value in row.items()])
-    write_json(args.json, {"cost_model": {"step_base_s": STEP_BASE_S, "step_unit_s": STEP_UNIT_S},
+    write_json(args.json, {"cost_model": {"step_base_s": STEP_BASE_S, "step_unit_s": STEP_UNIT_S,
+                                          "kv_read_s": args.kv_read_s},
                            "arms": {a: ARMS[a] for a in args.arms.split(",")}, "results": results})
 
 

@@ -49,7 +49,8 @@ class EngineConfig:
     short_prefill_budget: int | None = None
     # a waiting request's cached prefix is evicted only after every other free page (soft)
     protect_waiting: bool = True
-    # "lpm": the waiting request with the longest cached prefix is admitted first, except
+    # "lpm": the waiting request with the longest cached prefix is admitted first (equal
+    # prefixes: the least prefill compute first), except
     # that one waiting max_admission_wait_s or longer goes first (no starvation)
     admission_order: str = "lpm"
     max_admission_wait_s: float = 60.0
@@ -152,10 +153,11 @@ class EngineConfig:
 # streams' inter-token latency, and a short prefill (192 units: about one warm agent suffix, ~60
 # tokens over a 2k cached prompt = ~100 units, plus the running decodes) still runs whole, first,
 # so its first token is one step away (Scheduler._admit_short). When nothing decodes, no one waits
-# for a step but the prefills in it: a backlog runs in big chunks (fewer steps, and a request's
-# cached prefix is used before the traffic behind it can evict it). docs/scheduling.md has the
-# measurements behind both figures.
-STEP_TOKEN_BUDGET = {"cpu": 2048, "cuda": 2048}
+# for a step but the prefills in it, and the requests that arrive during it: 512 on CPU is big
+# enough that its GEMMs run near peak and small enough that a turn arriving mid-step waits one
+# short step (a lone long prompt pays more re-reads of its own K/V). A GPU step is short at any
+# of these sizes. docs/scheduling.md has the measurements behind every figure.
+STEP_TOKEN_BUDGET = {"cpu": 512, "cuda": 2048}
 DECODE_STEP_BUDGET = {"cpu": 64}  # a GPU gains throughput from larger steps: no decode bound
 SHORT_PREFILL_BUDGET = {"cpu": 192}
 

@@ -138,8 +138,8 @@ class Scheduler:
             linear layers'). None = every token costs 1. A decode token always costs 1.
         protect_waiting: a waiting request's cached prefix is protected from eviction until
             it is admitted (soft: ``KVCacheManager.hold_prefix``).
-        admission_order: "lpm" (longest cached prefix first, with ``max_admission_wait_s``
-            as the age bound: :meth:`_order_waiting`), "srpt" (least prefill compute left
+        admission_order: "lpm" (longest cached prefix first, then least prefill compute,
+            with ``max_admission_wait_s`` as the age bound: :meth:`_order_waiting`), "srpt" (least prefill compute left
             first, same age bound) or "fcfs" (arrival order).
         clock: seconds, monotonic (the age bound's clock).
 
@@ -335,25 +335,30 @@ class Scheduler:
     def _order_waiting(self) -> None:
         """Cache-aware admission (``admission_order="lpm"``, SGLang's longest prefix match):
         among the first ADMISSION_WINDOW waiting requests, the longest cached prefix goes first
-        (its pages are used before they can be evicted, and it costs the least compute).
+        (its pages are used before they can be evicted, and it costs the least compute); equal
+        prefixes (cold prompts above all) go least prefill compute first.
 
         NOTE: nothing starves: a preempted request, and one waiting ``max_admission_wait_s``
-        or longer, go before every other, in arrival order; equal prefixes keep arrival order.
+        or longer, go before every other, in arrival order. The tie-break is shortest job
+        first: among cold prompts it minimises the sum of their waits, where arrival order
+        made a short prompt (often a returning turn whose history was evicted) wait behind a
+        backlog of long ones.
         """
         if self.admission_order == "fcfs" or len(self.waiting) < 2:
             return
         now = self.clock()
         window = [self.waiting.popleft() for _ in range(min(len(self.waiting), ADMISSION_WINDOW))]
 
-        def rank(item: tuple[int, Sequence]) -> tuple[int, float, int]:
+        def rank(item: tuple[int, Sequence]) -> tuple[float, ...]:
             index, seq = item
             if seq.admitted_order >= 0 or now - seq.arrival_time >= self.max_admission_wait_s:
-                return (0, 0, index)
+                return (0, 0, 0, index)
             seq.cached_blocks = self.cache.count_cached_blocks(self.cache.block_hashes(seq), seq.cached_blocks)
+            cached = min(seq.cached_blocks * self.cache.page_size, len(seq.token_ids) - 1)
+            cost = self._cost(cached, len(seq.token_ids) - cached)
             if self.admission_order == "srpt":
-                cached = min(seq.cached_blocks * self.cache.page_size, len(seq.token_ids) - 1)
-                return (1, self._cost(cached, len(seq.token_ids) - cached), index)
-            return (1, -seq.cached_blocks, index)
+                return (1, cost, 0, index)
+            return (1, -seq.cached_blocks, cost, index)
 
         ordered = [seq for _, seq in sorted(enumerate(window), key=rank)]
         self.waiting.extendleft(reversed(ordered))
@@ -419,11 +424,14 @@ class Scheduler:
         # ones and stay free (refcount 0) until this allocation takes them
         needed = self.cache.pages_needed_for_prompt(len(seq.token_ids), match)
         if not self.cache.can_allocate(needed):
+            # NOTE: more pages than the whole pool holds can never fit: fail it now, or it
+            # would stop admission at the head of the queue until the engine drains
+            never = needed + len(match.page_ids) > self.cache.num_pages
             idle = not self.running and not plan.chunks
-            if not idle:
+            if not idle and not never:
                 self.waiting.appendleft(seq)
                 return False
-            if needed > self.cache.num_free_pages:
+            if never or needed > self.cache.num_free_pages:
                 self._drop_tier_load(seq)
                 self.cache.release_hold(seq.seq_id)
                 plan.unschedulable.append(seq)  # even an empty engine cannot hold it

@@ -262,7 +262,8 @@ def test_async_engine_wakes_the_loop_once_per_step(make_engine, tokenizer):
 
 
 def test_step_token_budget_defaults_by_device() -> None:
-    assert step_token_budget(EngineConfig(), "cpu") == 2048
+    # when nothing decodes: 512 on CPU (a turn arriving mid-step waits one short step), 2048 on GPU
+    assert step_token_budget(EngineConfig(), "cpu") == 512
     assert step_token_budget(EngineConfig(), "cuda") == 2048
     # while a stream decodes: 64 on CPU (the inter-token latency bound), no bound on GPU;
     # a short prefill may run whole up to 192 on CPU, on GPU up to the decode budget
@@ -271,7 +272,7 @@ def test_step_token_budget_defaults_by_device() -> None:
     assert short_prefill_budget(EngineConfig(), "cpu") == 192
     assert short_prefill_budget(EngineConfig(), "cuda") == 2048
     assert short_prefill_budget(EngineConfig(short_prefill_budget=96), "cpu") == 96
-    assert short_prefill_budget(EngineConfig(short_prefill_budget=9000), "cpu") == 2048
+    assert short_prefill_budget(EngineConfig(short_prefill_budget=9000), "cpu") == 512
     with pytest.raises(ValueError, match="short_prefill_budget"):
         EngineConfig(short_prefill_budget=0)
     # never below the running-sequence cap, never above the step budget; explicit ones win
@@ -295,7 +296,7 @@ def test_the_scheduler_counts_attention_with_the_models_flop_ratio(make_engine, 
     assert cfg.attention_context_scale == 3072
     engine = make_engine()
     assert engine.scheduler.context_scale == 3072
-    assert engine.scheduler.max_num_batched_tokens == 2048
+    assert engine.scheduler.max_num_batched_tokens == 512
     assert (engine.scheduler.decode_step_budget, engine.scheduler.short_prefill_budget) == (64, 192)
 
 

@@ -68,6 +68,16 @@ def test_idle_engine_admits_below_the_watermark_but_never_beyond_the_pool():
     out = step(s)
     assert [x.request_id for x in out.unschedulable] == ["huge"]
     assert [c.seq.request_id for c in out.chunks] == ["big"]
+    # more pages than the whole pool: failed at once, even while others run, and it does not
+    # hold up the queue behind it
+    s2 = Scheduler(KVCacheManager(10, 4, watermark=0), max_num_batched_tokens=1000, admission_order="fcfs")
+    s2.add(seq(range(8), "small"))
+    step(s2)
+    s2.add(seq(range(100, 150), "huge"))
+    s2.add(seq(range(200, 204), "next"))
+    out = step(s2)
+    assert [x.request_id for x in out.unschedulable] == ["huge"]
+    assert [c.seq.request_id for c in out.chunks] == ["small", "next"]
 
 
 def test_preemption_takes_the_latest_admitted_and_requeues_it_first():
@@ -196,7 +206,8 @@ def test_the_budget_counts_a_chunks_attention_over_its_context():
 
 
 def test_a_short_prompt_is_not_split_to_fill_a_steps_leftover():
-    s = Scheduler(KVCacheManager(256, 4, watermark=0), max_num_batched_tokens=40)
+    # arrival order (lpm would rank these cold prompts shortest first)
+    s = Scheduler(KVCacheManager(256, 4, watermark=0), max_num_batched_tokens=40, admission_order="fcfs")
     first, second, third = seq(range(30), "first"), seq(range(100, 125), "second"), seq(range(200, 210), "third")
     for x in (first, second, third):
         s.add(x)

@@ -174,6 +174,19 @@ def test_lpm_admits_the_longest_cached_prefix_first():
     assert [x.request_id for x in s.waiting] == ["cold"]
 
 
+def test_lpm_breaks_equal_prefixes_by_least_prefill_compute():
+    now = [0.0]
+    s = lpm_scheduler(now)
+    long_cold, short_cold = seq(range(200, 207), "long_cold"), seq(range(300, 303), "short_cold")
+    s.add(long_cold)  # arrived first, nothing cached on either: the shorter one goes first
+    s.add(short_cold)
+    full = seq([*range(16), 80, 81], "full")  # a cached prefix still beats both
+    s.add(full)
+    out = step(s)
+    assert [c.seq.request_id for c in out.chunks] == ["full", "short_cold"]
+    assert [x.request_id for x in s.waiting] == ["long_cold"]
+
+
 def test_lpm_never_starves_a_request_past_the_age_bound():
     now = [0.0]
     s = lpm_scheduler(now)
