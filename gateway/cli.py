@@ -332,7 +332,7 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     http.add_argument(
         "--default-temperature",
         type=float,
-        help="temperature of a request that sends none (Claude Code, Codex); default 1.0",
+        help="temperature of a request that sends none (Claude Code, Codex) (default {default})",
     )
     http.add_argument(
         "--tool-call-format",

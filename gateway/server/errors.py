@@ -1,5 +1,6 @@
 """One error envelope for every failure: ``{"error": {"message", "type", "param", "code"}}``
-(OpenAI's; routes under /v1/messages answer in Anthropic's, anthropic/errors.py).
+(OpenAI's; routes under /v1/messages answer in Anthropic's, ``anthropic_error_body``). Every
+surface's envelope lives here, so the shared core never imports a surface (docs/design.md).
 
 Engine errors (:class:`gateway.engine.api.EngineError` and subclasses) carry their own HTTP
 status; the gateway adds its own subclasses below. FastAPI's 422 for a malformed body becomes a
@@ -19,12 +20,22 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from prefixgate.gateway.engine.api import EngineError, InvalidRequestError, OverloadedError
-from prefixgate.gateway.server.anthropic.errors import PATH_PREFIX as ANTHROPIC_PATH
-from prefixgate.gateway.server.anthropic.errors import anthropic_error_body
 
 logger = logging.getLogger("prefixgate.server")
 
 REQUEST_ID_HEADER = "X-Request-Id"
+
+ANTHROPIC_PATH = "/v1/messages"  # routes under it answer in Anthropic's envelope
+
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 
 
 class AuthenticationError(EngineError):
@@ -56,6 +67,15 @@ def error_body(
 ) -> dict:
     """The OpenAI error envelope as a dict (also sent as an SSE event when a stream fails)."""
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def anthropic_error_body(status: int, message: str, param: str | None = None) -> dict:
+    """Anthropic's envelope ``{"type": "error", "error": {"type", "message"}}`` for ``status``;
+    the field at fault, when known, leads the message."""
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    if param and param not in message:
+        message = f"{param}: {message}"
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def engine_error_body(exc: EngineError) -> dict:

@@ -5,7 +5,7 @@ tool's result and resends that whole prefix (cache/retention.py has the soft evi
 The TTL: the request's hint (``retention_seconds`` in the body, or the ``X-Retention-Seconds``
 header; Anthropic's ``cache_control.ttl``), else the default learned from the agent's own tool
 pauses and the prefix's recompute cost (cache/ttl_policy.py), which is the server's
-``--retention`` (default 30 s) until enough pauses are seen, or always with
+``--retention`` (``ServerSettings.retention_s``) until enough pauses are seen, or always with
 ``--retention-learn off``. A pause is measured here: from a response of (tenant, agent) that
 ended in tool calls (:func:`retain_tool_pause`) to that agent's next request
 (:func:`note_arrival`); the agent label is ``X-Agent-Id`` or the body's ``user``. The policy

@@ -1,5 +1,7 @@
 """Cache endpoints: JSON stats (global, per tenant, per agent, pages, top shared prefixes, engine),
-and admin actions pin / unpin / reset (admin key required when auth is on).
+and the admin action reset (admin key required when auth is on). Pin / unpin take the same
+OpenAI-shaped inputs as /tokenize, so their routes are the OpenAI surface's (openai/routes.py);
+what they do with the token ids is :func:`pin_prefix`, here.
 
 With auth on, a tenant key's stats cover its own tenant only; the admin key sees all tenants.
 """
@@ -11,14 +13,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel
 
 from prefixgate.cache.stats import CacheStats, HitStats
 from prefixgate.cache.ttl_policy import TTLPolicy
 from prefixgate.gateway.engine.api import EngineStats
 from prefixgate.gateway.server.auth import Principal, authenticate, require_admin
 from prefixgate.gateway.server.metrics import OTHER_LABEL
-from prefixgate.gateway.server.openai.protocol import PinRequest, PinResponse, ResetResponse
-from prefixgate.gateway.server.openai.routes import tokens_of
 from prefixgate.gateway.server.retention import retention_policy
 from prefixgate.gateway.server.state import ServerState, server_state
 
@@ -210,35 +211,28 @@ async def cache_stats(
     return await stats_json(server_state(request), principal, retention_policy(request))
 
 
-async def _pin_or_unpin(
-    request: Request, body: PinRequest, principal: Principal, pin: bool
+class PinResponse(BaseModel):
+    pinned: bool
+    num_tokens: int
+    num_pages: int
+    tenant: str
+
+
+class ResetResponse(BaseModel):
+    num_pages_dropped: int
+
+
+async def pin_prefix(
+    state: ServerState, tokens: list[int], tenant: str, cache_salt: str | None, pin: bool
 ) -> PinResponse:
-    state = server_state(request)
-    state.check_model(body.model)
-    tenant = body.tenant or principal.tenant
-    tokens = await tokens_of(state, body)
+    """Pin (or unpin) the full blocks of ``tokens`` under ``tenant`` and ``cache_salt``."""
     if pin:
-        result = await state.engine.pin(tokens, tenant, body.cache_salt)
+        result = await state.engine.pin(tokens, tenant, cache_salt)
     else:
-        result = await state.engine.unpin(tokens, tenant, body.cache_salt)
+        result = await state.engine.unpin(tokens, tenant, cache_salt)
     return PinResponse(
         pinned=pin, num_tokens=result.num_tokens, num_pages=result.num_pages, tenant=tenant
     )
-
-
-@router.post("/v1/cache/pin")
-async def pin(
-    body: PinRequest, request: Request, principal: Principal = Depends(require_admin)
-) -> PinResponse:
-    """Keep the full blocks of a prompt (e.g. an agent's system prompt) from ever being evicted."""
-    return await _pin_or_unpin(request, body, principal, pin=True)
-
-
-@router.post("/v1/cache/unpin")
-async def unpin(
-    body: PinRequest, request: Request, principal: Principal = Depends(require_admin)
-) -> PinResponse:
-    return await _pin_or_unpin(request, body, principal, pin=False)
 
 
 @router.post("/v1/cache/reset")

@@ -184,9 +184,9 @@ class ServerSettings:
     # max_tokens of a request that sends none (None = the rest of the context, as OpenAI's API
     # does); clamped to what fits the context
     default_max_tokens: int | None = None
-    # temperature of a request that sends none (None = 1.0, as OpenAI's and Anthropic's APIs);
+    # temperature of a request that sends none (1.0, as OpenAI's and Anthropic's APIs);
     # Claude Code and Codex send none: a small local model may want it lower
-    default_temperature: float | None = None
+    default_temperature: float | None = 1.0
     allowed_origins: tuple[str, ...] = ()  # CORS stays off unless origins are given
     max_agent_labels: int = 32  # distinct agent label values in /metrics; the rest are "__other__"
     max_stats_agents: int = 200  # agents listed in /v1/cache/stats; the rest are folded together

@@ -34,9 +34,7 @@ import h11
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from prefixgate.gateway.server.anthropic.errors import PATH_PREFIX as ANTHROPIC_PATH
-from prefixgate.gateway.server.anthropic.errors import anthropic_error_body
-from prefixgate.gateway.server.errors import error_body
+from prefixgate.gateway.server.errors import ANTHROPIC_PATH, anthropic_error_body, error_body
 from prefixgate.gateway.server.limits import ConnectionLimits
 
 logger = logging.getLogger("prefixgate.server")

@@ -53,14 +53,40 @@ def cascade_decode_native(
             written).
     """
     extras = [t for t in (own_lse, lse) if t is not None]
-    if not (
-        takes_dtypes(out, query, k_cache, v_cache, rows, shared_pages, *extras)
-        and all(t.dtype == torch.float32 for t in extras)
+    if not takes_dtypes(out, query, k_cache, v_cache, rows, shared_pages, *extras) or any(
+        t.dtype != torch.float32 for t in extras
     ):
         return False
     lib = library()
     if lib is None:
         return False
+    _check_shapes(out, query, k_cache, v_cache, rows, shared_pages, shared_len, extras)
+    num_rows, num_q_heads, head_dim = query.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if _declines(lib, out, query, k_cache, v_cache, rows, shared_pages, extras):
+        return False
+    rc = lib.pg_cascade_decode_f32(
+        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        shared_pages.data_ptr(), shared_pages.shape[0], shared_len, rows.data_ptr(),
+        rows.shape[0], own_lse.data_ptr() if own_lse is not None else None,
+        out.data_ptr(), out.stride(0), lse.data_ptr() if lse is not None else None,
+        num_q_heads, num_kv_heads, head_dim, page_size, scale,
+        num_threads or torch.get_num_threads(), k_cache.shape[0], num_rows,
+        int(k_cache.dtype == torch.bfloat16),
+    )
+    if rc == -2:  # the sizes were checked above: a page id or a row is out of range
+        raise ValueError(f"cascade decode: a page id outside the pool [0, {k_cache.shape[0]}) "
+                         f"or a row outside [0, {num_rows})")
+    if rc != 0:
+        raise MemoryError("native cascade kernel could not allocate its scratch")
+    return True
+
+
+def _check_shapes(
+    out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    rows: torch.Tensor, shared_pages: torch.Tensor, shared_len: int, extras: list[torch.Tensor],
+) -> None:
+    """ValueError unless the shapes fit together and the run fits its pages."""
     batch = rows.shape[0] if rows.dim() == 1 else -1
     if (
         heads_inconsistent(out, query, k_cache, v_cache)
@@ -74,18 +100,25 @@ def cascade_decode_native(
             f"rows {tuple(rows.shape)}, shared pages {tuple(shared_pages.shape)}, own_lse/lse "
             f"{[tuple(t.shape) for t in extras]}"
         )
-    num_rows, num_q_heads, head_dim = query.shape
-    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    page_size = k_cache.shape[1]
     if not 1 <= shared_len <= shared_pages.shape[0] * page_size or shared_len >= 2**31:
         raise ValueError(
             f"cascade decode: a shared run of {shared_len} tokens over "
             f"{shared_pages.shape[0]} pages of {page_size}"
         )
-    if (
+
+
+def _declines(
+    lib, out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    rows: torch.Tensor, shared_pages: torch.Tensor, extras: list[torch.Tensor],
+) -> bool:
+    """Whether the kernel leaves these (consistent) inputs to the torch path."""
+    num_q_heads, head_dim = query.shape[1], query.shape[2]
+    return bool(
         partly_overlaps(out, query)
         or head_dim % 16
         or head_dim > lib.cascade_max_head_dim
-        or batch * (num_q_heads // num_kv_heads) > lib.cascade_max_rows
+        or rows.shape[0] * (num_q_heads // k_cache.shape[2]) > lib.cascade_max_rows
         or not (k_cache.is_contiguous() and v_cache.is_contiguous())
         or query.stride(2) != 1
         or query.stride(1) != head_dim
@@ -95,40 +128,7 @@ def cascade_decode_native(
         or shared_pages.dtype != torch.int64
         or rows.dtype != torch.int64
         or not all(t.is_contiguous() for t in extras)
-    ):
-        return False
-    rc = lib.pg_cascade_decode_f32(
-        query.data_ptr(),
-        query.stride(0),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        shared_pages.data_ptr(),
-        shared_pages.shape[0],
-        shared_len,
-        rows.data_ptr(),
-        batch,
-        own_lse.data_ptr() if own_lse is not None else None,
-        out.data_ptr(),
-        out.stride(0),
-        lse.data_ptr() if lse is not None else None,
-        num_q_heads,
-        num_kv_heads,
-        head_dim,
-        page_size,
-        scale,
-        num_threads or torch.get_num_threads(),
-        k_cache.shape[0],
-        num_rows,
-        int(k_cache.dtype == torch.bfloat16),
     )
-    if rc == -2:  # the sizes were checked above: a page id or a row is out of range
-        raise ValueError(
-            f"cascade decode: a page id outside the pool [0, {k_cache.shape[0]}) or a row "
-            f"outside [0, {num_rows})"
-        )
-    if rc != 0:
-        raise MemoryError("native cascade kernel could not allocate its scratch")
-    return True
 
 
 __all__ = ["cascade_decode_native"]

@@ -67,15 +67,42 @@ def paged_decode_native(
     lib = library()
     if lib is None:
         return False
+    _check_shapes(out, query, k_cache, v_cache, rows, pages, lengths, lse)
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if _declines(lib, out, query, k_cache, v_cache, rows, pages, lengths, lse):
+        return False
+    rc = lib.pg_paged_decode_f32(
+        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        pages.data_ptr(), pages.shape[1], lengths.data_ptr(), rows.data_ptr(),
+        out.data_ptr(), out.stride(0), lse.data_ptr() if lse is not None else None,
+        rows.shape[0], num_q_heads, num_kv_heads, head_dim, page_size, scale,
+        num_threads or torch.get_num_threads(), k_cache.shape[0], query.shape[0],
+        int(k_cache.dtype == torch.bfloat16),
+    )
+    if rc == -2:
+        raise ValueError(
+            "paged decode: a context length < 1, a page id outside the pool "
+            f"[0, {k_cache.shape[0]}) or a query row outside [0, {query.shape[0]})"
+        )
+    if rc != 0:
+        raise MemoryError("native decode kernel could not allocate its score buffer")
+    return True
+
+
+def _check_shapes(
+    out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    rows: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor, lse: torch.Tensor | None,
+) -> None:
+    """ValueError unless the shapes fit together (the caller's bug, not an unhandled case)."""
+    num_q_heads, head_dim = query.shape[1], query.shape[2]
     batch = rows.shape[0]
     if (
         out.shape != query.shape
         or v_cache.shape != k_cache.shape
         or v_cache.dtype != k_cache.dtype
         or k_cache.shape[3] != head_dim
-        or num_q_heads % num_kv_heads
+        or num_q_heads % k_cache.shape[2]
         or rows.dim() != 1
         or pages.dim() != 2
         or pages.shape[0] != batch
@@ -88,8 +115,16 @@ def paged_decode_native(
             f"{tuple(v_cache.shape)}, rows {tuple(rows.shape)}, pages {tuple(pages.shape)}, "
             f"lengths {tuple(lengths.shape)}, lse {None if lse is None else tuple(lse.shape)}"
         )
-    if (
-        num_q_heads // num_kv_heads > lib.max_group
+
+
+def _declines(
+    lib, out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    rows: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor, lse: torch.Tensor | None,
+) -> bool:
+    """Whether the kernel leaves these (consistent) inputs to the torch path."""
+    head_dim = query.shape[2]
+    return bool(
+        query.shape[1] // k_cache.shape[2] > lib.max_group
         or head_dim > lib.max_head_dim
         or not (k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous())
         or query.stride(2) != 1
@@ -99,39 +134,7 @@ def paged_decode_native(
         or rows.dtype != torch.int64
         or lengths.dtype != torch.int32
         or (lse is not None and not (lse.is_contiguous() and lse.dtype == torch.float32))
-    ):
-        return False
-    rc = lib.pg_paged_decode_f32(
-        query.data_ptr(),
-        query.stride(0),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        pages.data_ptr(),
-        pages.shape[1],
-        lengths.data_ptr(),
-        rows.data_ptr(),
-        out.data_ptr(),
-        out.stride(0),
-        lse.data_ptr() if lse is not None else None,
-        rows.shape[0],
-        num_q_heads,
-        num_kv_heads,
-        head_dim,
-        page_size,
-        scale,
-        num_threads or torch.get_num_threads(),
-        k_cache.shape[0],
-        query.shape[0],
-        int(k_cache.dtype == torch.bfloat16),
     )
-    if rc == -2:
-        raise ValueError(
-            "paged decode: a context length < 1, a page id outside the pool "
-            f"[0, {k_cache.shape[0]}) or a query row outside [0, {query.shape[0]})"
-        )
-    if rc != 0:
-        raise MemoryError("native decode kernel could not allocate its score buffer")
-    return True
 
 
 __all__ = ["KV_DTYPES", "native_decode_available", "native_status", "paged_decode_native"]

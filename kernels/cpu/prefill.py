@@ -61,12 +61,36 @@ def paged_prefill_native(
         raise ValueError(
             f"paged prefill: {pages.shape[0]} pages of {page_size} cannot hold {ctx_len} tokens"
         )
-    if (
+    if _declines(lib, out, query, k_cache, v_cache, pages):
+        return False
+    if n_rows == 0:
+        return True
+    rc = lib.pg_paged_prefill_f32(
+        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        pages.data_ptr(), pages.shape[0], ctx_len, n_rows, out.data_ptr(), out.stride(0),
+        num_q_heads, num_kv_heads, head_dim, page_size, scale,
+        num_threads or torch.get_num_threads(), k_cache.shape[0],
+        int(k_cache.dtype == torch.bfloat16),
+    )
+    if rc == -2:  # the sizes were checked above: a page id is out of range
+        raise ValueError(f"paged prefill: a page id outside the pool [0, {k_cache.shape[0]})")
+    if rc != 0:
+        raise MemoryError("native prefill kernel could not allocate its scratch")
+    return True
+
+
+def _declines(
+    lib, out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    pages: torch.Tensor,
+) -> bool:
+    """Whether the kernel leaves these (consistent) inputs to the torch path."""
+    n_rows, num_q_heads, head_dim = query.shape
+    return bool(
         partly_overlaps(out, query)
         or (n_rows > 1 and out.stride(0) < num_q_heads * head_dim)
         or head_dim % 16
         or head_dim > lib.prefill_max_head_dim
-        or num_q_heads // num_kv_heads > lib.prefill_max_group
+        or num_q_heads // k_cache.shape[2] > lib.prefill_max_group
         or not (k_cache.is_contiguous() and v_cache.is_contiguous())
         or query.stride(2) != 1
         or query.stride(1) != head_dim
@@ -75,35 +99,7 @@ def paged_prefill_native(
         or not pages.is_contiguous()
         or pages.dtype != torch.int64
         or pages.device.type != "cpu"
-    ):
-        return False
-    if n_rows == 0:
-        return True
-    rc = lib.pg_paged_prefill_f32(
-        query.data_ptr(),
-        query.stride(0),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        pages.data_ptr(),
-        pages.shape[0],
-        ctx_len,
-        n_rows,
-        out.data_ptr(),
-        out.stride(0),
-        num_q_heads,
-        num_kv_heads,
-        head_dim,
-        page_size,
-        scale,
-        num_threads or torch.get_num_threads(),
-        k_cache.shape[0],
-        int(k_cache.dtype == torch.bfloat16),
     )
-    if rc == -2:  # the sizes were checked above: a page id is out of range
-        raise ValueError(f"paged prefill: a page id outside the pool [0, {k_cache.shape[0]})")
-    if rc != 0:
-        raise MemoryError("native prefill kernel could not allocate its scratch")
-    return True
 
 
 __all__ = ["paged_prefill_native"]

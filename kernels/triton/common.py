@@ -8,6 +8,8 @@ import os
 import torch
 import triton.language as tl
 
+from prefixgate.kernels.checks import require
+
 _TL_DTYPES = {
     torch.float32: tl.float32,
     torch.float16: tl.float16,
@@ -63,3 +65,16 @@ def device_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return NOMINAL_SMS
     return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def require_inner_contiguous(
+    query: torch.Tensor, out: torch.Tensor, block_tables: torch.Tensor
+) -> None:
+    """What the decode and prefill launchers index with unit stride: a head's row of ``query``
+    and ``out``, and a sequence's row of ``block_tables``."""
+    require(query.stride(-1) == 1, f"query last dim must be contiguous, strides {query.stride()}")
+    require(out.stride(-1) == 1, f"out last dim must be contiguous, strides {out.stride()}")
+    require(
+        block_tables.stride(1) == 1,
+        f"block_tables rows must be contiguous, strides {block_tables.stride()}",
+    )

@@ -37,7 +37,12 @@ import triton
 import triton.language as tl
 
 from prefixgate.kernels.checks import AttentionShapes, require
-from prefixgate.kernels.triton.common import compute_dtype, device_sms, dot_precision
+from prefixgate.kernels.triton.common import (
+    compute_dtype,
+    device_sms,
+    dot_precision,
+    require_inner_contiguous,
+)
 from prefixgate.kernels.triton.decode_reduce import decode_reduce_triton
 
 # Tokens one loop iteration reads (a multiple of the page size when pages are smaller).
@@ -208,58 +213,20 @@ def paged_decode_triton(
     Arguments are validated by the caller (``paged_attention_triton``), which passes ``shapes``.
     ``window``: each row sees only the last ``window`` positions (a sliding layer).
     """
-    require(query.stride(-1) == 1, f"query last dim must be contiguous, strides {query.stride()}")
-    require(out.stride(-1) == 1, f"out last dim must be contiguous, strides {out.stride()}")
-    require(
-        block_tables.stride(1) == 1,
-        f"block_tables rows must be contiguous, strides {block_tables.stride()}",
-    )
-    plan = plan_decode_splits(
-        shapes.num_seqs,
-        shapes.num_kv_heads,
-        shapes.max_pages_per_seq,
-        shapes.page_size,
-        device_sms(query.device),
-        pages_per_split,
-    )
+    require_inner_contiguous(query, out, block_tables)
+    plan = plan_decode_splits(shapes.num_seqs, shapes.num_kv_heads, shapes.max_pages_per_seq,
+                              shapes.page_size, device_sms(query.device), pages_per_split)
     if shapes.num_seqs == 0:
         return plan
-    device = query.device
-    if plan.num_splits > 1:
-        partial_out = torch.empty(
-            (shapes.num_seqs, shapes.num_q_heads, plan.num_splits, shapes.head_dim),
-            dtype=torch.float32,
-            device=device,
-        )
-        partial_max = torch.empty(partial_out.shape[:3], dtype=torch.float32, device=device)
-        partial_sum = torch.empty_like(partial_max)
-    else:  # never read: the kernel writes `out` directly
-        partial_out = partial_max = partial_sum = out
+    partial_out, partial_max, partial_sum = _split_partials(out, shapes, plan)
     block_n = max(DECODE_BLOCK_N, triton.next_power_of_2(shapes.page_size))
     grid = (shapes.num_seqs, shapes.num_kv_heads, plan.num_splits)
     _paged_decode_kernel[grid](
-        query,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        out,
-        partial_out,
-        partial_max,
-        partial_sum,
-        scale * math.log2(math.e),
-        plan.pages_per_split,
-        plan.num_splits,
-        window or 0,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        out, partial_out, partial_max, partial_sum,
+        scale * math.log2(math.e), plan.pages_per_split, plan.num_splits, window or 0,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         NUM_Q_HEADS=shapes.num_q_heads,
         GROUP_SIZE=shapes.group_size,
         BLOCK_G=max(16, triton.next_power_of_2(shapes.group_size)),
@@ -275,15 +242,20 @@ def paged_decode_triton(
         num_stages=2,
     )
     if plan.num_splits > 1:
-        decode_reduce_triton(
-            partial_out,
-            partial_max,
-            partial_sum,
-            seq_lens,
-            query_start_loc,
-            out,
-            plan.pages_per_split,
-            shapes.page_size,
-            window,
-        )
+        decode_reduce_triton(partial_out, partial_max, partial_sum, seq_lens, query_start_loc,
+                             out, plan.pages_per_split, shapes.page_size, window)
     return plan
+
+
+def _split_partials(
+    out: torch.Tensor, shapes: AttentionShapes, plan: DecodeSplitPlan
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each split's partial output, running max and sum (fp32), for the reduce to merge."""
+    if plan.num_splits <= 1:  # never read: the kernel writes `out` directly
+        return out, out, out
+    partial_out = torch.empty(
+        (shapes.num_seqs, shapes.num_q_heads, plan.num_splits, shapes.head_dim),
+        dtype=torch.float32, device=out.device,
+    )
+    partial_max = torch.empty(partial_out.shape[:3], dtype=torch.float32, device=out.device)
+    return partial_out, partial_max, torch.empty_like(partial_max)

@@ -30,8 +30,12 @@ import torch
 import triton
 import triton.language as tl
 
-from prefixgate.kernels.checks import AttentionShapes, require
-from prefixgate.kernels.triton.common import compute_dtype, dot_precision
+from prefixgate.kernels.checks import AttentionShapes
+from prefixgate.kernels.triton.common import (
+    compute_dtype,
+    dot_precision,
+    require_inner_contiguous,
+)
 
 # Flattened (token, head) rows per program: 128 rows x 8 warps feed Hopper's wgmma well on long
 # chunks (184 registers, no spills at D=128 bf16, checked offline for sm_90); batches of short
@@ -177,12 +181,7 @@ def paged_prefill_triton(
     Arguments are validated by the caller (``paged_attention_triton``), which passes ``shapes``.
     ``window``: each row sees only the last ``window`` positions (a sliding layer).
     """
-    require(query.stride(-1) == 1, f"query last dim must be contiguous, strides {query.stride()}")
-    require(out.stride(-1) == 1, f"out last dim must be contiguous, strides {out.stride()}")
-    require(
-        block_tables.stride(1) == 1,
-        f"block_tables rows must be contiguous, strides {block_tables.stride()}",
-    )
+    require_inner_contiguous(query, out, block_tables)
     if shapes.num_seqs == 0 or shapes.num_tokens == 0:
         return
     group = shapes.group_size

@@ -511,17 +511,6 @@ class PinRequest(TokenizeRequest):
     add_generation_prompt: bool = False
 
 
-class PinResponse(BaseModel):
-    pinned: bool
-    num_tokens: int
-    num_pages: int
-    tenant: str
-
-
-class ResetResponse(BaseModel):
-    num_pages_dropped: int
-
-
 # --------------------------------------------------------------------------------------------
 # Responses
 # --------------------------------------------------------------------------------------------

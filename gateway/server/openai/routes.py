@@ -1,4 +1,5 @@
-"""OpenAI-compatible endpoints: chat and text completions, models, tokenize / detokenize.
+"""OpenAI-compatible endpoints: chat and text completions, models, tokenize / detokenize, and
+cache pin / unpin (they take /tokenize's inputs; what pinning does is routes_cache.pin_prefix).
 
 Routes stay thin: validate (pydantic), authenticate (tenant), translate the request into the
 neutral turn and open it (gateway/server/turn.py: errors surface here, before any byte is
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
-from prefixgate.gateway.server.auth import Principal, authenticate
+from prefixgate.gateway.server.auth import Principal, authenticate, require_admin
 from prefixgate.gateway.server.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -18,11 +19,13 @@ from prefixgate.gateway.server.openai.protocol import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    PinRequest,
     TokenizeRequest,
     TokenizeResponse,
     template_tools,
 )
 from prefixgate.gateway.server.openai.serving import ChatWriter, CompletionWriter
+from prefixgate.gateway.server.routes_cache import PinResponse, pin_prefix
 from prefixgate.gateway.server.serving import respond
 from prefixgate.gateway.server.state import ServerState, server_state
 from prefixgate.gateway.server.turn import open_turn
@@ -92,3 +95,27 @@ async def detokenize(
     state = server_state(request)
     state.check_model(body.model)
     return DetokenizeResponse(prompt=await state.tokenization.decode(body.tokens))
+
+
+async def _pin_or_unpin(
+    request: Request, body: PinRequest, principal: Principal, pin: bool
+) -> PinResponse:
+    state = server_state(request)
+    state.check_model(body.model)
+    tokens = await tokens_of(state, body)
+    return await pin_prefix(state, tokens, body.tenant or principal.tenant, body.cache_salt, pin)
+
+
+@router.post("/v1/cache/pin")
+async def pin(
+    body: PinRequest, request: Request, principal: Principal = Depends(require_admin)
+) -> PinResponse:
+    """Keep the full blocks of a prompt (e.g. an agent's system prompt) from ever being evicted."""
+    return await _pin_or_unpin(request, body, principal, pin=True)
+
+
+@router.post("/v1/cache/unpin")
+async def unpin(
+    body: PinRequest, request: Request, principal: Principal = Depends(require_admin)
+) -> PinResponse:
+    return await _pin_or_unpin(request, body, principal, pin=False)
