@@ -76,8 +76,8 @@ CASES = {
     # history once a call follows it; without one the loop extends
     "mistral-nemo": Case("mistralai-Mistral-Nemo-Instruct-2407.jinja", "llama3", EOS,
                          specials=MISTRAL_SPECIALS),
-    "mistral-nemo-no-system": Case("mistralai-Mistral-Nemo-Instruct-2407.jinja", "llama3", EOS,
-                                   system=False, specials=MISTRAL_SPECIALS),
+    "mistral-nemo-nosys": Case("mistralai-Mistral-Nemo-Instruct-2407.jinja", "llama3", EOS,
+                               system=False, specials=MISTRAL_SPECIALS),
     "deepseek-r1-qwen": Case("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", "qwen3",
                              "<｜end▁of▁sentence｜>", think=True),
     "granite-3.3": Case("ibm-granite-granite-3.3-2B-Instruct.jinja", "llama3", "<|end_of_text|>",

@@ -16,7 +16,7 @@ def test_the_tool_loop_keeps_extending_where_the_template_allows():
     nemo = measure("mistral-nemo")
     assert nemo["format"] == "mistral_nemo" and nemo["hit_over_ideal"] < TARGET
     assert "You are a coding agent" in nemo["diverges"]
-    assert measure("mistral-nemo-no-system")["hit_over_ideal"] == 1.0
+    assert measure("mistral-nemo-nosys")["hit_over_ideal"] == 1.0
 
 
 def test_the_json_report(tmp_path, capsys):
