@@ -72,6 +72,12 @@ CASES = {
                               specials=MISTRAL_SPECIALS),
     "devstral": Case("unsloth-mistral-Devstral-Small-2507.jinja", "llama3", EOS,
                      specials=MISTRAL_SPECIALS),
+    # Nemo's template writes the system prompt only into a LAST user message: gone from the
+    # history once a call follows it; without one the loop extends
+    "mistral-nemo": Case("mistralai-Mistral-Nemo-Instruct-2407.jinja", "llama3", EOS,
+                         specials=MISTRAL_SPECIALS),
+    "mistral-nemo-nosys": Case("mistralai-Mistral-Nemo-Instruct-2407.jinja", "llama3", EOS,
+                               system=False, specials=MISTRAL_SPECIALS),
     "deepseek-r1-qwen": Case("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", "qwen3",
                              "<｜end▁of▁sentence｜>", think=True),
     "granite-3.3": Case("ibm-granite-granite-3.3-2B-Instruct.jinja", "llama3", "<|end_of_text|>",
@@ -96,8 +102,11 @@ def case_tokenizer(case: Case) -> Tokenizer:
 
 def call_text(dialect: ToolDialect, arguments: dict[str, Any], call_id: str) -> str:
     """One call as the grammar writes it in the dialect's format (``call_id``: where the
-    model writes one, Mistral Small 3.2)."""
+    model writes one, Mistral Small 3.2 and Nemo)."""
     fmt = dialect.format
+    if fmt.block is not None:  # Mistral Nemo: the call in its list, its id last
+        return (f'{fmt.block[0]}{fmt.begin(READ_FILE.name)}{canonical_json(arguments)}, "id": '
+                f'"{call_id}{fmt.end}{fmt.block[1]}')
     if getattr(fmt, "call_ids", False):
         return f"{fmt.begin(READ_FILE.name)}{call_id}[ARGS]{canonical_json(arguments)}"
     if fmt.name == "qwen3_coder":

@@ -153,6 +153,28 @@ def plan_attention(
     )
 
 
+def unshared_decode(
+    plan: AttentionPlan,
+    block_tables: Sequence[Sequence[int]],
+    *,
+    page_size: int,
+    kv_row_elems: int,
+    device: torch.device | str = "cpu",
+) -> list[PaddedDecode]:
+    """Every decode row of ``plan`` in padded chunks from each sequence's first page, none
+    split into a shared run: a sliding layer's window starts past most of a shared prefix, so
+    it attends each row's own window instead (the plan's ``padded`` when nothing is shared).
+    """
+    if not plan.shared:
+        return plan.padded
+    starts, lens = plan.starts, plan.lens
+    decode = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1]
+    return [
+        _padded(chunk, block_tables, lens, starts, page_size, 0, device)
+        for chunk in _budget_chunks(decode, lens, kv_row_elems)
+    ]
+
+
 def _split_rows(
     block_tables: Sequence[Sequence[int]], lens: list[int], starts: list[int], page_size: int
 ) -> tuple[list[int], list[int]]:

@@ -37,33 +37,46 @@ def paged_attention_windowed(
         check_attention_inputs(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     if window <= 0:
         raise ValueError(f"window must be positive, got {window}")
-    page_size = k_cache.shape[1]
-    num_heads, num_kv_heads, head_dim = query.shape[1], k_cache.shape[2], k_cache.shape[3]
-    group = num_heads // num_kv_heads
     starts = query_start_loc.tolist()
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     for seq, ctx_len in enumerate(seq_lens.tolist()):
         rows = slice(starts[seq], starts[seq + 1])
-        num_rows = starts[seq + 1] - starts[seq]
-        if num_rows == 0:
-            continue
-        first_kv = max(0, ctx_len - num_rows - window + 1)
-        first_page, last_page = first_kv // page_size, (ctx_len - 1) // page_size
-        pages = block_tables[seq, first_page : last_page + 1].long()
-        offset = first_kv - first_page * page_size
-        span = slice(offset, offset + ctx_len - first_kv)
-        keys = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[span].float()  # [M, Hkv, D]
-        values = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[span].float()
-        q = query[rows].float().view(num_rows, num_kv_heads, group, head_dim)  # [N, Hkv, G, D]
-        scores = torch.einsum("nhgd,mhd->hgnm", q, keys) * scale  # [Hkv, G, N, M]
-        q_pos = torch.arange(ctx_len - num_rows, ctx_len, device=query.device)[:, None]
-        k_pos = torch.arange(first_kv, ctx_len, device=query.device)[None, :]
-        visible = (k_pos <= q_pos) & (q_pos - k_pos < window)  # [N, M]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        probs = scores.softmax(-1)
-        attended = torch.einsum("hgnm,mhd->nhgd", probs, values)  # [N, Hkv, G, D]
-        out[rows] = attended.reshape(num_rows, num_heads, head_dim).to(query.dtype)
+        if starts[seq + 1] > starts[seq]:
+            out[rows] = attend_window(query[rows], k_cache, v_cache, block_tables[seq], ctx_len,
+                                      scale, window)
     return out
 
 
-__all__ = ["paged_attention_windowed"]
+def attend_window(
+    query: torch.Tensor,  # [N, Hq, D]: one sequence's new rows, the last at ctx_len - 1
+    k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [>= ceil(ctx_len / page_size)] page ids from the first token
+    ctx_len: int,
+    scale: float,
+    window: int,
+) -> torch.Tensor:  # [N, Hq, D]
+    """One sequence's rows over its last ``window`` positions each (fp32 inside)."""
+    num_rows = query.shape[0]
+    page_size = k_cache.shape[1]
+    num_heads, num_kv_heads, head_dim = query.shape[1], k_cache.shape[2], k_cache.shape[3]
+    group = num_heads // num_kv_heads
+    first_kv = max(0, ctx_len - num_rows - window + 1)
+    first_page, last_page = first_kv // page_size, (ctx_len - 1) // page_size
+    pages = block_table[first_page : last_page + 1].long()
+    offset = first_kv - first_page * page_size
+    span = slice(offset, offset + ctx_len - first_kv)
+    keys = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[span].float()  # [M, Hkv, D]
+    values = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[span].float()
+    q = query.float().reshape(num_rows, num_kv_heads, group, head_dim)  # [N, Hkv, G, D]
+    scores = torch.einsum("nhgd,mhd->hgnm", q, keys) * scale  # [Hkv, G, N, M]
+    q_pos = torch.arange(ctx_len - num_rows, ctx_len, device=query.device)[:, None]
+    k_pos = torch.arange(first_kv, ctx_len, device=query.device)[None, :]
+    visible = (k_pos <= q_pos) & (q_pos - k_pos < window)  # [N, M]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = scores.softmax(-1)
+    attended = torch.einsum("hgnm,mhd->nhgd", probs, values)  # [N, Hkv, G, D]
+    return attended.reshape(num_rows, num_heads, head_dim).to(query.dtype)
+
+
+__all__ = ["attend_window", "paged_attention_windowed"]

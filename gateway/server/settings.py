@@ -23,8 +23,8 @@ ENV_PREFIX = "PREFIXGATE_"
 # --tool-call-format: "auto" (the one the chat template teaches) or a registered format
 # (gateway/server/tools/formats; a test keeps this list equal to the registry, which the CLI
 # does not import: it pulls the grammar compiler)
-TOOL_CALL_FORMATS = ("auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "deepseek_r1",
-                     "granite")
+TOOL_CALL_FORMATS = ("auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "mistral_nemo",
+                     "deepseek_r1", "granite")
 
 # Tenants and keys travel in headers, logs and metric labels: keep them printable and short.
 _TOKEN_RE = re.compile(r"^[A-Za-z0-9._~+/=@-]{1,256}$")

@@ -42,8 +42,12 @@ def paged_decode_native(
     scale: float,
     lse: torch.Tensor | None = None,  # [B, Hq] fp32, filled when given
     num_threads: int | None = None,
+    window: int | None = None,
 ) -> bool:
     """Decode attention of one query row per sequence, reading pages in place.
+
+    ``window``: a sliding layer; each row attends only its last ``window`` positions (the
+    pages before them are not read).
 
     ``num_threads``: OpenMP threads (default torch's intra-op count). With at least two
     sequences per thread each sequence is one work item (pages streamed contiguously), else
@@ -55,8 +59,11 @@ def paged_decode_native(
 
     Raises:
         ValueError: shapes that do not fit together, a length < 1, a page id outside the
-            pool or a row outside ``query`` (checked before anything is read or written).
+            pool, a row outside ``query`` or a window < 1 (checked before anything is read
+            or written).
     """
+    if window is not None and window < 1:
+        raise ValueError(f"paged decode: window must be positive, got {window}")
     if (
         query.device.type != "cpu"
         or k_cache.dtype not in KV_DTYPES
@@ -79,6 +86,7 @@ def paged_decode_native(
         rows.shape[0], num_q_heads, num_kv_heads, head_dim, page_size, scale,
         num_threads or torch.get_num_threads(), k_cache.shape[0], query.shape[0],
         int(k_cache.dtype == torch.bfloat16),
+        window or 0,
     )
     if rc == -2:
         raise ValueError(

@@ -29,8 +29,11 @@ def paged_prefill_native(
     ctx_len: int,
     scale: float,
     num_threads: int | None = None,
+    window: int | None = None,
 ) -> bool:
-    """Causal attention of ``n`` new rows, row ``i`` at position ``ctx_len - n + i``.
+    """Causal attention of ``n`` new rows, row ``i`` at position ``ctx_len - n + i``;
+    ``window``: a sliding layer, row ``i`` sees only its last ``window`` positions (the pages
+    before the first row's window are not read).
 
     Returns False (touching nothing) when the kernel is unavailable or the inputs are not what
     it handles (query/out not fp32, caches neither fp32 nor bf16, non-CPU, non-contiguous
@@ -39,9 +42,11 @@ def paged_prefill_native(
     torch path.
 
     Raises:
-        ValueError: inconsistent shapes, ``ctx_len < n``, too few pages, or a page id outside
-            the pool (checked before anything is read or written).
+        ValueError: inconsistent shapes, ``ctx_len < n``, too few pages, a page id outside
+            the pool or a window < 1 (checked before anything is read or written).
     """
+    if window is not None and window < 1:
+        raise ValueError(f"paged prefill: window must be positive, got {window}")
     if not takes_dtypes(out, query, k_cache, v_cache, pages):
         return False
     lib = library()
@@ -71,6 +76,7 @@ def paged_prefill_native(
         num_q_heads, num_kv_heads, head_dim, page_size, scale,
         num_threads or torch.get_num_threads(), k_cache.shape[0],
         int(k_cache.dtype == torch.bfloat16),
+        window or 0,
     )
     if rc == -2:  # the sizes were checked above: a page id is out of range
         raise ValueError(f"paged prefill: a page id outside the pool [0, {k_cache.shape[0]})")

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from prefixgate.kernels.attention_plan import AttentionPlan, plan_attention
+from prefixgate.kernels.attention_plan import (
+    AttentionPlan,
+    PaddedDecode,
+    plan_attention,
+    unshared_decode,
+)
 from prefixgate.kernels.backend import AttentionInputs
 from prefixgate.kernels.checks import check_attention_inputs, check_kv_caches, check_write_inputs
 from prefixgate.kernels.cpu.ops import NativeKVWriter, bind_kv_writer, kv_write_accepts
@@ -14,17 +19,20 @@ from prefixgate.kernels.torch_cpu.attention import (
     paged_attention_torch,
     write_kv_torch,
 )
+from prefixgate.kernels.torch_cpu.windowed import paged_attention_windowed_native
 
 
 class TorchStep:
     """One step's attention on the torch backend (``StepAttention``)."""
 
-    __slots__ = ("_checked", "_inputs", "_writer", "plan")
+    __slots__ = ("_checked", "_inputs", "_kv_row_elems", "_sliding_decode", "_writer", "plan")
 
     def __init__(self, inputs: AttentionInputs, plan: AttentionPlan,
-                 writer: NativeKVWriter | None) -> None:
+                 writer: NativeKVWriter | None, kv_row_elems: int) -> None:
         self._inputs, self.plan, self._writer = inputs, plan, writer
+        self._kv_row_elems = kv_row_elems
         self._checked = False
+        self._sliding_decode: list[PaddedDecode] | None = None  # planned by the first sliding layer
 
     def _check(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -50,11 +58,25 @@ class TorchStep:
             write_kv_torch(key, value, k_cache, v_cache, inputs.slot_mapping, check=False)
         addressing = (inputs.block_tables_tensor, inputs.seq_lens_tensor,
                       inputs.query_start_loc_tensor)
+        if window is not None and self.plan.use_native:
+            return paged_attention_windowed_native(
+                query, k_cache, v_cache, inputs.block_tables_tensor, self.plan,
+                self._unshared_decode(k_cache.shape[1]), scale, window,
+            )
         if window is not None:
             return paged_attention_windowed(query, k_cache, v_cache, *addressing, scale, window,
                                             check=False)
         return paged_attention_torch(query, k_cache, v_cache, *addressing, scale, self.plan,
                                      check=False)
+
+    def _unshared_decode(self, page_size: int) -> list[PaddedDecode]:
+        """The step's decode rows for its sliding layers, planned once for all of them."""
+        if self._sliding_decode is None:
+            self._sliding_decode = unshared_decode(
+                self.plan, self._inputs.block_tables, page_size=page_size,
+                kv_row_elems=self._kv_row_elems, device=self._inputs.block_tables_tensor.device,
+            )
+        return self._sliding_decode
 
 
 class TorchBackend:
@@ -90,7 +112,7 @@ class TorchBackend:
             device=self.kv_pool.device, share_prefixes=self.share_prefixes,
             use_native=self.native,
         )
-        return TorchStep(inputs, plan, self.kv_writer)
+        return TorchStep(inputs, plan, self.kv_writer, self.kv_row_elems)
 
     def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         copy_pages_torch(self.kv_pool, src, dst)

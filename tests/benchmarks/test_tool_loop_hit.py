@@ -12,6 +12,11 @@ def test_the_tool_loop_keeps_extending_where_the_template_allows():
     assert measure("qwen3-thinking")["hit_over_ideal"] >= TARGET  # the think span is kept
     r1 = measure("deepseek-r1-qwen")  # its template drops earlier think spans
     assert r1["hit_over_ideal"] < TARGET and "think" in r1["diverges"]
+    # Mistral Nemo's template drops the system prompt once the user turn is not the last
+    nemo = measure("mistral-nemo")
+    assert nemo["format"] == "mistral_nemo" and nemo["hit_over_ideal"] < TARGET
+    assert "You are a coding agent" in nemo["diverges"]
+    assert measure("mistral-nemo-nosys")["hit_over_ideal"] == 1.0
 
 
 def test_the_json_report(tmp_path, capsys):

@@ -153,6 +153,17 @@ def make_shared_prefix_batch(
         scale=head_dim**-0.5,
     )
 
+def poison_before(batch: PagedBatch, firsts: list[int]) -> None:
+    """NaN into the K/V of each sequence's positions before ``firsts[s]`` (in place): what a
+    sliding layer must never read, so any read poisons the output."""
+    page_size = batch.k_cache.shape[1]
+    tables = batch.block_tables.tolist()
+    for s, first in enumerate(firsts):
+        for pos in range(max(first, 0)):
+            page, off = tables[s][pos // page_size], pos % page_size
+            batch.k_cache[page, off] = float("nan")
+            batch.v_cache[page, off] = float("nan")
+
 # Comparison tolerances per dtype (outputs are convex combinations of unit-scale values).
 TOLERANCES = {
     torch.float32: {"atol": 2e-5, "rtol": 1e-5},

@@ -117,7 +117,7 @@ def _json_content(tool: FunctionTool, param: str, scope: str) -> dict[str, Any]:
 class _Hermes:
     """The gateway's own call format (tools/prompt.py); tools/formats/hermes.py writes the same."""
 
-    trigger, end, separator = TOOL_CALL_OPEN, CALL_END, CALL_SEPARATOR
+    trigger, end, separator, block = TOOL_CALL_OPEN, CALL_END, CALL_SEPARATOR, None
     begin = staticmethod(call_begin)
     content = staticmethod(_json_content)
 
@@ -140,7 +140,7 @@ def tool_grammar(
         scope: the tenant (caches are per tenant, see ``_ebnf``).
         fmt: the tool-call format calls are written in (a tools/formats ``ToolCallFormat``:
             ``begin(name)``, ``content(tool, param, scope)``, ``end``, ``separator``,
-            ``trigger``); None = the gateway's Hermes format.
+            ``trigger``, ``block``); None = the gateway's Hermes format.
     """
     if not tools or choice.mode == "none":
         return response_format
@@ -156,8 +156,13 @@ def tool_grammar(
         if choice.mode != "function" or tool.name == choice.name
     ]  # fmt: skip
     one_only = choice.mode == "function" or not choice.parallel
-    calls_only = {"type": "tags_with_separator", "tags": tags, "separator": fmt.separator,
-                  "at_least_one": True, "stop_after_first": one_only}
+    calls_only: dict[str, Any] = {"type": "tags_with_separator", "tags": tags,
+                                  "separator": fmt.separator, "at_least_one": True,
+                                  "stop_after_first": one_only}
+    if fmt.block is not None:  # one list holds every call: the list is the one tag
+        calls_only = {"type": "tag", "begin": fmt.block[0], "content": calls_only,
+                      "end": fmt.block[1]}
+        tags, one_only = [calls_only], True
     if choice.mode != "auto":
         grammar: dict[str, Any] = calls_only
     elif response_format is not None:

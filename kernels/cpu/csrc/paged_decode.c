@@ -7,6 +7,9 @@
  * buffer); scores, softmax and the weighted sum stay fp32. Decode reads every context byte once,
  * so bf16 pages halve what it streams from DRAM.
  *
+ * A sliding layer (window > 0) attends only the last `window` positions, itself included: the
+ * walk starts at position len - window, so the pages before the window are never read.
+ *
  * Two passes over the context: scores of every query head, softmax, then the weighted sum of
  * V rows; the G = Hq / Hkv query heads of a KV head share every K/V row load. Work is spread
  * over the OpenMP threads of the process (the same libgomp torch loaded, so one pool):
@@ -52,27 +55,34 @@ typedef struct {
     const char *base, *next;  /* this page (+ offset); the next page when scattered, else NULL */
 } page_walk;
 
-/* token_stride, offset and row_elems in elements of elem_bytes (4: fp32, 2: bf16) */
-static inline page_walk walk_start(const void *cache, const int64_t *seq_pages, int len,
-                                   int page_size, int64_t token_stride, int64_t offset,
+/* Enter page w->pg: its base, and the next page to prefetch (NULL: none, or adjacent). */
+static inline void walk_enter_page(page_walk *w) {
+    const int64_t *pages = w->seq_pages;
+    w->base = w->cache + pages[w->pg] * w->page_stride + w->offset;
+    const int last = (int64_t)(w->pg + 1) * w->page_size >= w->len;
+    w->next = last || pages[w->pg + 1] == pages[w->pg] + 1
+                  ? NULL
+                  : w->cache + pages[w->pg + 1] * w->page_stride + w->offset;
+}
+
+/* A walk over tokens first .. len - 1 (first < len); token_stride, offset and row_elems in
+ * elements of elem_bytes (4: fp32, 2: bf16) */
+static inline page_walk walk_start(const void *cache, const int64_t *seq_pages, int first,
+                                   int len, int page_size, int64_t token_stride, int64_t offset,
                                    int row_elems, int elem_bytes) {
     page_walk w = {(const char *)cache, seq_pages, token_stride * page_size * elem_bytes,
                    token_stride * elem_bytes, offset * elem_bytes, len, page_size,
-                   row_elems * elem_bytes, page_size, -1, NULL, NULL};
+                   row_elems * elem_bytes, first % page_size, first / page_size, NULL, NULL};
+    walk_enter_page(&w);
     return w;
 }
 
-/* The next token's row (call exactly `len` times). */
+/* The next token's row (call exactly `len - first` times). */
 static inline const void *walk_next(page_walk *w) {
     if (w->j == w->page_size) {
         w->j = 0;
         ++w->pg;
-        const int64_t *pages = w->seq_pages;
-        w->base = w->cache + pages[w->pg] * w->page_stride + w->offset;
-        const int last = (int64_t)(w->pg + 1) * w->page_size >= w->len;
-        w->next = last || pages[w->pg + 1] == pages[w->pg] + 1
-                      ? NULL
-                      : w->cache + pages[w->pg + 1] * w->page_stride + w->offset;
+        walk_enter_page(w);
     }
     const int64_t at = (int64_t)w->j++ * w->token_stride;
     if (w->next != NULL)
@@ -106,9 +116,11 @@ static inline __attribute__((always_inline)) int attend_item(
     const int group, const int head_dim, const int bf16, const float *query, int64_t q_row_stride,
     const void *k_cache, const void *v_cache, const int64_t *seq_pages, int len, int64_t row,
     float *out, int64_t out_row_stride, float *lse_row, int h, int num_kv_heads,
-    int page_size, float scale) {
+    int page_size, float scale, int window) {
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
-    float *scores = (float *)malloc(sizeof(float) * (size_t)group * (size_t)len);
+    const int first = window > 0 && len > window ? len - window : 0;
+    const int n = len - first; /* tokens attended */
+    float *scores = (float *)malloc(sizeof(float) * (size_t)group * (size_t)n);
     if (scores == NULL) return 1;
     float q[MAX_GROUP][MAX_HEAD_DIM];
     float acc[MAX_GROUP][MAX_HEAD_DIM];
@@ -122,26 +134,26 @@ static inline __attribute__((always_inline)) int attend_item(
     /* pass 1: scaled scores of every context token for the G rows */
     const int64_t head_offset = (int64_t)h * head_dim;
     const int elem_bytes = bf16 ? 2 : 4;
-    page_walk walk_k = walk_start(k_cache, seq_pages, len, page_size, token_stride, head_offset,
-                                  head_dim, elem_bytes);
-    for (int t = 0; t < len; ++t) {
+    page_walk walk_k = walk_start(k_cache, seq_pages, first, len, page_size, token_stride,
+                                  head_offset, head_dim, elem_bytes);
+    for (int t = 0; t < n; ++t) {
         const void *k = walk_next(&walk_k);
         for (int g = 0; g < group; ++g) {
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
             for (int d = 0; d < head_dim; ++d) dot += q[g][d] * kv_elem(k, d, bf16);
-            scores[g * len + t] = dot;
+            scores[g * n + t] = dot;
         }
     }
     float denom[MAX_GROUP], row_max[MAX_GROUP];
-    softmax_numerators(scores, group, len, row_max, denom);
+    softmax_numerators(scores, group, n, row_max, denom);
     /* pass 2: weighted sum of V rows */
-    page_walk walk_v = walk_start(v_cache, seq_pages, len, page_size, token_stride, head_offset,
-                                  head_dim, elem_bytes);
-    for (int t = 0; t < len; ++t) {
+    page_walk walk_v = walk_start(v_cache, seq_pages, first, len, page_size, token_stride,
+                                  head_offset, head_dim, elem_bytes);
+    for (int t = 0; t < n; ++t) {
         const void *v = walk_next(&walk_v);
         for (int g = 0; g < group; ++g) {
-            const float p = scores[g * len + t];
+            const float p = scores[g * n + t];
 #pragma omp simd
             for (int d = 0; d < head_dim; ++d) acc[g][d] += p * kv_elem(v, d, bf16);
         }
@@ -163,24 +175,26 @@ static inline __attribute__((always_inline)) int attend_sequence(
     const float *query, int64_t q_row_stride, const void *k_cache, const void *v_cache,
     const int64_t *seq_pages,
     int len, int64_t row, float *out, int64_t out_row_stride, float *lse_row, int page_size,
-    float scale) {
+    float scale, int window) {
     const int num_q_heads = group * num_kv_heads;
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
     const size_t qd = (size_t)num_q_heads * head_dim;
-    float *q = (float *)malloc(sizeof(float) * (2 * qd + (size_t)num_q_heads * (size_t)len + 2 * num_q_heads));
+    const int first = window > 0 && len > window ? len - window : 0;
+    const int n = len - first; /* tokens attended */
+    float *q = (float *)malloc(sizeof(float) * (2 * qd + (size_t)num_q_heads * (size_t)n + 2 * num_q_heads));
     if (q == NULL) return 1;
     float *acc = q + qd;
     float *scores = acc + qd;
-    float *row_max = scores + (size_t)num_q_heads * len;
+    float *row_max = scores + (size_t)num_q_heads * n;
     float *denom = row_max + num_q_heads;
     const float *src = query + row * q_row_stride;
     for (size_t i = 0; i < qd; ++i) q[i] = src[i] * scale;
     memset(acc, 0, sizeof(float) * qd);
     /* pass 1: each token's K row (all heads) is one contiguous read */
     const int elem_bytes = bf16 ? 2 : 4;
-    page_walk walk_k = walk_start(k_cache, seq_pages, len, page_size, token_stride, 0,
+    page_walk walk_k = walk_start(k_cache, seq_pages, first, len, page_size, token_stride, 0,
                                   (int)token_stride, elem_bytes);
-    for (int t = 0; t < len; ++t) {
+    for (int t = 0; t < n; ++t) {
         const void *k = walk_next(&walk_k);
         for (int h = 0; h < num_kv_heads; ++h) {
             for (int g = 0; g < group; ++g) {
@@ -188,19 +202,19 @@ static inline __attribute__((always_inline)) int attend_sequence(
                 float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
                 for (int d = 0; d < head_dim; ++d) dot += qr[d] * kv_elem(k, h * head_dim + d, bf16);
-                scores[(int64_t)(h * group + g) * len + t] = dot;
+                scores[(int64_t)(h * group + g) * n + t] = dot;
             }
         }
     }
-    softmax_numerators(scores, num_q_heads, len, row_max, denom);
+    softmax_numerators(scores, num_q_heads, n, row_max, denom);
     /* pass 2: weighted sum of V rows, same streaming order */
-    page_walk walk_v = walk_start(v_cache, seq_pages, len, page_size, token_stride, 0,
+    page_walk walk_v = walk_start(v_cache, seq_pages, first, len, page_size, token_stride, 0,
                                   (int)token_stride, elem_bytes);
-    for (int t = 0; t < len; ++t) {
+    for (int t = 0; t < n; ++t) {
         const void *v = walk_next(&walk_v);
         for (int h = 0; h < num_kv_heads; ++h) {
             for (int g = 0; g < group; ++g) {
-                const float p = scores[(int64_t)(h * group + g) * len + t];
+                const float p = scores[(int64_t)(h * group + g) * n + t];
                 float *a = acc + (size_t)(h * group + g) * head_dim;
 #pragma omp simd
                 for (int d = 0; d < head_dim; ++d) a[d] += p * kv_elem(v, h * head_dim + d, bf16);
@@ -225,6 +239,7 @@ static inline __attribute__((always_inline)) int attend_sequence(
  * rows:    [num_seqs] query row of each sequence
  * out:     row r, head h at out + r * out_row_stride + h * head_dim
  * lse:     NULL, or [num_seqs, Hq] log-sum-exp of the scaled scores
+ * window:  0, or a sliding layer's window: each row attends its last `window` positions only
  * num_pages: pool size; every page id read must be in [0, num_pages)
  * num_rows: rows of query and out; every rows[s] must be in [0, num_rows)
  * num_threads: OpenMP threads to use (torch's intra-op count: the calling thread's own
@@ -237,10 +252,12 @@ int pg_paged_decode_f32(const float *query, int64_t q_row_stride, const void *k_
                         const int32_t *lengths, const int64_t *rows, float *out,
                         int64_t out_row_stride, float *lse, int num_seqs, int num_q_heads,
                         int num_kv_heads, int head_dim, int page_size, float scale,
-                        int num_threads, int64_t num_pages, int64_t num_rows, int kv_bf16) {
+                        int num_threads, int64_t num_pages, int64_t num_rows, int kv_bf16,
+                        int window) {
     const int group = num_q_heads / num_kv_heads;
     int failed = 0;
     if (num_threads < 1) num_threads = 1;
+    if (window < 0) return -2;
     /* bad addressing is an error, never an out-of-bounds read */
     for (int s = 0; s < num_seqs; ++s) {
         const int len = lengths[s];
@@ -286,7 +303,8 @@ int pg_paged_decode_f32(const float *query, int64_t q_row_stride, const void *k_
             float *lse_row = lse != NULL ? lse + (int64_t)s * num_q_heads : NULL;
 #define PG_SEQ(G, D, B)                                                                      \
     attend_sequence(G, D, B, num_kv_heads, query, q_row_stride, k_cache, v_cache, seq_pages, \
-                    lengths[s], rows[s], out, out_row_stride, lse_row, page_size, scale)
+                    lengths[s], rows[s], out, out_row_stride, lse_row, page_size, scale,   \
+                    window)
             PG_DISPATCH(PG_SEQ)
 #undef PG_SEQ
         }
@@ -303,7 +321,8 @@ int pg_paged_decode_f32(const float *query, int64_t q_row_stride, const void *k_
         float *lse_row = lse != NULL ? lse + (int64_t)s * num_q_heads : NULL;
 #define PG_ITEM(G, D, B)                                                                   \
     attend_item(G, D, B, query, q_row_stride, k_cache, v_cache, seq_pages, lengths[s],      \
-                rows[s], out, out_row_stride, lse_row, h, num_kv_heads, page_size, scale)
+                rows[s], out, out_row_stride, lse_row, h, num_kv_heads, page_size, scale,   \
+                window)
         PG_DISPATCH(PG_ITEM)
 #undef PG_ITEM
     }

@@ -1,7 +1,9 @@
 /* Paged prefill attention on CPU, fp32: the n new query rows of one sequence attend causally
  * (aligned to the lower right: row i sits at position ctx_len - n + i) to the sequence's
  * context, K/V read in place from its pages. Covers a first prefill (ctx_len == n), a chunk
- * after earlier chunks and a suffix after a cached prefix alike.
+ * after earlier chunks and a suffix after a cached prefix alike. A sliding layer (window > 0):
+ * row i sees positions (pos - window, pos] only; an item's keys start at its first row's
+ * window, so the pages before it are never read.
  *
  * Why: the torch path gathers the context into a dense buffer and runs SDPA's CPU flash
  * kernel, whose GEMM blocks are thin at head dim 64 (docs/benchmarks.md); this
@@ -52,10 +54,12 @@ int pg_prefill_limits(int *max_group, int *max_head_dim) {
 static inline __attribute__((always_inline)) int prefill_item(
     const int group, const int head_dim, const int bf16, const paged_kv *kv, const float *query,
     int64_t q_row_stride, float *out, int64_t out_row_stride, int ctx_len, int n_rows, int h,
-    int i0, int positions, float scale) {
+    int i0, int positions, float scale, int window) {
     const int rows = positions * group;
     const int first_pos = ctx_len - n_rows + i0; /* position of the item's first query */
     const int last_pos = first_pos + positions - 1;
+    /* the first key any of the item's rows sees */
+    const int first_key = window > 0 && first_pos >= window ? first_pos - window + 1 : 0;
     /* scratch: q [R][D], o [R][D], kt [D][KEYS], m [R], l [R] with R = rows rounded up to
      * whole tiles (the padding rows are zero queries that see no key); bf16 pages: vb [KEYS][D],
      * the block's V rows widened */
@@ -83,7 +87,7 @@ static inline __attribute__((always_inline)) int prefill_item(
     }
     memset(o, 0, sizeof(float) * qd);
 
-    for (int t0 = 0; t0 <= last_pos; t0 += KEYS) {
+    for (int t0 = first_key; t0 <= last_pos; t0 += KEYS) {
         const int nkeys = last_pos + 1 - t0 < KEYS ? last_pos + 1 - t0 : KEYS;
         const float *vrow[KEYS];
         /* K block transposed: kt[d][j] = K[t0 + j][d] (zero past the last key) */
@@ -118,21 +122,25 @@ static inline __attribute__((always_inline)) int prefill_item(
             float p[TILE_ROWS][KEYS], alpha[TILE_ROWS];
             int most_visible = 0;
             for (int i = 0; i < TILE_ROWS; ++i) {
-                /* keys up to the row's position; none for the padding rows */
+                /* keys j in [seen, visible) of the block: up to the row's position, from its
+                 * window's start; none for the padding rows */
                 const int pos = r + i < rows ? first_pos + (r + i) / group : -1;
                 const int visible = pos - t0 + 1 < nkeys ? pos - t0 + 1 : nkeys;
+                const int seen = window > 0 ? pos - window + 1 - t0 : 0;
                 most_visible = visible > most_visible ? visible : most_visible;
                 store_keys(p[i], sc[i]);
                 float mb = m[r + i];
-                for (int j = 0; j < KEYS; ++j) mb = j < visible && p[i][j] > mb ? p[i][j] : mb;
+                for (int j = 0; j < KEYS; ++j)
+                    mb = j >= seen && j < visible && p[i][j] > mb ? p[i][j] : mb;
                 alpha[i] = expf(m[r + i] - mb);
                 float sum = 0.0f;
-                /* all 16 lanes through the vector exp; keys past the position weigh 0 (their
-                 * argument replaced before the exp, so a NaN score still propagates) */
+                /* all 16 lanes through the vector exp; keys outside the row's span weigh 0
+                 * (their argument replaced before the exp, so a NaN score still propagates) */
 #pragma omp simd reduction(+ : sum)
                 for (int j = 0; j < KEYS; ++j) {
-                    const float e = expf(j < visible ? p[i][j] - mb : -1e30f);
-                    p[i][j] = j < visible ? e : 0.0f;
+                    const int in_span = j >= seen && j < visible;
+                    const float e = expf(in_span ? p[i][j] - mb : -1e30f);
+                    p[i][j] = in_span ? e : 0.0f;
                     sum += p[i][j];
                 }
                 m[r + i] = mb;
@@ -172,6 +180,7 @@ static inline __attribute__((always_inline)) int prefill_item(
  * k_cache, v_cache: fp32, or bf16 when kv_bf16 is 1
  * pages:   the sequence's page ids from its first token (at least ceil(ctx_len / page_size))
  * out:     row i, head g at out + i * out_row_stride + g * head_dim (rows dense per head)
+ * window:  0, or a sliding layer's window: row i sees its last `window` positions only
  * head_dim must be a multiple of 16 (<= 256), group = Hq / Hkv <= 16.
  * returns 0; -1 when scratch could not be allocated (out partly written); -2 when the sizes or
  *          a page id are out of range (nothing written)
@@ -180,8 +189,9 @@ int pg_paged_prefill_f32(const float *query, int64_t q_row_stride, const void *k
                          const void *v_cache, const int64_t *pages, int64_t num_seq_pages,
                          int ctx_len, int n_rows, float *out, int64_t out_row_stride,
                          int num_q_heads, int num_kv_heads, int head_dim, int page_size,
-                         float scale, int num_threads, int64_t num_pages, int kv_bf16) {
-    if (n_rows < 1 || ctx_len < n_rows || page_size < 1 || num_kv_heads < 1 ||
+                         float scale, int num_threads, int64_t num_pages, int kv_bf16,
+                         int window) {
+    if (n_rows < 1 || ctx_len < n_rows || page_size < 1 || num_kv_heads < 1 || window < 0 ||
         num_q_heads % num_kv_heads || head_dim % KEYS || head_dim > PREFILL_MAX_HEAD_DIM ||
         num_q_heads / num_kv_heads > PREFILL_MAX_GROUP)
         return -2;
@@ -206,7 +216,7 @@ int pg_paged_prefill_f32(const float *query, int64_t q_row_stride, const void *k
         const int positions = n_rows - i0 < ROWS_PER_ITEM ? n_rows - i0 : ROWS_PER_ITEM;
 #define PG_PREFILL(G, D, B)                                                                  \
     prefill_item(G, D, B, &kv, query, q_row_stride, out, out_row_stride, ctx_len, n_rows, h, \
-                 i0, positions, scale)
+                 i0, positions, scale, window)
 /* compile-time (group, head_dim) for the common shapes, per page dtype B */
 #define PG_PREFILL_CASES(B)                                                   \
     switch (head_dim * 64 + group) {                                          \

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -35,15 +37,31 @@ MAX_TOKENS = 120  # a forced call of SCHEMA takes under 60 tokens with these voc
 
 
 @contextlib.contextmanager
-def family_server(name: str, *variants: dict[str, Any]) -> Iterator[list[str]]:
+def family_server(name: str, *variants: dict[str, Any], template: str | None = None
+                  ) -> Iterator[list[str]]:
     """Base URLs of gateways over ONE engine of family ``name`` (HF directory load), one per
-    settings variant (e.g. ``{"tool_call_format": "hermes"}``)."""
-    engine = build_engine(EngineConfig(num_pages=64, page_size=16, device="cpu"),
-                          loaded=load_model(family_fixture(name).hf_dir))
-    configs = [ServerSettings(host="127.0.0.1", port=0, log_level="warning", **variant)
-               for variant in variants or ({},)]
-    with live_servers(engine, configs) as servers:
-        yield [server.base_url for server in servers]
+    settings variant (e.g. ``{"tool_call_format": "hermes"}``); ``template``: a chat template
+    in place of the fixture's (a family whose tokenizer the sdist lacks)."""
+    with contextlib.ExitStack() as stack:
+        hf_dir = family_fixture(name).hf_dir
+        if template is not None:
+            hf_dir = _with_template(hf_dir, template, Path(stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="prefixgate-template-"))))
+        engine = build_engine(EngineConfig(num_pages=64, page_size=16, device="cpu"),
+                              loaded=load_model(hf_dir))
+        configs = [ServerSettings(host="127.0.0.1", port=0, log_level="warning", **variant)
+                   for variant in variants or ({},)]
+        with live_servers(engine, configs) as servers:
+            yield [server.base_url for server in servers]
+
+
+def _with_template(hf_dir: Path, template: str, into: Path) -> Path:
+    """``hf_dir``'s files linked into ``into``, its chat template replaced by ``template``."""
+    for path in hf_dir.iterdir():
+        if path.name != "chat_template.jinja":
+            (into / path.name).symlink_to(path)
+    (into / "chat_template.jinja").write_text(template, encoding="utf-8")
+    return into
 
 
 def check_call(name: str, arguments: str | dict) -> dict:

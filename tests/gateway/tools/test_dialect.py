@@ -41,6 +41,7 @@ DIALECTS = {
     "meta-llama-Llama-3.1-8B-Instruct.jinja": ("llama3_json", True, None),
     "meta-llama-Llama-3.2-3B-Instruct.jinja": ("llama3_json", True, None),
     "Mistral-Small-3.2-24B-Instruct-2506.jinja": ("mistral", True, None),
+    "mistralai-Mistral-Nemo-Instruct-2407.jinja": ("mistral_nemo", True, None),
     # calls in the history, but no tool list: the gateway's Hermes prompt; <think> still splits
     "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja": ("hermes", False, "think"),
     "microsoft-Phi-3.5-mini-instruct.jinja": ("hermes", False, None),
@@ -270,3 +271,24 @@ def test_the_router_hashes_with_the_replicas_dialect():
     keys = KeyTable({}, None)
     assert PromptHasher(tokenizer, "m", 16, 0, keys).dialect.format.name == "llama3_json"
     assert PromptHasher(tokenizer, "m", 16, 0, keys, "hermes").dialect == ToolDialect()
+
+
+def test_mistral_nemo_keeps_its_call_ids_and_takes_a_client_s():
+    nemo = _template("mistralai-Mistral-Nemo-Instruct-2407.jinja")
+    dialect = choose_dialect(nemo)
+    call = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "abc123XYZ"}]'
+    parser = dialect.parser([WEATHER], None)
+    _events(parser, call)
+    (parsed,) = parser.calls
+    assert (parsed.id, parsed.name) == ("abc123XYZ", "get_weather")
+    history = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": "", "tool_calls": [{"id": parsed.id,
+                "type": "function", "function": {"name": parsed.name,
+                                                 "arguments": parsed.arguments}}]},
+               {"role": "tool", "tool_call_id": parsed.id, "content": "18 C"}]  # fmt: skip
+    messages, tools = dialect.template_inputs(history, [WEATHER])
+    assert call + "</s>" in nemo.render(messages, tools=tools)  # re-rendered as written
+    # an OpenAI-style id (the template refuses anything but 9 alphanumerics) is mapped
+    history[1]["tool_calls"][0]["id"] = history[2]["tool_call_id"] = "call_8813cc42e25b4e09ac"
+    messages, tools = dialect.template_inputs(history, [WEATHER])
+    assert '"call_id": "' + messages[1]["tool_calls"][0]["id"] in nemo.render(messages, tools=tools)

@@ -25,6 +25,7 @@ from tests.kernels.oracle import naive_paged_attention
 from tests.kernels.paged_case import (
     make_paged_batch,
     make_shared_prefix_batch,
+    poison_before,
 )
 
 FP32_CPU = {"atol": 2e-6, "rtol": 1e-5}
@@ -49,7 +50,8 @@ def _decode_inputs(batch):
 
 
 def _run(
-    batch, chunk, out, *, rows=None, pages=None, lengths=None, lse=None, num_threads=None
+    batch, chunk, out, *, rows=None, pages=None, lengths=None, lse=None, num_threads=None,
+    window=None,
 ) -> bool:
     """``paged_decode_native`` on a test batch's decode chunk, with optional overrides."""
     return paged_decode_native(
@@ -63,6 +65,7 @@ def _run(
         batch.scale,
         lse,
         num_threads,
+        window,
     )
 
 
@@ -104,6 +107,30 @@ def test_decode_matches_naive_and_reads_only_the_context(
         keys = keys.repeat_interleave(group_size, dim=1)
         scores = torch.einsum("hd,chd->hc", batch.query[s].double(), keys) * batch.scale
         torch.testing.assert_close(lse[row].double(), torch.logsumexp(scores, -1), **FP32_CPU)
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 33, 1000])
+@pytest.mark.parametrize(("group_size", "head_dim", "num_threads"), [(3, 64, 1), (2, 32, 8)])
+def test_a_window_attends_the_last_positions_and_reads_nothing_before(
+    window: int, group_size: int, head_dim: int, num_threads: int
+) -> None:
+    """A sliding layer: rows of different lengths, some inside the window, some past it (one
+    on a page boundary); every position before a row's window is NaN, so a read poisons it.
+    Per-sequence items (1 thread) and per-head items (8)."""
+    lens = [1, 16, 17, 45, 100, 64]
+    batch = make_paged_batch(lens, [1] * len(lens), group_size=group_size, head_dim=head_dim,
+                             seed=window, garbage=float("nan"))
+    expected = naive_paged_attention(batch, window)
+    poison_before(batch, [n - window for n in lens])
+    chunk = _decode_inputs(batch)
+    out = torch.full_like(batch.query, float("nan"))
+    assert _run(batch, chunk, out, num_threads=num_threads, window=window)
+    torch.testing.assert_close(out.double(), expected, **FP32_CPU)
+    bf16 = _bf16_pages(batch)  # bf16 pages take the same walk
+    assert _run(bf16, chunk, out, num_threads=num_threads, window=window)
+    torch.testing.assert_close(out.double(), naive_paged_attention(bf16, window), **FP32_CPU)
+    with pytest.raises(ValueError, match="window must be positive"):
+        _run(batch, chunk, out, window=0)
 
 
 def _bf16_pages(batch):

@@ -10,6 +10,8 @@ import torch
 from prefixgate.kernels.cpu.library import library
 from prefixgate.kernels.cpu.prefill import paged_prefill_native
 from prefixgate.kernels.torch_cpu.attention import _prefill_one
+from tests.kernels.oracle import naive_paged_attention
+from tests.kernels.paged_case import make_paged_batch, poison_before
 
 pytestmark = pytest.mark.skipif(library() is None, reason="native CPU library not built here")
 
@@ -164,3 +166,33 @@ def test_bf16_pages_match_sdpa_on_the_same_pages(
     expected = _prefill_one(query, k16, v16, pages.int(), ctx, d**-0.5)
     assert expected.dtype == torch.float32  # the torch path widens the narrower cache too
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("n", "ctx", "window", "page_size", "group_size", "head_dim"),
+    [
+        (37, 37, 8, 16, 3, 64),  # a fresh prompt longer than its window
+        (5, 203, 16, 16, 3, 64),  # a suffix after a cached prefix the window does not reach
+        (40, 100, 33, 12, 2, 64),  # a chunk after earlier chunks; key blocks straddle pages
+        (70, 200, 64, 16, 4, 128),  # three row blocks, each starting at its own window
+        (70, 70, 1, 32, 1, 64),  # each row sees itself only
+        (20, 30, 100, 16, 3, 48),  # a window longer than the context: plain causal
+    ],
+)
+def test_a_window_matches_the_oracle_and_reads_nothing_before(
+    n: int, ctx: int, window: int, page_size: int, group_size: int, head_dim: int
+) -> None:
+    """A sliding layer's prefill: row i sees (pos - window, pos]; every position before the
+    first row's window is NaN, so a read poisons the output."""
+    batch = make_paged_batch([ctx], [n], group_size=group_size, head_dim=head_dim,
+                             page_size=page_size, seed=window, garbage=float("nan"))
+    expected = naive_paged_attention(batch, window)
+    poison_before(batch, [ctx - n - window + 1])
+    pages = batch.block_tables[0, : -(-ctx // page_size)].long()
+    out = torch.full_like(batch.query, float("nan"))
+    assert paged_prefill_native(out, batch.query, batch.k_cache, batch.v_cache, pages, ctx,
+                                batch.scale, window=window)
+    torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="window must be positive"):
+        paged_prefill_native(out, batch.query, batch.k_cache, batch.v_cache, pages, ctx,
+                             batch.scale, window=-3)

@@ -5,6 +5,7 @@ here. ``format_for_template`` picks the one a chat template teaches; a flag can 
     qwen3_coder   <tool_call><function=..><parameter=..>          Qwen3-Coder, Qwen3.5
     llama3_json   {"name", "parameters"}                         Llama 3.1 / 3.2 / 3.3
     mistral       [TOOL_CALLS]NAME[ARGS]{json}                   Devstral, Mistral Small 3.2, Ministral 3
+    mistral_nemo  [TOOL_CALLS][{"name", "arguments", "id"}, …]   Mistral Nemo
     deepseek_r1   <｜tool▁calls▁begin｜>…```json ARGS```…         DeepSeek R1 and its distills
     granite       <|tool_call|>[{"name", "arguments"}]           Granite 3.x
 """
@@ -18,6 +19,7 @@ from prefixgate.gateway.server.tools.formats import (  # noqa: F401
     hermes,
     llama3_json,
     mistral,
+    mistral_nemo,
     qwen3_coder,
 )
 from prefixgate.gateway.server.tools.formats.base import (

@@ -45,6 +45,9 @@ class ToolCallFormat:
     trigger: str = ""  # text that opens a call in free text (a prefix of every begin())
     end: str = ""  # text that closes a call
     separator: str = "\n"  # between parallel calls
+    # (open, close) around ALL of a turn's calls when the format writes them as one list
+    # (Mistral Nemo's ``[TOOL_CALLS][…]``); None: each call stands alone
+    block: tuple[str, str] | None = None
     priority: int = 0  # detection order: higher first (a format whose markers contain another's)
 
     def detect(self, template: str) -> bool:

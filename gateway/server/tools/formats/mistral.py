@@ -7,7 +7,7 @@ and the parser makes it the call's id, so the client sends it back and the next 
 exactly what was generated. These templates refuse any other id: ``history_messages`` maps a
 client's ids onto 9 alphanumerics (``call_`` / ``toolu_`` prefixes dropped, else a hash), the
 same way every turn. Mistral Nemo's older ``[TOOL_CALLS][{...}]`` list is a different format
-(not registered yet).
+(formats/mistral_nemo.py).
 """
 
 from __future__ import annotations
@@ -36,6 +36,21 @@ def history_call_id(call_id: str) -> str:
         return bare
     number = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
     return "".join(_ID_ALPHABET[(number >> (6 * i)) % len(_ID_ALPHABET)] for i in range(9))
+
+
+def with_history_call_ids(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with every call id and tool result's ``tool_call_id`` as
+    :func:`history_call_id` (Mistral's templates refuse any other id)."""
+    out = []
+    for message in messages:
+        if message.get("tool_calls"):
+            calls = [{**c, "id": history_call_id(str(c.get("id") or ""))}
+                     for c in message["tool_calls"]]
+            message = {**message, "tool_calls": calls}
+        if message.get("role") == "tool" and message.get("tool_call_id") is not None:
+            message = {**message, "tool_call_id": history_call_id(message["tool_call_id"])}
+        out.append(message)
+    return out
 
 
 class MistralFormat(ToolCallFormat):
@@ -68,16 +83,7 @@ class MistralFormat(ToolCallFormat):
             {"type": "const_string", "value": "[ARGS]"}, arguments]}  # fmt: skip
 
     def history_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        out = []
-        for message in messages:
-            if message.get("tool_calls"):
-                calls = [{**c, "id": history_call_id(str(c.get("id") or ""))}
-                         for c in message["tool_calls"]]
-                message = {**message, "tool_calls": calls}
-            if message.get("role") == "tool" and message.get("tool_call_id") is not None:
-                message = {**message, "tool_call_id": history_call_id(message["tool_call_id"])}
-            out.append(message)
-        return out
+        return with_history_call_ids(messages)
 
     def find_call(self, text: str, start: int) -> int | None:
         header = _HEADER.match(text, start)

@@ -36,6 +36,8 @@ CALLS = {
     "\n</tool_call>",
     "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}',
     "mistral": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}',
+    "mistral_nemo": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}'
+    ', "id": "abc123XYZ"}]',
     "deepseek_r1": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
     '```json\n{"city": "Paris", "days": 3}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
     "granite": '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]',
@@ -53,7 +55,7 @@ TEMPLATES = {
     "unsloth-mistral-Devstral-Small-2507.jinja": "mistral",
     "Mistral-Small-3.2-24B-Instruct-2506.jinja": "mistral",
     "mistralai-Ministral-3-14B-Reasoning-2512.jinja": "mistral",
-    "mistralai-Mistral-Nemo-Instruct-2407.jinja": None,  # its [TOOL_CALLS][...] list: not yet
+    "mistralai-Mistral-Nemo-Instruct-2407.jinja": "mistral_nemo",
     "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja": "deepseek_r1",
     "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja": "deepseek_r1",
     "microsoft-Phi-3.5-mini-instruct.jinja": None,
@@ -75,7 +77,7 @@ def test_format_is_picked_from_the_template(name):
     [
         "Qwen-Qwen3-0.6B.jinja", "Qwen3-Coder.jinja", "meta-llama-Llama-3.1-8B-Instruct.jinja",
         "unsloth-mistral-Devstral-Small-2507.jinja", "Mistral-Small-3.2-24B-Instruct-2506.jinja",
-        "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
+        "mistralai-Mistral-Nemo-Instruct-2407.jinja", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
     ],
 )  # fmt: skip
 def test_a_call_the_template_renders_parses_back(name):
@@ -172,3 +174,36 @@ def test_reasoning_split_whole_and_streamed_and_a_call_after_it():
     assert split_reasoning("plan</think>answer", starts_inside=True) == ("plan", "answer")
     assert split_reasoning("just an answer <think> here") == ("", "just an answer <think> here")
     assert split_reasoning("<think>cut short") == ("cut short", "")
+
+
+def test_mistral_nemo_writes_parallel_calls_in_one_list_as_its_template_does():
+    """Nemo's calls of one turn share a ``[TOOL_CALLS][...]`` list: the grammar writes the
+    list the template re-renders (ids included), parallel or not; the parser reads it back,
+    whole and streamed, and takes a list without ids or with string arguments too."""
+    fmt = get_format("mistral_nemo")
+    paris, rome = ({"city": c, "days": d} for c, d in (("Paris", 3), ("Rome", 1)))
+    history = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": i, "type": "function", "function": {"name": "get_weather", "arguments": a}}
+                   for i, a in (("abc123XYZ", paris), ("def456UVW", rome))]},
+               {"role": "tool", "tool_call_id": "abc123XYZ", "content": "sunny"}]  # fmt: skip
+    tools = [{"type": "function", "function": {"name": WEATHER.name, "parameters": WEATHER.schema}}]
+    rendered = ChatTemplate(template("mistralai-Mistral-Nemo-Instruct-2407.jinja"),
+                            bos_token="<s>", eos_token="</s>").render(history, tools=tools)
+    written = rendered[rendered.index("[TOOL_CALLS]") : rendered.index("</s>")]
+    for parallel, accepted in ((True, True), (False, False)):
+        spec = fmt.grammar([WEATHER], ToolChoice("required", None, parallel))
+        assert _is_grammar_accept_string(Grammar.from_structural_tag(spec.source),
+                                         written) is accepted
+    content, calls = fmt.parse("Sure. " + written, [WEATHER])
+    assert content == "Sure. "
+    assert [(c.id, json.loads(c.arguments)) for c in calls] == [
+        ("abc123XYZ", paris), ("def456UVW", rome)]
+    parser = FormatStreamParser(fmt, [WEATHER])
+    events = [e for ch in written for e in parser.feed(ch)] + parser.finish()
+    assert [e.call for e in events if isinstance(e, CallEnd)] == calls
+    loose = '[TOOL_CALLS] [{"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}]'
+    (call,) = fmt.parse(loose, [WEATHER])[1]
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Rome"})
+    assert call.id.startswith("call_")  # no id written: one is made
+    assert fmt.parse("[TOOL_CALLS][1, 2]") == ("[TOOL_CALLS][1, 2]", [])  # not calls: text
