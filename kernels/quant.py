@@ -63,6 +63,50 @@ class QuantizedTensor:
         return (d * q.float() + m).reshape(rows, cols)
 
 
+    def integer_parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(q, d, m)``: the integer weights ``[rows, cols / 32, 32]`` (int32; Q4_0's
+        ``q - 8``), the fp32 scales ``[rows, cols / 32]`` and Q4_1's fp32 mins (else None), so
+        that a weight is ``d * q (+ m)``."""
+        rows, cols = self.shape
+        blocks = self.data.reshape(rows, cols // BLOCK, BLOCK_BYTES[self.qtype])
+        d = blocks[..., 0:2].contiguous().view(torch.float16).float()[..., 0]
+        if self.qtype == "Q8_0":
+            return blocks[..., 2:].contiguous().view(torch.int8).int(), d, None
+        nibbles = blocks[..., -16:]
+        q = torch.cat([nibbles & 0xF, nibbles >> 4], dim=-1).int()
+        if self.qtype == "Q4_0":
+            return q - 8, d, None
+        return q, d, blocks[..., 2:4].contiguous().view(torch.float16).float()[..., 0]
+
+
+def quantize_rows_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` fp32 as llama.cpp's q8 activations, the way kernels/cpu/csrc/linear_q8.c
+    computes them, bit for bit: per row and 32 k, ``q = round_half_even(x * (127 / amax))``
+    (int32 ``[M, K / 32, 32]``, 0 where amax is 0) and ``d = amax * fp32(1 / 127)`` (fp32
+    ``[M, K / 32]``)."""
+    blocks = x.float().reshape(x.shape[0], -1, BLOCK)
+    amax = blocks.abs().amax(-1)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
+    q = (blocks * inv[..., None]).round().int()
+    one_127 = torch.tensor(1.0) / torch.tensor(127.0)
+    return q, amax * one_127
+
+
+def linear_q8_reference(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
+    """``x @ W.T`` as the int8-activation kernel defines it: ``x`` quantized by
+    :func:`quantize_rows_q8`, per block the exact integer sum times ``d_w * d_x`` (plus Q4_1's
+    ``m_w * d_x * sum q``), summed over blocks in fp64: the oracle of linear_q8.c up to its
+    fp32 rounding."""
+    qx, dx = quantize_rows_q8(x)
+    qw, dw, mw = weight.integer_parts()
+    dots = torch.einsum("mgk,ngk->mng", qx.double(), qw.double())  # exact integers
+    out = dots * dx.double()[:, None, :] * dw.double()[None]
+    if mw is not None:
+        sums = (dx * qx.sum(-1).float()).double()  # fp32 d * s, as the kernel rounds it
+        out = out + mw.double()[None] * sums[:, None, :]
+    return out.sum(-1)
+
+
 def cat_rows(tensors: Sequence[QuantizedTensor]) -> QuantizedTensor:
     """The matrices stacked along rows (fused q|k|v, gate|up); one quantization, same width."""
     first = tensors[0]
@@ -73,4 +117,7 @@ def cat_rows(tensors: Sequence[QuantizedTensor]) -> QuantizedTensor:
     return QuantizedTensor(first.qtype, data, (rows, first.shape[1]))
 
 
-__all__ = ["BLOCK", "BLOCK_BYTES", "QUANT_TYPE_IDS", "QuantizedTensor", "cat_rows"]
+__all__ = [
+    "BLOCK", "BLOCK_BYTES", "QUANT_TYPE_IDS", "QuantizedTensor", "cat_rows", "linear_q8_reference",
+    "quantize_rows_q8",
+]

@@ -97,6 +97,17 @@ def bf16_instructions() -> str | None:
     return next((flag for flag in BF16_FLAGS if flag in flags), None)
 
 
+# /proc/cpuinfo flags the int8-activation mode's kernel needs (VPDPBUSD on zmm, byte ops)
+INT8_FLAGS = ("avx512_vnni", "avx512bw")
+
+
+def int8_instructions() -> str | None:
+    """``"avx512_vnni"`` where the CPU has AVX512-VNNI and AVX512-BW (the q8 mode's integer dot
+    products, kernels/cpu/csrc/linear_q8.c), else None: the mode would be emulated there."""
+    flags = set(_cpu_flags().split())
+    return INT8_FLAGS[0] if all(flag in flags for flag in INT8_FLAGS) else None
+
+
 def _build(compiler: str) -> Path:
     files = sources()
     flags = " ".join(COMPILE_FLAGS + LINK_FLAGS).encode()
@@ -165,6 +176,10 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     # linear_bf16.c (-1 where the library was built without AVX512-BF16)
     "pg_linear_bf16_preferred": ([], _i32),
     "pg_linear_bf16": ([_p, _i64, _p, _p, _p, _i64, _p, _i64, _i32, _i32, _i32, _i32, _i32], _i32),
+    # linear_q8.c (-1 where the library was built without AVX512-VNNI)
+    "pg_linear_q8_preferred": ([], _i32),
+    "pg_linear_q8": ([_i32, _p, _i64, _p, _p, _p, _i64, _p, _i64, _i32, _i32, _i32, _i32], _i32),
+    "pg_q8_rows_f32": ([_i32, _p, _i64, _i32, _p, _i64, _p, _i64, _i32], _i64),
     # token_bitmask.c
     "pg_apply_token_bitmask_f32": ([_p, _i64, _p, _i64, _i64, _i64], None),
     # paged_prefill.c
@@ -232,4 +247,4 @@ def library() -> ctypes.CDLL | None:
     return None
 
 
-__all__ = ["bf16_instructions", "library", "native_status", "sources"]
+__all__ = ["bf16_instructions", "int8_instructions", "library", "native_status", "sources"]

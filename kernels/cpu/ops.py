@@ -3,7 +3,8 @@ in-place rotary embedding, and the K/V scatter into the pages; and the linear la
 (kernels/cpu/csrc/linear.c) over weights packed once by :func:`pack_linear_weight`, and its
 weight-only quantized twin (kernels/cpu/csrc/linear_quant.c; linear_amx.c on AMX tiles where
 the CPU has them) over ggml blocks packed once by :func:`pack_quant_weight`, with the row
-gather of such a table (:func:`quant_rows_native`).
+gather of such a table (:func:`quant_rows_native`); and the int8-activation product of the
+``--dtype q8`` mode (kernels/cpu/csrc/linear_q8.c) over blocks packed by :func:`pack_q8_weight`.
 
 Each function returns None / False, touching nothing, when the native library is not
 available here or the tensors are not what it handles (non-CPU, non-fp32, a layout it does
@@ -462,6 +463,125 @@ def linear_bf16_native(
     return out
 
 
+def q8_native_available() -> bool:
+    """Whether the int8-activation linear runs here (the library built with AVX512-VNNI)."""
+    lib = library()
+    return lib is not None and bool(lib.pg_linear_q8_preferred())
+
+
+def pack_q8_weight(
+    weight: QuantizedTensor, arena: HugePageArena | None = None
+) -> torch.Tensor | None:
+    """``weight [N, K]`` repacked for :func:`linear_q8_native` as uint8 ``[ceil(N / 16), K / 32
+    * group bytes]``: per 16-column block, per 32 k, the 16 fp16 scales (and mins), then the
+    quants as VPDPBUSD operands, 4 k of a column per dword (kernels/cpu/csrc/linear_q8.c says
+    why not :func:`pack_quant_weight`'s layout); Q8_0 quants offset by 128; zero past N.
+    None where :func:`q8_native_available` is not."""
+    if not q8_native_available():
+        return None
+    n, k = weight.shape
+    blocks, groups = -(-n // LINEAR_COLS), k // BLOCK
+    data = weight.data
+    if blocks * LINEAR_COLS != n:
+        data = torch.cat([data, data.new_zeros(blocks * LINEAR_COLS - n, data.shape[1])])
+    # [blocks, groups, 16 columns, block bytes]
+    grouped = data.view(blocks, LINEAR_COLS, groups, -1).permute(0, 2, 1, 3)
+    scales = [grouped[..., 0:2]]  # d
+    if weight.qtype == "Q4_1":
+        scales.append(grouped[..., 2:4])  # m
+    # Q4: the GGUF's 16 nibble bytes (byte j: k = j, j + 16) as 4 vectors of [16 columns][4 j]
+    quants = grouped[..., -16:] if weight.qtype != "Q8_0" else grouped[..., 2:] ^ 0x80
+    per_vector = quants.shape[-1] // 4
+    quants = quants.reshape(blocks, groups, LINEAR_COLS, per_vector, 4).transpose(2, 3)
+    parts = [part.reshape(blocks, groups, -1) for part in (*scales, quants)]
+    group_bytes = sum(part.shape[-1] for part in parts)
+    if arena is not None:
+        packed = arena.empty((blocks, groups * group_bytes), torch.uint8)
+    else:
+        packed = torch.empty((blocks, groups * group_bytes), dtype=torch.uint8)
+    torch.cat(parts, dim=-1, out=packed.view(blocks, groups, group_bytes))
+    return packed
+
+
+def linear_q8_native(
+    x: torch.Tensor,  # [M, K] fp32
+    packed: torch.Tensor,  # from pack_q8_weight
+    qtype: str,
+    out_features: int,
+    bias: torch.Tensor | None = None,  # [N]
+    residual: torch.Tensor | None = None,  # [M, N]: returns residual + x @ W.T (+ bias)
+) -> torch.Tensor | None:
+    """``x @ W.T (+ bias) (+ residual)`` as a new fp32 ``[M, N]``, each row of ``x`` quantized to
+    int8 per 32 k and the block products summed in integers (kernels/cpu/csrc/linear_q8.c;
+    :func:`~prefixgate.kernels.quant.linear_q8_reference` is its torch twin); None (nothing
+    computed) for inputs it does not take: rows of ``x`` dense, everything fp32 on CPU."""
+    lib = library()
+    k = x.shape[1] if x.dim() == 2 else -1
+    if (
+        lib is None
+        or qtype not in QUANT_TYPE_IDS
+        or x.dim() != 2
+        or k % BLOCK
+        or (x.stride(1) != 1 and k > 1)
+        or packed.dtype != torch.uint8
+        or not packed.is_contiguous()
+        or packed.shape[0] * LINEAR_COLS < out_features
+        or packed.shape[1] != k // BLOCK * lib.pg_quant_group_bytes(QUANT_TYPE_IDS[qtype])
+        or not _fp32_cpu(x)
+        or not _epilogue_fits(bias, residual, x.shape[0], out_features)
+    ):
+        return None
+    out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
+    rc = lib.pg_linear_q8(
+        QUANT_TYPE_IDS[qtype], x.data_ptr(), x.stride(0), packed.data_ptr(),
+        bias.data_ptr() if bias is not None else None,
+        residual.data_ptr() if residual is not None else None,
+        residual.stride(0) if residual is not None else 0,
+        out.data_ptr(), out.stride(0), x.shape[0], out_features, k, torch.get_num_threads(),
+    )
+    if rc == -2:
+        raise MemoryError(f"linear_q8: no memory for {x.shape[0]} quantized rows of {k}")
+    return out if rc == 0 else None
+
+
+def q8_rows_native(
+    ids: torch.Tensor,  # [T] int64
+    packed: torch.Tensor,  # from pack_q8_weight
+    qtype: str,
+    shape: tuple[int, int],  # the weight's [N, K]
+) -> torch.Tensor | None:
+    """Rows ``W[ids]`` (``[T, K]`` fp32, exactly dequantized) of a :func:`pack_q8_weight`
+    weight (the embedding tied to a q8 LM head), as :func:`quant_rows_native` does for its
+    layout; None when not handled here.
+
+    Raises:
+        IndexError: an id outside ``[0, N)`` (nothing gathered).
+    """
+    lib = library()
+    n, k = shape
+    if (
+        lib is None
+        or qtype not in QUANT_TYPE_IDS
+        or ids.dim() != 1
+        or ids.dtype != torch.int64
+        or ids.device.type != "cpu"
+        or packed.dtype != torch.uint8
+        or not packed.is_contiguous()
+        or packed.shape != (-(-n // LINEAR_COLS),
+                            k // BLOCK * lib.pg_quant_group_bytes(QUANT_TYPE_IDS[qtype]))
+    ):
+        return None
+    ids = ids.contiguous()
+    out = torch.empty((ids.shape[0], k), dtype=torch.float32)
+    bad = lib.pg_q8_rows_f32(
+        QUANT_TYPE_IDS[qtype], packed.data_ptr(), n, k, ids.data_ptr(), ids.shape[0],
+        out.data_ptr(), out.stride(0), torch.get_num_threads(),
+    )
+    if bad > 0:
+        raise IndexError(f"row id {int(ids[bad - 1])} outside [0, {n})")
+    return out if bad == 0 else None
+
+
 def quant_rows_native(
     ids: torch.Tensor,  # [T] int64
     packed: torch.Tensor,  # from pack_quant_weight
@@ -508,6 +628,10 @@ __all__ = [
     "pack_bf16_weight",
     "QUANT_SCRATCH_MIN_ROWS",
     "linear_native",
+    "linear_q8_native",
+    "pack_q8_weight",
+    "q8_native_available",
+    "q8_rows_native",
     "linear_quant_native",
     "pack_linear_weight",
     "pack_quant_weight",
