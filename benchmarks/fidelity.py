@@ -5,7 +5,8 @@ Workload (defaults; every size is a flag):
     reference runner in the fp32 mode (today's exact path, fp32 KV) and one runner per mode of
     ``--modes`` over the same loaded weights. A mode is ``DTYPE[:KV]``: ``bf16`` (bf16 matrices,
     fp32 activations, its default bf16 KV), ``bf16:fp32`` (the same with the fp32 KV), ``fp32:bf16``
-    (the exact path with the bf16 KV alone): the pairs separate what the weights and the KV cost.
+    (the exact path with the bf16 KV alone): the pairs separate what the weights and the KV cost;
+    ``q8`` (the GGUF's blocks x int8 activations, fp32 KV), ``q8:bf16`` (with the bf16 KV).
   * corpus: the docstrings of part of the Python standard library (:data:`CORPUS_MODULES`, read
     from this interpreter's own sources with ``ast``: offline, English prose with code), cut into
     ``--windows`` consecutive windows of ``--context`` tokens; each window is one teacher-forced
@@ -40,15 +41,19 @@ import torch
 from benchmarks.common import base_parser, print_table, write_json
 from prefixgate.gateway.engine.loader import LoadedModel, load_model
 from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
-from prefixgate.kernels.cpu.library import bf16_instructions
+from prefixgate.kernels.cpu.library import bf16_instructions, int8_instructions
 
 # stdlib modules whose docstrings make the corpus, in this order (pure-Python sources)
 CORPUS_MODULES = (
     "functools", "textwrap", "heapq", "bisect", "fractions", "statistics", "string", "shlex",
     "difflib", "argparse", "pathlib", "dataclasses", "enum", "calendar", "ipaddress",
 )
-# per mode (dtype), the bounds it is held to against the fp32 path (docs/precision.md)
-BOUNDS = {"bf16": {"kl_mean": 0.005, "top1_min": 0.98, "ppl_change_max": 0.01}}
+# per mode (dtype), the bounds it is held to against the fp32 path (docs/precision.md); q8's
+# from its measurement (mean KL 0.0031, top-1 97.1%, ppl +0.39% over 8 x 512) with margin
+BOUNDS = {
+    "bf16": {"kl_mean": 0.005, "top1_min": 0.98, "ppl_change_max": 0.01},
+    "q8": {"kl_mean": 0.01, "top1_min": 0.95, "ppl_change_max": 0.02},
+}
 PAGE_SIZE = 16
 
 
@@ -245,7 +250,8 @@ def main() -> None:
         "model": loaded.name, "corpus_modules": list(CORPUS_MODULES),
         "corpus_python": platform.python_version(), "context": args.context,
         "windows": len(windows), "threads": torch.get_num_threads(),
-        "bf16_instructions": bf16_instructions(), "bounds": BOUNDS,
+        "bf16_instructions": bf16_instructions(), "int8_instructions": int8_instructions(),
+        "bounds": BOUNDS,
         "modes": {mode: {**asdict(r), "bound_failures": bound_failures(r)}
                   for mode, r in results.items()},
     })

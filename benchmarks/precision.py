@@ -3,9 +3,10 @@
 Workload (defaults; every size is a flag):
   * model: the default SmolLM2-135M-Instruct Q4_1 GGUF (``--model`` for another), CPU; one runner
     per mode over the same loaded weights: ``fp32`` (today's default: exact, GGUF blocks run in
-    their blocks, fp32 KV), ``bf16`` (``--dtype bf16``: bf16 matrices, fp32 activations, bf16
-    KV) and, with ``--dense-baseline``, ``fp32-dense`` (blocks dequantized to fp32: the path an
-    fp32 / bf16 safetensors model takes).
+    their blocks, fp32 KV) and every mode of ``--modes``: ``bf16`` (``--dtype bf16``: bf16
+    matrices, fp32 activations, bf16 KV), ``q8`` (``--dtype q8``: the GGUF blocks x int8
+    activations, fp32 KV); with ``--dense-baseline`` also ``fp32-dense`` (blocks dequantized to
+    fp32: the path an fp32 / bf16 safetensors model takes).
   * prefill: one sequence of ``--prefill`` random ordinary token ids (2,048), empty cache, one
     ``execute`` (K/V into pages, the last token's logits).
   * decode: batch ``--batches`` (1, 16), every sequence a private copy of one prefilled
@@ -21,6 +22,7 @@ Workload (defaults; every size is a flag):
     weights; the LM head for the last row only) over the whole prefill's time.
 
     python -m benchmarks.precision --json out/precision.json
+    python -m benchmarks.precision --modes q8 bf16 --threads 1 --clock cpu
     python -m benchmarks.precision --batches 1 16 --prefill 2048 --dense-baseline --repeats 5
 """
 
@@ -38,7 +40,7 @@ from benchmarks.model import _OurDecode
 from prefixgate.gateway.engine.loader import LoadedModel, load_model
 from prefixgate.gateway.engine.model_config import ModelConfig
 from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
-from prefixgate.kernels.cpu.library import _cpu_flags, bf16_instructions
+from prefixgate.kernels.cpu.library import _cpu_flags, bf16_instructions, int8_instructions
 from prefixgate.kernels.cpu.ops import linear_bf16_native, pack_bf16_weight
 from prefixgate.kernels.quant import QuantizedTensor
 
@@ -100,12 +102,19 @@ def alternating(fns: dict[str, Callable[[], float]], repeats: int) -> dict[str, 
     return samples
 
 
-def build_runners(loaded: LoadedModel, pages: int, dense: bool) -> dict[str, ModelRunner]:
+MODES = ("bf16", "q8")  # the modes compared with fp32 (--modes)
+# /proc/cpuinfo flags printed beside the figures
+FIGURE_FLAGS = ("avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16",
+                "amx_int8", "avx512_fp16")
+
+
+def build_runners(loaded: LoadedModel, pages: int, modes: list[str],
+                  dense: bool) -> dict[str, ModelRunner]:
     def build(model: LoadedModel, dtype: str) -> ModelRunner:
         return ModelRunner.from_loaded(model, num_pages=pages, page_size=PAGE_SIZE,
                                        device="cpu", dtype=dtype)
 
-    runners = {"fp32": build(loaded, "fp32"), "bf16": build(loaded, "bf16")}
+    runners = {"fp32": build(loaded, "fp32")} | {mode: build(loaded, mode) for mode in modes}
     if dense:
         weights = {name: w.dequantize() if isinstance(w, QuantizedTensor) else w
                    for name, w in loaded.weights.items()}
@@ -143,6 +152,21 @@ def measure(runners: dict[str, ModelRunner], ids: list[int], batches: list[int],
     return results
 
 
+def prefill_rates(config: ModelConfig, tokens: int, modes: list[str], results: dict[str, float],
+                  peak: dict[str, float]) -> dict[str, float]:
+    """Per mode, the GFLOPS its prefill's linear layers sustained; bf16's fraction of the bf16
+    GEMM peak; the peaks."""
+    flops = prefill_linear_flops(config, tokens)
+    out = {f"peak_gflops_{name}": value for name, value in peak.items()}
+    for mode in modes:
+        seconds = tokens / results[f"prefill_{tokens}_tok_s_{mode}"]
+        out[f"prefill_{mode}_linear_gflops"] = flops / seconds / 1e9
+    if "bf16" in modes:
+        out["prefill_bf16_fraction_of_bf16_mm_peak"] = (
+            out["prefill_bf16_linear_gflops"] / peak["bf16_mm"])
+    return out
+
+
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default model)")
@@ -153,6 +177,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--clock", choices=list(CLOCKS), default="wall")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=["bf16"],
+                        help="the modes timed against fp32")
     parser.add_argument("--dense-baseline", action="store_true",
                         help="also the fp32 runner over weights dequantized to fp32")
     args = parser.parse_args()
@@ -163,23 +189,20 @@ def main() -> None:
     loaded = load_model(args.model)
     capacity = args.context + args.steps * (args.repeats + 1) + 1
     pages = max(max(args.batches) * -(-capacity // PAGE_SIZE), -(-args.prefill // PAGE_SIZE))
-    runners = build_runners(loaded, pages, args.dense_baseline)
+    runners = build_runners(loaded, pages, args.modes, args.dense_baseline)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(FIRST_ORDINARY_TOKEN, loaded.config.vocab_size, (args.prefill,),
                         generator=generator).tolist()
     with torch.inference_mode():
         results = measure(runners, ids, args.batches, args.context, args.steps, args.repeats)
         peak = peaks(args.repeats)
-    flops = prefill_linear_flops(loaded.config, args.prefill)
-    seconds = args.prefill / results[f"prefill_{args.prefill}_tok_s_bf16"]
-    results["prefill_bf16_linear_gflops"] = flops / seconds / 1e9
-    results["prefill_bf16_fraction_of_bf16_mm_peak"] = flops / seconds / 1e9 / peak["bf16_mm"]
-    results.update({f"peak_gflops_{name}": value for name, value in peak.items()})
+    results.update(prefill_rates(loaded.config, args.prefill, args.modes, results, peak))
     print_table(f"precision modes vs fp32 ({torch.get_num_threads()} threads)",
                 [(key, value) for key, value in sorted(results.items())])
-    flags = [f for f in _cpu_flags().split() if "bf16" in f or "amx" in f or f == "avx512f"]
+    flags = [f for f in _cpu_flags().split() if f in FIGURE_FLAGS]
     write_json(args.json, {"model": loaded.name, "threads": torch.get_num_threads(),
-                           "bf16_instructions": bf16_instructions(), "cpu_flags": flags,
+                           "bf16_instructions": bf16_instructions(),
+                           "int8_instructions": int8_instructions(), "cpu_flags": flags,
                            "workload": vars(args) | {"json": None}, **results})
 
 

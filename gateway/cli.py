@@ -195,7 +195,8 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         choices=DTYPES,
         help="compute precision: auto = fp32 on CPU (exact), bf16 on GPU; bf16 on CPU = bf16 "
         "weights, fp32 activations, bf16 KV by default, on AMX / AVX512-BF16 (refused without "
-        "them; quality bounds in docs/precision.md) (default {default})",
+        "them); q8 = a GGUF's Q4/Q8 blocks x int8 activations on AVX512-VNNI (CPU only); "
+        "quality bounds in docs/precision.md (default {default})",
     )
     model.add_argument(
         "--kv-dtype",

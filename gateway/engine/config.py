@@ -11,9 +11,10 @@ KV_DTYPES = ("auto", "fp32", "bf16", "fp16")
 # waiting-queue orders (--admission-order): arrival order, longest cached prefix first, or least
 # prefill compute first
 ADMISSION_ORDERS = ("fcfs", "lpm", "srpt")
-# compute precisions (--dtype; docs/precision.md); "auto" (or None) = fp32 on CPU, bf16 on GPU.
+# compute precisions (--dtype; docs/precision.md); "auto" (or None) = fp32 on CPU, bf16 on GPU;
+# "q8" = a GGUF's integer blocks times int8 activations on CPU, fp32 everything else.
 # The long names are kept for configurations written before the short ones.
-DTYPES = ("auto", "fp32", "bf16", "fp16", "float32", "bfloat16", "float16")
+DTYPES = ("auto", "fp32", "bf16", "q8", "fp16", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +26,10 @@ class EngineConfig:
     device: str | None = None  # None = cuda if available else cpu
     # one of DTYPES; None / "auto" = fp32 on CPU (exact), bf16 on GPU. "bf16" on CPU: bf16
     # matrices (GGUF blocks expanded), fp32 activations, fp32 sums, the bf16 KV by default;
-    # refused where the CPU lacks AVX512-BF16 and AMX-BF16 (gateway/engine/precision.py)
+    # refused where the CPU lacks AVX512-BF16 and AMX-BF16 (gateway/engine/precision.py).
+    # "q8" on CPU: a GGUF's Q4_0/Q4_1/Q8_0 matrices take their inputs quantized to int8 per 32
+    # values (llama.cpp's way, AVX512-VNNI); norms, RoPE, attention, residual, logits and the
+    # KV stay fp32; refused without AVX512-VNNI, the native kernels, or integer blocks
     dtype: str | None = None
     # KV pool precision, one of KV_DTYPES; None / "auto" = the model's dtype (the pool as it
     # always was, and what the fidelity bounds are measured with). "bf16" under the fp32 model

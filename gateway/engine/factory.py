@@ -81,7 +81,7 @@ def _engine_info(config: EngineConfig, loaded: LoadedModel, runner: ModelRunner)
         "model_name": config.served_model_name or default_served_name(loaded),
         "model_id": loaded.name,
         "device": str(runner.device),
-        "dtype": str(runner.dtype).removeprefix("torch."),
+        "dtype": "q8" if runner.int8_isa else str(runner.dtype).removeprefix("torch."),
         "kv_dtype": str(runner.kv_dtype).removeprefix("torch."),
         "kernel_backend": runner.kernel_backend,
         "native_cpu_kernels": runner.native_cpu_kernels,

@@ -28,8 +28,10 @@ from prefixgate.gateway.engine.kv_budget import (
 from prefixgate.gateway.engine.loader.loaded_model import LoadedModel
 from prefixgate.gateway.engine.model_config import ModelConfig
 from prefixgate.gateway.engine.models import ForwardBatch, build_model
-from prefixgate.gateway.engine.precision import cpu_bf16_isa
+from prefixgate.gateway.engine.models.moe import StackedExperts
+from prefixgate.gateway.engine.precision import cpu_bf16_isa, cpu_int8_isa, is_q8
 from prefixgate.kernels.cpu.host_memory import huge_pages_status
+from prefixgate.kernels.quant import QuantizedTensor
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +92,9 @@ class ModelRunner:
         page_size: tokens per page.
         device / dtype: None = CUDA if available else CPU; fp32 on CPU, bf16 on GPU. bf16 on
             CPU: bf16 matrices, fp32 activations (docs/precision.md); refused where the CPU
-            has neither AVX512-BF16 nor AMX-BF16.
+            has neither AVX512-BF16 nor AMX-BF16. ``"q8"``: fp32, with a GGUF's block matrices
+            on int8 activations (docs/precision.md); refused without AVX512-VNNI, the native
+            kernels, or block matrices to run.
         kv_dtype: the KV pool's dtype ("fp32" / "bf16" / "fp16" or a torch dtype); None or
             "auto" = ``dtype`` (or a given ``kv_pool``'s). A narrower pool is written rounded
             (write_kv) and read widened to the query's dtype by every attention path.
@@ -136,10 +140,12 @@ class ModelRunner:
         # the backend is chosen here, once: every step and layer uses this object
         self.kernel_backend = kernels.resolve_backend(self.device, kernel_backend)
         self.native_cpu_kernels = native_kernels and self._native_cpu_kernels_apply()
+        self._check_int8_mode(weights, quantized_weights)
         self.model = build_model(
             config, weights, device=self.device, dtype=self.dtype,
             max_positions=self.max_model_len, kernel_backend=self.kernel_backend,
             native_ops=self.native_cpu_kernels, quantized_weights=quantized_weights,
+            int8_activations=self.int8_isa is not None,
         )
         self.shared_prefix_attention = shared_prefix_attention
         self.page_size = page_size
@@ -158,13 +164,29 @@ class ModelRunner:
                        kv_dtype: str | torch.dtype | None) -> None:
         """Device, weight/activation dtype and KV dtype (``__init__`` documents the defaults)."""
         self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        # the instructions the q8 mode's products run on (None: not that mode); fp32 otherwise
+        self.int8_isa = cpu_int8_isa(self.device) if is_q8(dtype) else None
+        self.dtype = resolve_dtype("fp32" if self.int8_isa else dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(kv_dtype, self.dtype)
         # the instructions the CPU bf16 mode's GEMMs run on (None: not that mode)
         cpu_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16
         self.bf16_isa = cpu_bf16_isa() if cpu_bf16 else None
         if self.device.type == "cpu":
             _configure_cpu_threads()
+
+    def _check_int8_mode(self, weights: Mapping[str, object], quantized_weights: bool) -> None:
+        """The q8 mode refuses, before the weights are placed, to run as the plain fp32 mode
+        under another name: without the native kernels or without ggml blocks to run."""
+        if self.int8_isa is None:
+            return
+        blocks = any(isinstance(w, QuantizedTensor | StackedExperts) for w in weights.values())
+        why = ("the native CPU kernels are off (--native-kernels off, or another kernel backend)"
+               if not self.native_cpu_kernels else
+               "--quantized-weights is off" if not quantized_weights else
+               None if blocks else f"{self.config.name} has no Q4_0/Q4_1/Q8_0 matrices")
+        if why is not None:
+            raise ValueError(f"dtype q8 runs a GGUF's integer blocks on int8 activations, but "
+                             f"{why}; use --dtype fp32 or bf16")
 
     def _native_cpu_kernels_apply(self) -> bool:
         """fp32 (or the bf16 mode's fp32 activations) on CPU: decode attention and the fused
@@ -182,7 +204,8 @@ class ModelRunner:
             self.config.name,
             self.device,
             self.dtype,
-            f" (fp32 activations, GEMMs on {self.bf16_isa})" if self.bf16_isa else "",
+            f" (fp32 activations, GEMMs on {self.bf16_isa})" if self.bf16_isa else
+            f" (GGUF blocks x int8 activations on {self.int8_isa})" if self.int8_isa else "",
             self.num_pages,
             self.page_size,
             self.kv_pool.numel() * self.kv_pool.element_size() / (1 << 30),

@@ -1,6 +1,7 @@
 """benchmarks.fidelity on a slice of its corpus: the bf16 mode meets its bounds against the fp32
-path (mean KL <= 0.005, top-1 >= 98%, perplexity within 1%), and the measure itself is sound
-(the fp32 path against itself: no divergence at all)."""
+path (mean KL <= 0.005, top-1 >= 98%, perplexity within 1%), so does the q8 mode (mean KL <= 0.01,
+top-1 >= 95%, perplexity within 2%), and the measure itself is sound (the fp32 path against
+itself: no divergence at all)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from benchmarks.fidelity import (
     measure,
     stdlib_corpus,
 )
-from prefixgate.kernels.cpu.library import bf16_instructions
+from prefixgate.kernels.cpu.library import bf16_instructions, int8_instructions
+from prefixgate.kernels.cpu.ops import q8_native_available
 
 pytestmark = pytest.mark.slow
 CONTEXT, WINDOWS = 256, 2  # 510 teacher-forced predictions
@@ -43,3 +45,14 @@ def test_bf16_mode_meets_its_bounds_on_a_corpus_slice(loaded_model):
     assert bf16.kl_mean > 0
     exact = results["fp32"]
     assert exact.kl_max == 0 and exact.top1_agreement == 1 and exact.ppl_change == 0
+
+
+@pytest.mark.skipif(int8_instructions() is None or not q8_native_available(),
+                    reason="no AVX512-VNNI here, or the native kernels did not build")
+def test_q8_mode_meets_its_bounds_on_a_corpus_slice(loaded_model):
+    windows = corpus_windows(loaded_model, CONTEXT, WINDOWS)
+    q8 = measure(loaded_model, ["q8"], windows, CONTEXT)["q8"]
+    assert q8.positions == WINDOWS * (CONTEXT - 1)
+    assert bound_failures(q8) == [], q8
+    assert q8.kl_mean <= BOUNDS["q8"]["kl_mean"] and q8.top1_agreement >= 0.95
+    assert q8.kl_mean > 0  # int8 activations do change the distributions (the run is live)

@@ -1,9 +1,12 @@
-"""The CPU bf16 mode (gateway/engine/precision.py, docs/precision.md) on the real default model:
-refused without bf16 instructions; bf16 matrices, fp32 activations and the bf16 KV by default;
-greedy output identical with a cache hit vs a miss and alone vs batched; reported by the engine.
-Its quality bounds against the fp32 path: tests/benchmarks/test_fidelity.py."""
+"""The CPU bf16 and q8 modes (gateway/engine/precision.py, docs/precision.md) on the real default
+model: refused where they cannot run; bf16 matrices, fp32 activations and the bf16 KV by default /
+the GGUF blocks on int8 activations, fp32 KV; greedy output identical with a cache hit vs a miss
+and alone vs batched; reported by the engine. Their quality bounds against the fp32 path:
+tests/benchmarks/test_fidelity.py."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -14,12 +17,15 @@ from prefixgate.gateway.engine.engine import AsyncEngine
 from prefixgate.gateway.engine.factory import create_llm_engine
 from prefixgate.gateway.engine.kv_budget import resolve_dtype
 from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
-from prefixgate.kernels.cpu.library import bf16_instructions
+from prefixgate.kernels.cpu.library import bf16_instructions, int8_instructions
+from prefixgate.kernels.cpu.ops import q8_native_available
 from tests.engine.test_fidelity import CHATS
 
 pytestmark = pytest.mark.slow
 needs_bf16 = pytest.mark.skipif(bf16_instructions() is None,
                                 reason="this CPU has no AVX512-BF16 / AMX-BF16")
+needs_q8 = pytest.mark.skipif(int8_instructions() is None or not q8_native_available(),
+                              reason="no AVX512-VNNI here, or the native kernels did not build")
 NEW_TOKENS = 12
 
 
@@ -39,6 +45,57 @@ def test_refused_where_the_cpu_lacks_bf16_instructions(monkeypatch, loaded_model
         ModelRunner.from_loaded(loaded_model, num_pages=8, device="cpu", dtype="bf16")
     precision.check_precision("cpu", None)  # auto and fp32 need nothing
     precision.check_precision("cpu", "fp32")
+
+
+@pytest.fixture(scope="module")
+def q8_runner(loaded_model) -> ModelRunner:
+    if int8_instructions() is None or not q8_native_available():
+        pytest.skip("no AVX512-VNNI here, or the native kernels did not build")
+    return ModelRunner.from_loaded(loaded_model, num_pages=256, page_size=16, device="cpu",
+                                   dtype="q8")
+
+
+def test_q8_refused_where_it_cannot_run(monkeypatch, loaded_model):
+    monkeypatch.setattr(precision, "int8_instructions", lambda: None)
+    with pytest.raises(ValueError, match="AVX512-VNNI and AVX512-BW"):
+        precision.check_precision("cpu", "q8")
+    with pytest.raises(ValueError, match="AVX512-VNNI and AVX512-BW"):
+        ModelRunner.from_loaded(loaded_model, num_pages=8, device="cpu", dtype="q8")
+    monkeypatch.setattr(precision, "int8_instructions", lambda: "avx512_vnni")
+    monkeypatch.setattr(precision, "q8_native_available", lambda: False)
+    with pytest.raises(ValueError, match="needs the native CPU kernels"):
+        precision.check_precision("cpu", "q8")
+
+
+@needs_q8
+def test_q8_refused_without_blocks_to_run(loaded_model):
+    with pytest.raises(ValueError, match="native CPU kernels are off"):
+        ModelRunner.from_loaded(loaded_model, num_pages=8, device="cpu", dtype="q8",
+                                native_kernels=False)
+    with pytest.raises(ValueError, match="--quantized-weights is off"):
+        ModelRunner.from_loaded(loaded_model, num_pages=8, device="cpu", dtype="q8",
+                                quantized_weights=False)
+    # an fp32 model's names (refused before any weight is read, so their values do not matter)
+    weights = {name: torch.zeros(1) for name in loaded_model.weights}
+    with pytest.raises(ValueError, match="has no Q4_0/Q4_1/Q8_0 matrices"):
+        ModelRunner.from_loaded(dataclasses.replace(loaded_model, weights=weights), num_pages=8,
+                                device="cpu", dtype="q8")
+
+
+@needs_q8
+def test_q8_mode_layout(q8_runner, loaded_model):
+    runner = q8_runner
+    assert runner.dtype == torch.float32 and runner.kv_dtype == torch.float32  # KV stays fp32
+    assert runner.int8_isa == "avx512_vnni" and runner.bf16_isa is None
+    model = runner.model
+    layer = model.layers[0]
+    for linear in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down, model.lm_head):
+        assert linear.q8 and linear.quant in ("Q4_0", "Q4_1", "Q8_0")
+    assert model.int8_layers >= 4 * len(model.layers) + 1
+    # the embedding rows come exactly from the (tied) head's q8 layout
+    ids = torch.tensor([0, 7, 49151])
+    table = loaded_model.weights["model.embed_tokens.weight"]
+    assert torch.equal(model.embed_rows.rows(ids), table.dequantize()[ids])
 
 
 @needs_bf16
@@ -66,7 +123,15 @@ def _greedy_alone(runner: ModelRunner, prompt: list[int], table: list[int],
 
 @needs_bf16
 def test_greedy_identical_with_a_cache_hit_and_a_miss(bf16_runner, tokenizer):
-    runner = bf16_runner
+    _hit_and_miss_agree(bf16_runner, tokenizer)
+
+
+@needs_q8
+def test_q8_greedy_identical_with_a_cache_hit_and_a_miss(q8_runner, tokenizer):
+    _hit_and_miss_agree(q8_runner, tokenizer)
+
+
+def _hit_and_miss_agree(runner: ModelRunner, tokenizer) -> None:
     prompt = tokenizer.apply_chat_template(CHATS[4])
     cached = (len(prompt) // runner.page_size - 1) * runner.page_size
     span = -(-(len(prompt) + NEW_TOKENS) // runner.page_size)
@@ -82,11 +147,20 @@ def test_greedy_identical_with_a_cache_hit_and_a_miss(bf16_runner, tokenizer):
 
 @needs_bf16
 def test_greedy_identical_alone_and_batched(bf16_runner, tokenizer):
+    _alone_and_batched_agree(bf16_runner, tokenizer)
+
+
+@needs_q8
+def test_q8_greedy_identical_alone_and_batched(q8_runner, tokenizer):
+    _alone_and_batched_agree(q8_runner, tokenizer)
+
+
+def _alone_and_batched_agree(runner: ModelRunner, tokenizer) -> None:
     from benchmarks.fidelity import greedy
 
     prompts = [tokenizer.apply_chat_template(chat) for chat in CHATS[:3]]
-    batched = greedy(bf16_runner, prompts, NEW_TOKENS)
-    assert [greedy(bf16_runner, [prompt], NEW_TOKENS)[0] for prompt in prompts] == batched
+    batched = greedy(runner, prompts, NEW_TOKENS)
+    assert [greedy(runner, [prompt], NEW_TOKENS)[0] for prompt in prompts] == batched
 
 
 @needs_bf16
@@ -100,3 +174,10 @@ def test_engine_reports_its_precision(loaded_model):
     # auto stays the exact fp32 on CPU
     assert resolve_dtype(None, torch.device("cpu")) == resolve_dtype("auto", torch.device("cpu"))
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+
+
+@needs_q8
+def test_engine_reports_the_q8_mode(loaded_model):
+    config = EngineConfig(num_pages=16, device="cpu", dtype="q8")
+    core, info = create_llm_engine(config, loaded=loaded_model)
+    assert (info["dtype"], info["kv_dtype"]) == ("q8", "float32")

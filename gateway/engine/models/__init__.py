@@ -32,6 +32,7 @@ def build_model(
     kernel_backend: str | None = None,
     native_ops: bool = False,
     quantized_weights: bool = True,
+    int8_activations: bool = False,
 ) -> Any:
     """Instantiate the model class of ``config.architecture``'s family on ``device``."""
     cls = family_for(config.architecture).model_class
@@ -44,6 +45,7 @@ def build_model(
         kernel_backend=kernel_backend,
         native_ops=native_ops,
         quantized_weights=quantized_weights,
+        int8_activations=int8_activations,
     )
 
 

@@ -70,6 +70,8 @@ class DecoderModel:
         quantized_weights: ggml-block matrices stay in their blocks where the native kernel
             computes them (CPU fp32, ``native_ops``); MoE experts included, embeddings too
             (their rows are gathered from the blocks).
+        int8_activations: the q8 mode (docs/precision.md): those block matrices take their
+            inputs quantized to int8 per 32 values; ``int8_layers`` counts them.
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class DecoderModel:
         kernel_backend: str | None = None,
         native_ops: bool = False,
         quantized_weights: bool = True,
+        int8_activations: bool = False,
     ) -> None:
         check_weights(config, weights, source=config.name)
         self.config = config
@@ -97,12 +100,13 @@ class DecoderModel:
         place = WeightPlacer(
             weights, device=self.device, dtype=dtype, act_dtype=self.act_dtype,
             native=native_ops, quantized_weights=quantized_weights,
-            norm_weight_offset=config.norm_weight_offset,
+            int8_activations=int8_activations, norm_weight_offset=config.norm_weight_offset,
         )  # fmt: skip
         self._load_embeddings(place)
         self.final_norm = place.norm("model.norm.weight")
         self.ropes = self._ropes()
         self.layers = [self._layer(place, index) for index in range(config.num_layers)]
+        self.int8_layers = place.int8_layers  # linear layers on int8 activations (q8 mode)
 
     # ---- loading -----------------------------------------------------------------------
 

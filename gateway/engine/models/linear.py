@@ -12,7 +12,10 @@ weight's dtype with fp32 accumulation; results differ only in summation order.
 A weight still in ggml blocks (:class:`~prefixgate.kernels.quant.QuantizedTensor`, from a GGUF
 file) runs natively in its blocks (kernels/cpu/csrc/linear_quant.c: a decode step streams ~96 MB
 instead of 540 MB of fp32 for SmolLM2) when ``native`` is set and the kernel is built here;
-otherwise it is dequantized once, exactly, and takes the paths above.
+otherwise it is dequantized once, exactly, and takes the paths above. With ``int8_activations``
+(the ``--dtype q8`` mode, docs/precision.md) such a weight is repacked for
+kernels/cpu/csrc/linear_q8.c instead: each input row is quantized to int8 per 32 k and the block
+products are summed in integers (AVX512-VNNI), output, bias and residual in fp32.
 
 A bf16 weight on CPU (the ``--dtype bf16`` mode, docs/precision.md) takes fp32 activations and
 returns fp32: the input is rounded to bf16 for the GEMM only, products are summed in fp32, and
@@ -34,10 +37,13 @@ from prefixgate.kernels.cpu.host_memory import HugePageArena
 from prefixgate.kernels.cpu.ops import (
     linear_bf16_native,
     linear_native,
+    linear_q8_native,
     linear_quant_native,
     pack_bf16_weight,
     pack_linear_weight,
+    pack_q8_weight,
     pack_quant_weight,
+    q8_rows_native,
     quant_rows_native,
 )
 from prefixgate.kernels.quant import QuantizedTensor
@@ -103,10 +109,13 @@ class Linear:
             takes precedence over ``pack``.
         arena: where the natively packed weight is allocated (huge pages; see
             kernels/cpu/host_memory.py); None: an ordinary allocation.
+        int8_activations: a natively run ggml-block weight multiplies int8-quantized inputs
+            (linear_q8.c, the q8 mode) where that kernel is built; other weights ignore it.
     """
 
     __slots__ = (
-        "bf16", "bias", "in_features", "native", "out_features", "packed", "quant", "weight"
+        "bf16", "bias", "in_features", "native", "out_features", "packed", "q8", "quant",
+        "weight",
     )
 
     def __init__(
@@ -117,6 +126,7 @@ class Linear:
         pack: bool = True,
         native: bool = False,
         arena: HugePageArena | None = None,
+        int8_activations: bool = False,
     ):
         self.out_features, self.in_features = weight.shape
         self.quant: str | None = None  # the ggml type of a natively packed quantized weight
@@ -127,8 +137,13 @@ class Linear:
             and weight.device.type == "cpu"
         )
         self.native = None
+        self.q8 = False  # the block weight's products take int8 activations (linear_q8.c)
         if isinstance(weight, QuantizedTensor):
-            self.native = pack_quant_weight(weight, arena) if native else None
+            if native and int8_activations:
+                self.native = pack_q8_weight(weight, arena)
+                self.q8 = self.native is not None
+            if native and not self.q8:
+                self.native = pack_quant_weight(weight, arena)
             if self.native is not None:
                 self.quant = weight.qtype
             else:
@@ -191,7 +206,8 @@ class Linear:
         lookup from the tied LM head's blocks, so no fp32 table is kept beside them."""
         if self.quant is None:
             raise TypeError("rows(): only for a natively packed quantized weight")
-        out = quant_rows_native(ids, self.native, self.quant, (self.out_features, self.in_features))
+        gather = q8_rows_native if self.q8 else quant_rows_native
+        out = gather(ids, self.native, self.quant, (self.out_features, self.in_features))
         if out is None:
             raise ValueError(f"rows(): ids {ids.dtype} on {ids.device} must be 1-D int64 on CPU")
         return out
@@ -212,6 +228,10 @@ class Linear:
         return out
 
     def _native_once(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
+        if self.q8:
+            return linear_q8_native(
+                x, self.native, self.quant, self.out_features, self.bias, residual
+            )
         if self.quant is not None:
             return linear_quant_native(
                 x, self.native, self.quant, self.out_features, self.bias, residual

@@ -31,6 +31,8 @@ class WeightPlacer:
         act_dtype: the activations' dtype (norms, biases, the router).
         native: the native CPU kernels compute the linear layers (kernels/cpu/ops.py).
         quantized_weights: keep ggml blocks as they are where the native kernel runs them.
+        int8_activations: those block matrices take int8-quantized inputs (the q8 mode,
+            kernels/cpu/csrc/linear_q8.c); ``int8_layers`` counts the layers that do.
         norm_weight_offset: added to every norm weight (Gemma scales by ``1 + w``).
     """
 
@@ -43,6 +45,7 @@ class WeightPlacer:
         act_dtype: torch.dtype,
         native: bool,
         quantized_weights: bool,
+        int8_activations: bool = False,
         norm_weight_offset: float = 0.0,
     ) -> None:
         self.weights = weights
@@ -52,6 +55,8 @@ class WeightPlacer:
             quantized_weights and self.native and dtype == torch.float32
             and quant_native_available()
         )  # fmt: skip
+        self.int8_activations = int8_activations and self.quantized
+        self.int8_layers = 0
         self.norm_weight_offset = norm_weight_offset
         # packed native weights sit in huge pages, in the order a step reads them
         self.arena = HugePageArena() if self.native else None
@@ -87,11 +92,17 @@ class WeightPlacer:
 
         def build() -> Linear:
             bias = self.place(torch.cat(list(bias_parts))) if bias_parts else None
-            return Linear(self.matrix(parts), bias, native=self.native, arena=self.arena)
+            return Linear(self.matrix(parts), bias, native=self.native, arena=self.arena,
+                          int8_activations=self.int8_activations)
 
         # fp32 layers are not shared (None): hundreds of MB each would stay alive
-        flags = (self.device, self.dtype, self.native) if self.quantized else None
-        return shared_linear([*parts, *bias_parts], flags, build)
+        flags = (
+            (self.device, self.dtype, self.native, self.int8_activations)
+            if self.quantized else None
+        )  # fmt: skip
+        layer = shared_linear([*parts, *bias_parts], flags, build)
+        self.int8_layers += layer.q8
+        return layer
 
     def named_linear(self, names: Sequence[str], bias_names: Sequence[str] = ()) -> Linear:
         return self.linear([self.weights[n] for n in names], [self.weights[n] for n in bias_names])
