@@ -5,8 +5,9 @@ Workload (defaults; every size is a flag):
     per mode over the same loaded weights: ``fp32`` (today's default: exact, GGUF blocks run in
     their blocks, fp32 KV) and every mode of ``--modes``: ``bf16`` (``--dtype bf16``: bf16
     matrices, fp32 activations, bf16 KV), ``q8`` (``--dtype q8``: the GGUF blocks x int8
-    activations, fp32 KV); with ``--dense-baseline`` also ``fp32-dense`` (blocks dequantized to
-    fp32: the path an fp32 / bf16 safetensors model takes).
+    activations, fp32 KV), ``q8:bf16`` (the same with the bf16 KV); with ``--dense-baseline``
+    also ``fp32-dense`` (blocks dequantized to fp32: the path an fp32 / bf16 safetensors model
+    takes).
   * prefill: one sequence of ``--prefill`` random ordinary token ids (2,048), empty cache, one
     ``execute`` (K/V into pages, the last token's logits).
   * decode: batch ``--batches`` (1, 16), every sequence a private copy of one prefilled
@@ -102,7 +103,8 @@ def alternating(fns: dict[str, Callable[[], float]], repeats: int) -> dict[str, 
     return samples
 
 
-MODES = ("bf16", "q8")  # the modes compared with fp32 (--modes)
+# the modes compared with fp32 (--modes), each DTYPE[:KV]
+MODES = ("bf16", "bf16:fp32", "q8", "q8:bf16")
 # /proc/cpuinfo flags printed beside the figures
 FIGURE_FLAGS = ("avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16",
                 "amx_int8", "avx512_fp16")
@@ -110,9 +112,10 @@ FIGURE_FLAGS = ("avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile",
 
 def build_runners(loaded: LoadedModel, pages: int, modes: list[str],
                   dense: bool) -> dict[str, ModelRunner]:
-    def build(model: LoadedModel, dtype: str) -> ModelRunner:
+    def build(model: LoadedModel, mode: str) -> ModelRunner:
+        dtype, _, kv = mode.partition(":")  # DTYPE[:KV], as benchmarks.fidelity takes them
         return ModelRunner.from_loaded(model, num_pages=pages, page_size=PAGE_SIZE,
-                                       device="cpu", dtype=dtype)
+                                       device="cpu", dtype=dtype, kv_dtype=kv or None)
 
     runners = {"fp32": build(loaded, "fp32")} | {mode: build(loaded, mode) for mode in modes}
     if dense:
