@@ -86,10 +86,16 @@ typedef struct {
 
 static void quantize_row(const float *x, int K, int8_t *q, float *d, int32_t *s, float *ds) {
     const __m512 sign = _mm512_set1_ps(-0.0f);
+    const __m512i inf_bits = _mm512_set1_epi32(0x7f800000);
     for (int g = 0; g < K / GROUP; ++g) {
         const __m512 a = _mm512_loadu_ps(x + g * GROUP), b = _mm512_loadu_ps(x + g * GROUP + 16);
-        const float amax = _mm512_reduce_max_ps(
-            _mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
+        const __m512 abs_a = _mm512_andnot_ps(sign, a), abs_b = _mm512_andnot_ps(sign, b);
+        /* NOTE: an inf or NaN input makes the block's scale NaN, so the row's outputs are NaN
+         * as the fp32 path's would be, never finite garbage (the bits are compared as
+         * integers: -ffast-math assumes finite floats) */
+        const __mmask16 bad = _mm512_cmpge_epu32_mask(_mm512_castps_si512(abs_a), inf_bits) |
+                              _mm512_cmpge_epu32_mask(_mm512_castps_si512(abs_b), inf_bits);
+        const float amax = bad ? 0.0f : _mm512_reduce_max_ps(_mm512_max_ps(abs_a, abs_b));
         /* a builtin division: -ffast-math may not turn it into a reciprocal (the reference
          * in kernels/cpu/ops.py divides exactly) */
         const float inv =
@@ -99,7 +105,8 @@ static void quantize_row(const float *x, int K, int8_t *q, float *d, int32_t *s,
         const __m512i qb = _mm512_cvt_roundps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)), round);
         _mm_storeu_si128((__m128i *)(q + g * GROUP), _mm512_cvtsepi32_epi8(qa));
         _mm_storeu_si128((__m128i *)(q + g * GROUP + 16), _mm512_cvtsepi32_epi8(qb));
-        d[g] = amax * (1.0f / 127.0f);
+        d[g] = bad ? _mm_cvtss_f32(_mm_castsi128_ps(_mm_set1_epi32(0x7fc00000)))
+                   : amax * (1.0f / 127.0f);
         s[g] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
         ds[g] = d[g] * (float)s[g];
     }

@@ -98,3 +98,16 @@ def test_strided_rows_and_unhandled_inputs():
     assert linear_q8_native(torch.randn(4, 64), packed, "Q4_1", 20) is None  # wrong layout
     assert linear_q8_native(torch.randn(4, 48), packed, "Q8_0", 20) is None  # K not in blocks
     assert linear_q8_native(torch.randn(0, 64), packed, "Q8_0", 20).shape == (0, 20)
+
+
+@needs_q8
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_non_finite_input_poisons_its_row_alone(bad):
+    weight = _quantized("Q4_1", 40, 64, seed=7)
+    packed = pack_q8_weight(weight)
+    x = _activations(3, 64, seed=7)
+    clean = linear_q8_native(x, packed, "Q4_1", 40)
+    x[1, 40] = bad
+    out = linear_q8_native(x, packed, "Q4_1", 40)
+    assert out[1].isnan().all()  # as fp32 would give NaN / inf, never finite garbage
+    assert torch.equal(out[[0, 2]], clean[[0, 2]])
