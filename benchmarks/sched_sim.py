@@ -41,6 +41,7 @@ import heapq
 import json
 import math
 import random
+import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,7 +74,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "srpt": dict(max_num_batched_tokens=512, decode_step_budget=64, short_prefill_budget=192,
                  admission_order="srpt"),
     **{f"d{d}s{sh}": dict(max_num_batched_tokens=512, decode_step_budget=d, short_prefill_budget=sh)
-       for d in (48, 64, 96) for sh in (128, 192, 256)},
+       for d in (16, 32, 48, 64, 96) for sh in (128, 192, 256, 384, 512)},
     "unprotected": dict(max_num_batched_tokens=2048, decode_step_budget=192, protect_waiting=False),
     **{f"wait{w:g}s": dict(max_num_batched_tokens=2048, decode_step_budget=192, max_admission_wait_s=w)
        for w in (1.0, 10.0, 20.0, 30.0, 60.0, 1e9)},
@@ -263,6 +264,17 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def arm_settings(name: str) -> dict[str, Any]:
+    """A named arm, or ``d<decode>s<short>[m<max>]`` (e.g. d32s192m1024)."""
+    if name in ARMS:
+        return ARMS[name]
+    match = re.fullmatch(r"d(\d+)s(\d+)(?:m(\d+))?", name)
+    if match is None:
+        raise SystemExit(f"unknown arm {name!r}")
+    d, sh, top = (int(g) if g else None for g in match.groups())
+    return dict(max_num_batched_tokens=top or 512, decode_step_budget=d, short_prefill_budget=sh)
+
+
 def run(workload: str, arm: dict[str, Any], args: Any) -> dict[str, Any]:
     rng = random.Random(0)
     if workload == "trace":
@@ -290,7 +302,7 @@ def main() -> None:
     results: dict[str, dict[str, Any]] = {}
     for workload in args.workloads.split(","):
         for arm in args.arms.split(","):
-            row = run(workload, ARMS[arm], args)
+            row = run(workload, arm_settings(arm), args)
             results.setdefault(workload, {})[arm] = row
             print(workload, arm, {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()},
                   flush=True)
@@ -299,7 +311,7 @@ def main() -> None:
                                for arm, row in arms.items() for key, value in row.items()])
     write_json(args.json, {"cost_model": {"step_base_s": STEP_BASE_S, "step_unit_s": STEP_UNIT_S,
                                           "kv_read_s": args.kv_read_s},
-                           "arms": {a: ARMS[a] for a in args.arms.split(",")}, "results": results})
+                           "arms": {a: arm_settings(a) for a in args.arms.split(",")}, "results": results})
 
 
 if __name__ == "__main__":

@@ -365,8 +365,10 @@ class Scheduler:
 
     def _admit_short(self, plan: _StepPlan) -> None:
         """Before the running prefills' next chunks: admit waiting requests whose whole prefill
-        fits what the step has left, widened to ``short_prefill_budget`` (queue order, stop at
-        the first that does not fit whole).
+        fits what the step has left (queue order, stop at the first that does not fit whole);
+        the first of them may widen the step to ``short_prefill_budget``, the rest fit the
+        step's own budget (several short turns packed into one widened step would each wait
+        for all of them).
 
         NOTE: a returning turn's short suffix would otherwise wait behind every long prompt
         admitted before it (their chunks take the step's budget first) and, split to fit a
@@ -379,15 +381,19 @@ class Scheduler:
         self._order_waiting()
         widen = max(0, self.short_prefill_budget - plan.step_budget)
         plan.budget += widen
-        self._admit(plan, whole_only=True)
+        self._admit(plan, whole_only=True, limit=1)
         plan.budget -= widen
+        self._admit(plan, whole_only=True)
 
-    def _admit(self, plan: _StepPlan, whole_only: bool = False) -> None:
+    def _admit(self, plan: _StepPlan, whole_only: bool = False, limit: int | None = None) -> None:
         """Admit waiting sequences in queue order while the step has budget and room.
 
         ``whole_only``: stop at the first whose whole prefill does not fit what is left (the
-        short-prefill pass, :meth:`_admit_short`)."""
+        short-prefill pass, :meth:`_admit_short`); ``limit``: admit at most this many."""
+        start = len(plan.chunks)
         while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
+            if limit is not None and len(plan.chunks) - start >= limit:
+                break
             if not self._try_admit(plan, self.waiting.popleft(), whole_only):
                 break
 

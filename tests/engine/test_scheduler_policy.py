@@ -58,6 +58,33 @@ def test_a_short_prefill_runs_whole_in_a_decode_step_a_long_one_in_small_chunks(
         ("streamer", 1), ("turn", 1), ("prompt", 6)]
 
 
+def test_only_one_short_prefill_a_step_widens_it():
+    s = Scheduler(KVCacheManager(256, 4, watermark=0), max_num_batched_tokens=256,
+                  decode_step_budget=8, short_prefill_budget=80, admission_order="fcfs")
+    streamer = seq(range(4), "streamer")
+    s.add(streamer)
+    step(s)
+    turns = [seq(range(10 * i + 100, 10 * i + 130), f"turn{i}") for i in range(2)]
+    tiny = seq(range(300, 304), "tiny")
+    for x in (*turns, tiny):
+        s.add(x)
+    out = step(s)
+    # turn0 widens the step to 80; turn1 (it would fit 80 too) stretch it again (everyone in the step waits for
+    # both): it goes whole in the next step; a prefill within the step's own budget still fits
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [("streamer", 1), ("turn0", 30)]
+    out = step(s)
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [
+        ("streamer", 1), ("turn0", 1), ("turn1", 30)]
+    s2 = Scheduler(KVCacheManager(256, 4, watermark=0), max_num_batched_tokens=256,
+                   decode_step_budget=16, short_prefill_budget=40, admission_order="fcfs")
+    s2.add(seq(range(4), "streamer"))
+    step(s2)
+    s2.add(seq(range(10, 16), "a"))  # 6 tokens: within the step's own 15 left
+    s2.add(seq(range(20, 28), "b"))  # 8 more: still within it
+    assert [(c.seq.request_id, c.num_tokens) for c in step(s2).chunks] == [
+        ("streamer", 1), ("a", 6), ("b", 8)]
+
+
 def test_many_decodes_leave_a_prefill_at_least_a_page_a_step():
     s = Scheduler(KVCacheManager(256, 4, watermark=0), max_num_batched_tokens=256,
                   decode_step_budget=4, short_prefill_budget=1)
