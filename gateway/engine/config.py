@@ -53,7 +53,7 @@ class EngineConfig:
     # prefixes: the least prefill compute first), except
     # that one waiting max_admission_wait_s or longer goes first (no starvation)
     admission_order: str = "lpm"
-    max_admission_wait_s: float = 60.0
+    max_admission_wait_s: float = 90.0
     max_num_seqs: int = 64  # running sequences at once
     max_waiting: int = 256  # bounded waiting queue; beyond it: OverloadedError (HTTP 429)
     watermark: float = 0.10  # admit only while >= this fraction of pages stays free

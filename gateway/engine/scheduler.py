@@ -168,7 +168,7 @@ class Scheduler:
         short_prefill_budget: int | None = None,
         protect_waiting: bool = True,
         admission_order: str = "lpm",
-        max_admission_wait_s: float = 60.0,
+        max_admission_wait_s: float = 90.0,
         clock: Callable[[], float] = time.monotonic,
     ):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
