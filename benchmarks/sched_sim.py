@@ -22,6 +22,8 @@ Workloads:
     the first ``--sessions`` multi-turn sessions, each hash id a 16-token block, outputs scaled
     by 16/512 (at least 1), closed loop: a turn is sent its real gap x ``--time-scale`` after
     the previous one finished (the first turn at its timestamp x the same); the pool is 1,456 pages (23,296 tokens, the issue's 1 GiB) unless given.
+  * ``replay``: ``benchmarks.trace``'s own replay at its defaults (178 requests of 48 sessions,
+    at most 4 turns, each turn's prompt from the trace's hash ids), closed loop, same pool.
   * ``agents``: tool-pause sessions: 32 agents over a 1,000-token shared system prompt, 6
     turns, each adding a 200-token tool result, 48 output tokens, heavy-tailed pauses
     (lognormal, median 1 s), pool at 40% of the working set.
@@ -41,12 +43,21 @@ import heapq
 import json
 import math
 import random
+import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import base_parser, print_table, write_json
+from benchmarks.trace_workload import (
+    Scaling,
+    Selection,
+    build_replay,
+    link_sessions,
+    load_trace,
+    select,
+)
 from prefixgate.cache import KVCacheManager
 from prefixgate.gateway.engine.api import SamplingParams
 from prefixgate.gateway.engine.scheduler import Scheduler
@@ -73,10 +84,10 @@ ARMS: dict[str, dict[str, Any]] = {
     "srpt": dict(max_num_batched_tokens=512, decode_step_budget=64, short_prefill_budget=192,
                  admission_order="srpt"),
     **{f"d{d}s{sh}": dict(max_num_batched_tokens=512, decode_step_budget=d, short_prefill_budget=sh)
-       for d in (48, 64, 96) for sh in (128, 192, 256)},
+       for d in (16, 32, 48, 64, 96) for sh in (128, 192, 256, 384, 512)},
     "unprotected": dict(max_num_batched_tokens=2048, decode_step_budget=192, protect_waiting=False),
-    **{f"wait{w:g}s": dict(max_num_batched_tokens=2048, decode_step_budget=192, max_admission_wait_s=w)
-       for w in (1.0, 10.0, 20.0, 30.0, 60.0, 1e9)},
+    **{f"wait{w:g}s": dict(max_num_batched_tokens=512, decode_step_budget=64, short_prefill_budget=192,
+                           max_admission_wait_s=w) for w in (1.0, 10.0, 20.0, 30.0, 60.0, 90.0, 120.0, 1e9)},
 }
 
 
@@ -221,6 +232,36 @@ def summarise(sim: Sim) -> dict[str, Any]:
             "protected_evicted": stats.protected_evicted}
 
 
+def run_replay(arm: dict[str, Any], num_pages: int, kv_read_s: float = STEP_KV_READ_S) -> dict[str, Any]:
+    """benchmarks.trace's own replay at its defaults (the same 178 requests), closed loop: a
+    first turn at its send time, a returning one its gap after its parent finished."""
+    requests = load_trace(TRACE)
+    links = link_sessions(requests)
+    replay = build_replay(requests, links, select(requests, links, Selection()), Scaling())
+    sim = Sim(Scheduler(KVCacheManager(num_pages, PAGE), context_scale=CONTEXT_SCALE, **arm), kv_read_s)
+    children: dict[int, list[Any]] = {}
+    for r in replay:
+        if r.parent is not None:
+            children.setdefault(r.parent, []).append(r)
+    due = [(r.at_s, r.id) for r in replay if r.parent is None]
+    heapq.heapify(due)
+    by_id = {r.id: r for r in replay}
+    live = 0
+    while due or live:
+        while due and (due[0][0] <= sim.now or not live):
+            at, rid = heapq.heappop(due)
+            sim.now = max(sim.now, at)
+            r = by_id[rid]
+            sim.submit(f"s{r.session}t{r.turn}r{rid}", list(r.prompt), r.max_tokens, r.turn)
+            live += 1
+        for seq in sim.step():
+            live -= 1
+            rid = int(seq.request_id.rsplit("r", 1)[1])
+            for child in children.get(rid, []):
+                heapq.heappush(due, (sim.now + child.gap_s, child.id))
+    return summarise(sim)
+
+
 def run_burst(arm: dict[str, Any], rng: random.Random, kv_read_s: float = STEP_KV_READ_S) -> dict[str, Any]:
     sim = Sim(Scheduler(KVCacheManager(8192, PAGE), context_scale=CONTEXT_SCALE, **arm), kv_read_s)
     streams = [sim.submit(f"d{i}", [rng.randrange(1 << 20) for _ in range(64)], 256) for i in range(16)]
@@ -263,10 +304,23 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def arm_settings(name: str) -> dict[str, Any]:
+    """A named arm, or ``d<decode>s<short>[m<max>]`` (e.g. d32s192m1024)."""
+    if name in ARMS:
+        return ARMS[name]
+    match = re.fullmatch(r"d(\d+)s(\d+)(?:m(\d+))?", name)
+    if match is None:
+        raise SystemExit(f"unknown arm {name!r}")
+    d, sh, top = (int(g) if g else None for g in match.groups())
+    return dict(max_num_batched_tokens=top or 512, decode_step_budget=d, short_prefill_budget=sh)
+
+
 def run(workload: str, arm: dict[str, Any], args: Any) -> dict[str, Any]:
     rng = random.Random(0)
     if workload == "trace":
         return run_sessions(arm, trace_sessions(args.sessions, args.time_scale), args.trace_pages, args.kv_read_s)
+    if workload == "replay":
+        return run_replay(arm, args.trace_pages, args.kv_read_s)
     if workload == "agents":
         return run_sessions(arm, agent_sessions(rng), args.agent_pages, args.kv_read_s)
     if workload == "swarm":
@@ -290,7 +344,7 @@ def main() -> None:
     results: dict[str, dict[str, Any]] = {}
     for workload in args.workloads.split(","):
         for arm in args.arms.split(","):
-            row = run(workload, ARMS[arm], args)
+            row = run(workload, arm_settings(arm), args)
             results.setdefault(workload, {})[arm] = row
             print(workload, arm, {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()},
                   flush=True)
@@ -299,7 +353,7 @@ def main() -> None:
                                for arm, row in arms.items() for key, value in row.items()])
     write_json(args.json, {"cost_model": {"step_base_s": STEP_BASE_S, "step_unit_s": STEP_UNIT_S,
                                           "kv_read_s": args.kv_read_s},
-                           "arms": {a: ARMS[a] for a in args.arms.split(",")}, "results": results})
+                           "arms": {a: arm_settings(a) for a in args.arms.split(",")}, "results": results})
 
 
 if __name__ == "__main__":

@@ -119,7 +119,8 @@ class KVCacheManager:
             blocks: ``hasher.hash_blocks(token_ids, extra_keys)`` when the caller already has it.
         Returns:
             PrefixMatch; ``num_pending_tokens`` counts the blocks right after the hit that a
-            live sequence is computing now (the scheduler may wait for them: in-flight dedup).
+            live sequence is computing now, its computed prefix at the first of them (the
+            scheduler may wait for them: in-flight dedup).
         """
         if not token_ids:
             raise InvalidArgumentError("empty token list")
@@ -637,6 +638,17 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ internals
 
+    def _computing_now(self, owner: Hashable, start: int) -> bool:
+        """Whether ``owner`` computes the block at ``start`` next: its computed prefix reached it.
+
+        NOTE: a sequence registers every block of its prompt as pending when it is admitted,
+        but a long prompt chunked behind decoding streams reaches its late blocks only after
+        many steps; a request sharing one of those blocks would wait for all of them, far
+        longer than computing its own few tokens would take. So a run of pending blocks
+        counts as in flight only once its owner's frontier is at the run's first block."""
+        entry = self._seqs.get(owner)
+        return entry is not None and entry.seq.num_computed >= start
+
     def _get(self, seq_id: Hashable, operation: str) -> SequenceBlocks:
         entry = self._seqs.get(seq_id)
         if entry is None:
@@ -653,7 +665,10 @@ class KVCacheManager:
         num_cached = min(len(pages) * self.page_size, num_tokens - 1)
         pending = 0
         for block in blocks[len(pages) :]:
-            if block.block_hash not in self._pending:
+            owner = self._pending.get(block.block_hash)
+            if owner is None:
+                break
+            if pending == 0 and not self._computing_now(owner, len(pages) * self.page_size):
                 break
             pending += 1
         return PrefixMatch(

@@ -57,7 +57,7 @@ class EngineConfig:
     # prefixes: the least prefill compute first), except
     # that one waiting max_admission_wait_s or longer goes first (no starvation)
     admission_order: str = "lpm"
-    max_admission_wait_s: float = 60.0
+    max_admission_wait_s: float = 90.0
     max_num_seqs: int = 64  # running sequences at once
     max_waiting: int = 256  # bounded waiting queue; beyond it: OverloadedError (HTTP 429)
     watermark: float = 0.10  # admit only while >= this fraction of pages stays free
@@ -118,10 +118,10 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.short_prefill_budget is not None and self.short_prefill_budget < 1:
             raise ValueError("short_prefill_budget must be >= 1")
-        if self.decode_step_budget is not None and self.decode_step_budget < self.max_num_seqs:
-            raise ValueError(
-                f"decode_step_budget ({self.decode_step_budget}) must be >= max_num_seqs ({self.max_num_seqs})"
-            )
+        if self.decode_step_budget is not None and self.decode_step_budget < 1:
+            # NOTE: no floor at max_num_seqs: decodes are never skipped for budget, and a step
+            # while streams decode always leaves a page to a prefill (Scheduler.step_budget)
+            raise ValueError(f"decode_step_budget must be >= 1, got {self.decode_step_budget}")
         if self.admission_order not in ADMISSION_ORDERS:
             raise ValueError(f"admission_order must be one of {', '.join(ADMISSION_ORDERS)}, "
                              f"got {self.admission_order!r}")
@@ -176,12 +176,12 @@ def step_token_budget(config: EngineConfig, device_type: str) -> int:
 
 def decode_token_budget(config: EngineConfig, device_type: str) -> int:
     """The step budget while any stream decodes: the configured one, else the device's default,
-    never above :func:`step_token_budget` nor below ``max_num_seqs``."""
+    never above :func:`step_token_budget`."""
     ceiling = step_token_budget(config, device_type)
     if config.decode_step_budget is not None:
         return min(config.decode_step_budget, ceiling)
     default = DECODE_STEP_BUDGET.get(device_type, ceiling)
-    return min(max(default, config.max_num_seqs), ceiling)
+    return min(default, ceiling)
 
 
 def short_prefill_budget(config: EngineConfig, device_type: str) -> int:

@@ -168,7 +168,7 @@ class Scheduler:
         short_prefill_budget: int | None = None,
         protect_waiting: bool = True,
         admission_order: str = "lpm",
-        max_admission_wait_s: float = 60.0,
+        max_admission_wait_s: float = 90.0,
         clock: Callable[[], float] = time.monotonic,
     ):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
@@ -365,30 +365,48 @@ class Scheduler:
 
     def _admit_short(self, plan: _StepPlan) -> None:
         """Before the running prefills' next chunks: admit waiting requests whose whole prefill
-        fits what the step has left, widened to ``short_prefill_budget`` (queue order, stop at
-        the first that does not fit whole).
+        fits what the step has left, in queue order, passing over those that do not (they
+        keep their place; under ``admission_order="fcfs"`` the first that does not stops it). The first admitted may widen the step to ``short_prefill_budget``;
+        the rest fit the step's own budget (several short turns packed into one widened step
+        would each wait for all of them). A page of budget stays for the prefill work behind
+        them.
 
         NOTE: a returning turn's short suffix would otherwise wait behind every long prompt
-        admitted before it (their chunks take the step's budget first) and, split to fit a
+        ahead of it (an aged one at the head of the queue above all) and, split to fit a
         small decode budget, pay several steps for its first token; a long prompt is chunked
         at the decode budget, so the running streams' inter-token latency stays bounded
-        except for steps that carry one short prefill whole.
+        except for steps that carry one short prefill whole. The page kept back means a
+        stream of short turns never starves a running long prompt (nor, through the age
+        bound, a waiting one).
         """
         if not self.waiting:
             return
         self._order_waiting()
+        reserve = self.cache.page_size if plan.num_decodes else 0
         widen = max(0, self.short_prefill_budget - plan.step_budget)
-        plan.budget += widen
-        self._admit(plan, whole_only=True)
-        plan.budget -= widen
+        plan.budget -= reserve
+        passed: list[Sequence] = []
+        for _ in range(min(len(self.waiting), ADMISSION_WINDOW)):
+            if plan.budget + widen <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            seq = self.waiting.popleft()
+            admitted = len(plan.chunks)
+            plan.budget += widen
+            if not self._try_admit(plan, seq, whole_only=True):
+                if self.admission_order == "fcfs":  # arrival order: nothing passes it
+                    plan.budget -= widen
+                    break
+                passed.append(self.waiting.popleft())  # _try_admit put it back at the head
+            plan.budget -= widen
+            if len(plan.chunks) > admitted:
+                widen = 0  # this step's one widening is used
+        self.waiting.extendleft(reversed(passed))
+        plan.budget = max(plan.budget, 0) + reserve
 
-    def _admit(self, plan: _StepPlan, whole_only: bool = False) -> None:
-        """Admit waiting sequences in queue order while the step has budget and room.
-
-        ``whole_only``: stop at the first whose whole prefill does not fit what is left (the
-        short-prefill pass, :meth:`_admit_short`)."""
+    def _admit(self, plan: _StepPlan) -> None:
+        """Admit waiting sequences in queue order while the step has budget and room."""
         while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
-            if not self._try_admit(plan, self.waiting.popleft(), whole_only):
+            if not self._try_admit(plan, self.waiting.popleft()):
                 break
 
     def _try_admit(self, plan: _StepPlan, seq: Sequence, whole_only: bool = False) -> bool:
@@ -414,7 +432,8 @@ class Scheduler:
             start = min((len(match.page_ids) + tier_blocks) * self.cache.page_size, len(seq.token_ids) - 1)
         remaining = len(seq.token_ids) - start
         n = self._fit(start, remaining, plan.budget, not plan.has_prefill)
-        own_step = plan.step_budget - plan.num_decodes  # what a step would leave it
+        # what a step would leave it (a short prefill's step may be widened)
+        own_step = max(plan.step_budget, self.short_prefill_budget) - plan.num_decodes
         if n <= 0 or (n < remaining and (whole_only or plan.has_prefill and self._cost(start, remaining) <= own_step)):
             # NOTE: nothing fits, or it would fit the next step whole: split here, its first
             # token would wait a second step anyway. A held tier load stays held.

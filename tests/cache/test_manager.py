@@ -156,6 +156,25 @@ def test_pending_blocks_are_reported_for_in_flight_dedup():
     assert m.find_prefix(prompt + [200]).num_pending_tokens == 0
 
 
+def test_a_block_far_ahead_of_its_owners_frontier_is_not_in_flight():
+    m = KVCacheManager(32, 4, watermark=0)
+    m.allocate(TokenSequence("slow", list(range(24)) + [7]))  # cold, computed in chunks
+    m.prepare_write("slow", 4)
+    m.commit_computed("slow", 4)
+    # another sequence caches blocks 0-2 of the same prefix (it computes them itself)
+    m.allocate(TokenSequence("other", list(range(12)) + [99]))
+    m.prepare_write("other", 9)
+    m.commit_computed("other", 9)
+    m.free("other")
+    # a request whose next block (12-16) only the slow owner will compute, two chunks from now:
+    # not in flight yet, so it computes that block itself instead of waiting for both chunks
+    match = m.find_prefix(list(range(16)) + [5])
+    assert match.num_cached_tokens == 12 and match.num_pending_tokens == 0
+    m.prepare_write("slow", 8)
+    m.commit_computed("slow", 8)  # its frontier is at 12: the block is its next one
+    assert m.find_prefix(list(range(16)) + [5]).num_pending_tokens == 4
+
+
 def test_events_mirror_the_hittable_set():
     events = []
     m = KVCacheManager(3, 2, watermark=0, event_sink=events.append)

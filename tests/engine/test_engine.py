@@ -277,14 +277,16 @@ def test_step_token_budget_defaults_by_device() -> None:
         EngineConfig(short_prefill_budget=0)
     # never below the running-sequence cap, never above the step budget; explicit ones win
     assert step_token_budget(EngineConfig(max_num_seqs=3000), "cpu") == 3000
-    assert decode_token_budget(EngineConfig(max_num_seqs=300), "cpu") == 300
+    # the decode budget has no floor at max_num_seqs (decodes are never skipped for budget)
+    assert decode_token_budget(EngineConfig(max_num_seqs=300), "cpu") == 64
+    assert decode_token_budget(EngineConfig(decode_step_budget=16), "cpu") == 16
     assert step_token_budget(EngineConfig(max_num_batched_tokens=4096), "cpu") == 4096
     assert decode_token_budget(EngineConfig(max_num_batched_tokens=128, decode_step_budget=512), "cpu") == 128
     assert decode_token_budget(EngineConfig(decode_step_budget=512), "cpu") == 512
     with pytest.raises(ValueError, match="must be >= max_num_seqs"):
         EngineConfig(max_num_batched_tokens=32, max_num_seqs=64)
-    with pytest.raises(ValueError, match="must be >= max_num_seqs"):
-        EngineConfig(decode_step_budget=32, max_num_seqs=64)
+    with pytest.raises(ValueError, match="decode_step_budget must be >= 1"):
+        EngineConfig(decode_step_budget=0)
     with pytest.raises(ValueError, match="admission_order"):
         EngineConfig(admission_order="sjf")
 

@@ -51,11 +51,60 @@ def test_a_short_prefill_runs_whole_in_a_decode_step_a_long_one_in_small_chunks(
     s.add(prompt)
     out = step(s)
     # the 30-token turn fits the widened 40 whole: one step to its first token; the 100-token
-    # prompt does not: it waits for the decode budget's chunks
-    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [("streamer", 1), ("turn", 30)]
+    # prompt does not: it gets the page the short pass leaves, then the decode budget's chunks
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [
+        ("streamer", 1), ("turn", 30), ("prompt", 4)]
     out = step(s)
     assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [
         ("streamer", 1), ("turn", 1), ("prompt", 6)]
+
+
+def test_only_one_short_prefill_a_step_widens_it():
+    s = Scheduler(KVCacheManager(256, 4, watermark=0), max_num_batched_tokens=256,
+                  decode_step_budget=8, short_prefill_budget=80, admission_order="fcfs")
+    streamer = seq(range(4), "streamer")
+    s.add(streamer)
+    step(s)
+    turns = [seq(range(10 * i + 100, 10 * i + 130), f"turn{i}") for i in range(2)]
+    tiny = seq(range(300, 304), "tiny")
+    for x in (*turns, tiny):
+        s.add(x)
+    out = step(s)
+    # turn0 widens the step to 80; turn1 (it would fit 80 too) would stretch it again (everyone
+    # in the step waits for both): it goes whole in the next step
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [("streamer", 1), ("turn0", 30)]
+    out = step(s)
+    # (tiny fits the page the short pass leaves for the prefill work behind it)
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [
+        ("streamer", 1), ("turn0", 1), ("turn1", 30), ("tiny", 4)]
+    s2 = Scheduler(KVCacheManager(256, 4, watermark=0), max_num_batched_tokens=256,
+                   decode_step_budget=16, short_prefill_budget=40, admission_order="fcfs")
+    s2.add(seq(range(4), "streamer"))
+    step(s2)
+    s2.add(seq(range(10, 16), "a"))  # 6 tokens: within the step's own 15 left
+    s2.add(seq(range(20, 28), "b"))  # 8 more: still within it
+    assert [(c.seq.request_id, c.num_tokens) for c in step(s2).chunks] == [
+        ("streamer", 1), ("a", 6), ("b", 8)]
+
+
+def test_short_turns_pass_an_aged_long_prompt_but_never_starve_it():
+    now = [0.0]
+    s = Scheduler(KVCacheManager(512, 4, watermark=0), max_num_batched_tokens=256,
+                  decode_step_budget=8, short_prefill_budget=40, max_admission_wait_s=5.0,
+                  clock=lambda: now[0])
+    s.add(seq(range(4), "streamer"))
+    step(s)
+    long = seq(range(1000, 1200), "long")
+    s.add(long)
+    now[0] = 10.0  # long waited past the age bound: it heads the queue
+    progress = []
+    for i in range(6):  # a short turn arrives every step
+        s.add(seq(range(2000 + 100 * i, 2000 + 100 * i + 20), f"turn{i}"))
+        out = step(s)
+        chunks = {c.seq.request_id: c.num_tokens for c in out.chunks}
+        assert chunks.get(f"turn{i}") == 20  # the turn passes the long prompt, whole
+        progress.append(chunks.get("long", 0))
+    assert all(n >= 4 for n in progress)  # and the long prompt moves at least a page a step
 
 
 def test_many_decodes_leave_a_prefill_at_least_a_page_a_step():
