@@ -17,8 +17,9 @@ Workload (deterministic; defaults in brackets, --quick in braces):
     streams and the burst fit at once; vLLM takes whole GiB).
 
 Reported per server: the streams' inter-token latency (gaps between text chunks) p50/p90
-before the burst (from each stream's 2nd token to the burst's send) and during it (gaps ending
-between the burst's send and its last response), ``itl_p90_burst_over_before`` (target <= 2),
+before the burst (from the moment every stream has its first token to the burst's send) and
+during it (gaps ending between the burst's send and its last response),
+``itl_p90_burst_over_before`` (target <= 2),
 the longest single stall during the burst, and the burst's TTFT p50 / max and its wall (send ->
 last response). Ratios prefixgate / peer.
 
@@ -176,9 +177,12 @@ def burst_figures(streams: list[Stream], burst: list[Stream], sent: float,
                   done: float) -> dict[str, Any]:
     """Stream ITL before / during the burst (gaps overlapping [sent, done]), burst TTFT."""
     before, during = [], []
+    # NOTE: "before" starts once every stream decodes: while some streams still prefill, the
+    # others' gaps measure the streams' own admission, not the steady decode the burst disturbs
+    steady = max((r.chunks[0] for r in streams if r.chunks), default=sent)
     for record in streams:
         for start, end in zip(record.chunks[1:], record.chunks[2:], strict=False):
-            if end <= sent:
+            if end <= sent and start >= steady:
                 before.append(end - start)
             elif start < done:
                 during.append(end - start)

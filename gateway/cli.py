@@ -21,6 +21,8 @@ from prefixgate.gateway.engine.config import (
     DECODE_STEP_BUDGET,
     DTYPES,
     KV_DTYPES,
+    KV_TIERS,
+    SERVE_KV_TIER,
     SHORT_PREFILL_BUDGET,
     STEP_TOKEN_BUDGET,
     EngineConfig,
@@ -97,7 +99,7 @@ DEFAULTS: dict[str, Any] = {
     "max_stored_responses": _SERVER.max_stored_responses,
     "retention": _SERVER.retention_s,
     "speculative_tokens": _ENGINE.num_speculative_tokens,
-    "kv_tier": _ENGINE.kv_tier or "off",
+    "kv_tier": SERVE_KV_TIER,
     "kv_tier_size": _ENGINE.kv_tier_size_gb,
     "kv_tier_path": _ENGINE.kv_tier_path,
     "kv_tier_secret": _SERVER.kv_tier_secret,
@@ -296,16 +298,19 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     )
     model.add_argument(
         "--kv-tier",
-        choices=["off", "host", "redis"],
+        choices=["off", *KV_TIERS],
         help="a second KV tier for evicted cached pages, loaded back instead of recomputed: "
         "host = host memory (a memory-mapped file with --kv-tier-path), redis = the fleet's "
-        "Redis at --redis-url, shared by every replica (default {default})",
+        "Redis at --redis-url, shared by every replica, auto = host memory sized from the RAM "
+        "available at start (a share of it, at most --kv-tier-size; off when too little is "
+        "free; logged at start) (default {default})",
     )
     model.add_argument(
         "--kv-tier-size",
         type=_positive_float,
         metavar="GB",
-        help="the host tier's size in GiB (default {default}; Redis is bounded by its own maxmemory)",
+        help="the host tier's size in GiB, with --kv-tier auto its cap (default {default}; Redis "
+        "is bounded by its own maxmemory)",
     )
     model.add_argument(
         "--kv-tier-path", metavar="FILE", help="back the host tier by this file on local disk"

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 from typing import Any
 
 from prefixgate.cache.events import EventSink
 from prefixgate.cache.tier import HostTier, TierStore, entry_slot_bytes
-from prefixgate.gateway.engine.config import EngineConfig
+from prefixgate.gateway.engine.config import AUTO_TIER_RAM_FRACTION, EngineConfig, auto_tier_bytes
 from prefixgate.gateway.engine.llm_engine import LLMEngine
 from prefixgate.gateway.engine.loader import LoadedModel, load_model
 from prefixgate.gateway.engine.model_config import parse_rope_override, with_rope_override
@@ -65,15 +67,69 @@ def _build_runner(config: EngineConfig, loaded: LoadedModel) -> ModelRunner:
     )
 
 
+log = logging.getLogger(__name__)
+
+
 def _build_tier_store(config: EngineConfig, runner: ModelRunner) -> TierStore | None:
     """The configured second tier when the caller gave none (the server passes Redis's)."""
+    page_bytes = runner.kv_pool[:, :, 0].numel() * runner.kv_pool.element_size()
+    if config.kv_tier == "auto":
+        available = available_ram_bytes()
+        size = auto_tier_bytes(available, config.kv_tier_size_gb, page_bytes * runner.num_pages)
+        gib = 1 << 30
+        log.info("KV tier (auto): %s (%.0f%% of %.1f GiB RAM available, cap %.1f GiB)",
+                 f"host, {size / gib:.2f} GiB" if size else "off", AUTO_TIER_RAM_FRACTION * 100,
+                 (available or 0) / gib, config.kv_tier_size_gb)
+        if not size:
+            return None
+        return HostTier(size, entry_slot_bytes(page_bytes), path=config.kv_tier_path)
     if config.kv_tier == "host":
-        page_bytes = runner.kv_pool[:, :, 0].numel() * runner.kv_pool.element_size()
         return HostTier(int(config.kv_tier_size_gb * (1 << 30)), entry_slot_bytes(page_bytes),
                         path=config.kv_tier_path)
     if config.kv_tier == "redis":
         raise ValueError("kv_tier redis needs the server's Redis store (--redis-url)")
     return None
+
+
+def available_ram_bytes() -> int | None:
+    """RAM this process could still take without swapping: the kernel's ``MemAvailable``, or
+    less when a container's memory limit (cgroup v2 or v1) leaves less; None if unknown.
+
+    NOTE: inside a container /proc/meminfo shows the host's memory, so a tier sized from it
+    alone could push a limited container into the OOM killer."""
+    available = _meminfo_available()
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        limit, usage = _read_int(limit_file), _read_int(usage_file)
+        if limit is not None and usage is not None and limit < (1 << 60):
+            left = max(limit - usage, 0)
+            available = left if available is None else min(available, left)
+            break
+    return available
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _read_int(path: str) -> int | None:
+    """The integer in a one-line file ("max" and unreadable files: None)."""
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
 
 
 def _engine_info(config: EngineConfig, loaded: LoadedModel, runner: ModelRunner) -> dict[str, Any]:

@@ -21,6 +21,13 @@ def takes_dtypes(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
     )
 
 
+def window_arg(window: int | None, kernel: str) -> int:
+    """The C kernels' ``window`` argument (0: no window); ValueError for a window < 1."""
+    if window is not None and window < 1:
+        raise ValueError(f"{kernel}: window must be positive, got {window}")
+    return window or 0
+
+
 def heads_inconsistent(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor) -> bool:
     """True unless query and output are ``[n, Hq, D]`` alike and the caches

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from prefixgate.kernels.cpu.attention_inputs import KV_DTYPES
+from prefixgate.kernels.cpu.attention_inputs import KV_DTYPES, window_arg
 from prefixgate.kernels.cpu.library import library, native_status
 
 
@@ -62,14 +62,9 @@ def paged_decode_native(
             pool, a row outside ``query`` or a window < 1 (checked before anything is read
             or written).
     """
-    if window is not None and window < 1:
-        raise ValueError(f"paged decode: window must be positive, got {window}")
-    if (
-        query.device.type != "cpu"
-        or k_cache.dtype not in KV_DTYPES
-        or query.dtype != torch.float32
-        or out.dtype != torch.float32
-    ):
+    window = window_arg(window, "paged decode")
+    if query.device.type != "cpu" or k_cache.dtype not in KV_DTYPES or not (
+            query.dtype == out.dtype == torch.float32):
         return False
     lib = library()
     if lib is None:
@@ -85,8 +80,7 @@ def paged_decode_native(
         out.data_ptr(), out.stride(0), lse.data_ptr() if lse is not None else None,
         rows.shape[0], num_q_heads, num_kv_heads, head_dim, page_size, scale,
         num_threads or torch.get_num_threads(), k_cache.shape[0], query.shape[0],
-        int(k_cache.dtype == torch.bfloat16),
-        window or 0,
+        int(k_cache.dtype == torch.bfloat16), window,
     )
     if rc == -2:
         raise ValueError(

@@ -16,6 +16,7 @@ from prefixgate.kernels.cpu.attention_inputs import (
     heads_inconsistent,
     partly_overlaps,
     takes_dtypes,
+    window_arg,
 )
 from prefixgate.kernels.cpu.library import library
 
@@ -45,8 +46,7 @@ def paged_prefill_native(
         ValueError: inconsistent shapes, ``ctx_len < n``, too few pages, a page id outside
             the pool or a window < 1 (checked before anything is read or written).
     """
-    if window is not None and window < 1:
-        raise ValueError(f"paged prefill: window must be positive, got {window}")
+    window = window_arg(window, "paged prefill")
     if not takes_dtypes(out, query, k_cache, v_cache, pages):
         return False
     lib = library()
@@ -63,9 +63,7 @@ def paged_prefill_native(
     if not n_rows <= ctx_len < 2**31:
         raise ValueError(f"paged prefill: context {ctx_len} shorter than its {n_rows} new rows")
     if pages.shape[0] * page_size < ctx_len:
-        raise ValueError(
-            f"paged prefill: {pages.shape[0]} pages of {page_size} cannot hold {ctx_len} tokens"
-        )
+        raise ValueError(f"paged prefill: {pages.shape[0]} pages of {page_size} cannot hold {ctx_len} tokens")
     if _declines(lib, out, query, k_cache, v_cache, pages):
         return False
     if n_rows == 0:
@@ -75,8 +73,7 @@ def paged_prefill_native(
         pages.data_ptr(), pages.shape[0], ctx_len, n_rows, out.data_ptr(), out.stride(0),
         num_q_heads, num_kv_heads, head_dim, page_size, scale,
         num_threads or torch.get_num_threads(), k_cache.shape[0],
-        int(k_cache.dtype == torch.bfloat16),
-        window or 0,
+        int(k_cache.dtype == torch.bfloat16), window,
     )
     if rc == -2:  # the sizes were checked above: a page id is out of range
         raise ValueError(f"paged prefill: a page id outside the pool [0, {k_cache.shape[0]})")

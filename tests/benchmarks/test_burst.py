@@ -39,6 +39,16 @@ def test_gaps_overlapping_the_burst_count_as_the_burst():
     assert figures["errors"] == 1 and figures["first_error"] == "HTTP 400: x"
 
 
+def test_the_no_burst_baseline_starts_once_every_stream_decodes():
+    # a late stream's first token at 2.5: the early stream's gaps before it are its neighbour's
+    # admission, not steady decoding
+    early = bench.Stream(chunks=[0.0, 1.0, 2.0, 2.2, 2.4, 2.6, 3.0], sent=-1.0)
+    late = bench.Stream(chunks=[2.5, 2.7, 2.9, 3.1], sent=-1.0)
+    figures = bench.burst_figures([early, late], [], sent=3.2, done=4.0)
+    assert figures["itl_samples_before"] == 3  # 2.6->3.0, 2.7->2.9, 2.9->3.1
+    assert figures["itl_before_p50_s"] == pytest.approx(0.2)
+
+
 def test_a_tiny_burst_against_the_live_gateway(gateway):
     workload = bench.BurstWorkload(streams=2, stream_tokens=32, stream_max_tokens=400,
                                    settle_tokens=4, burst=2, burst_min_tokens=150,

@@ -4,10 +4,15 @@ a corrupt entry, a hash collision and a plain recompute (invariants 8 and 9, doc
 
 from __future__ import annotations
 
+import logging
+
+import pytest
 import torch
 
 from prefixgate.cache.tier import HostTier, entry_slot_bytes
+from prefixgate.gateway.engine import factory
 from prefixgate.gateway.engine.api import GenerationRequest
+from prefixgate.gateway.engine.config import EngineConfig, auto_tier_bytes
 from tests.engine.test_engine import SYSTEM, TASKS, chat, greedy, run, tokens
 
 PROMPT = SYSTEM + " " + SYSTEM + " Plan the release checklist."
@@ -197,3 +202,35 @@ def test_a_failed_spill_write_releases_its_blocks():
     assert tier._spilling == {}  # noqa: SLF001
     assert tier.stats().spills_dropped == 2
     tier.close()
+
+
+def test_auto_sizes_the_host_tier_from_available_ram():
+    gib = 1 << 30
+    # a quarter of what is available, at most the cap; off below two pools or when unknown
+    assert auto_tier_bytes(20 * gib, 4.0, gib) == 4 * gib
+    assert auto_tier_bytes(10 * gib, 4.0, gib) == int(2.5 * gib)
+    assert auto_tier_bytes(6 * gib, 4.0, gib) == 0  # 1.5 GiB would not hold two pools
+    assert auto_tier_bytes(None, 4.0, gib) == 0
+    with pytest.raises(ValueError, match="kv_tier must be one of"):
+        EngineConfig(kv_tier="disk")
+
+
+def test_an_auto_tier_is_built_and_logged(make_engine, monkeypatch, caplog):
+    monkeypatch.setattr(factory, "available_ram_bytes", lambda: 64 << 20)
+    with caplog.at_level(logging.INFO, logger=factory.__name__):
+        engine = make_engine(num_pages=8, kv_tier="auto", kv_tier_size_gb=1.0)
+    assert engine.tier is not None and "KV tier (auto): host, 0.02 GiB" in caplog.text
+    monkeypatch.setattr(factory, "available_ram_bytes", lambda: None)
+    with caplog.at_level(logging.INFO, logger=factory.__name__):
+        assert make_engine(num_pages=8, kv_tier="auto").tier is None
+    assert "KV tier (auto): off" in caplog.text
+
+
+def test_a_container_limit_bounds_the_ram_the_auto_tier_sees(monkeypatch):
+    gib = 1 << 30
+    monkeypatch.setattr(factory, "_meminfo_available", lambda: 100 * gib)  # the host's
+    files = {"/sys/fs/cgroup/memory.max": 8 * gib, "/sys/fs/cgroup/memory.current": 5 * gib}
+    monkeypatch.setattr(factory, "_read_int", files.get)
+    assert factory.available_ram_bytes() == 3 * gib  # the container may take 3 GiB more
+    files["/sys/fs/cgroup/memory.max"] = None  # "max": no limit
+    assert factory.available_ram_bytes() == 100 * gib

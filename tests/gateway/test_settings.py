@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from prefixgate.gateway import cli
-from prefixgate.gateway.engine.config import STEP_TOKEN_BUDGET, EngineConfig
+from prefixgate.gateway.engine.config import SERVE_KV_TIER, STEP_TOKEN_BUDGET, EngineConfig
 from prefixgate.gateway.server.settings import (
     ServerSettings,
     env_var,
@@ -136,7 +137,9 @@ def test_every_serve_flag_has_a_default_entry():
 
 def test_no_flag_means_the_configs_own_defaults():
     engine, settings = resolve(["serve"], {})
-    assert engine == EngineConfig() and settings == ServerSettings()
+    # one deliberate difference: the server runs the auto-sized tier, an embedded engine none
+    assert engine == dataclasses.replace(EngineConfig(), kv_tier=SERVE_KV_TIER)
+    assert settings == ServerSettings()
 
 
 def _help(parser, command: str) -> str:
@@ -203,8 +206,9 @@ def test_native_kernels_switch_spellings_and_flag_wins():
 
 
 def test_kv_tier_flags_reach_the_engine_config(tmp_path):
-    engine, _ = resolve(["serve"], {})
-    assert engine.kv_tier is None and engine.kv_tier_size_gb == 4.0
+    engine, _ = resolve(["serve"], {})  # the server's default: a host tier sized at start
+    assert engine.kv_tier == "auto" and engine.kv_tier_size_gb == 4.0
+    assert resolve(["serve", "--kv-tier", "off"], {})[0].kv_tier is None
     path = str(tmp_path / "tier.bin")
     engine, _ = resolve(["serve", "--kv-tier", "host", "--kv-tier-size", "0.5", "--kv-tier-path", path], {})
     assert (engine.kv_tier, engine.kv_tier_size_gb, engine.kv_tier_path) == ("host", 0.5, path)
