@@ -94,6 +94,9 @@ class SchedulerOutput:
 # a lookup per request per step stays cheap, and beyond it the queue is served in order
 # (SGLang falls back to first come first served past 128 waiting requests).
 ADMISSION_WINDOW = 64
+# the short-prefill pass looks past at most this many waiting requests that do not fit whole
+# (each look is a prefix lookup; a short turn further back waits for the queue to move)
+MAX_PASSED_OVER = 16
 
 
 @dataclass(slots=True)
@@ -139,8 +142,8 @@ class Scheduler:
         protect_waiting: a waiting request's cached prefix is protected from eviction until
             it is admitted (soft: ``KVCacheManager.hold_prefix``).
         admission_order: "lpm" (longest cached prefix first, then least prefill compute,
-            with ``max_admission_wait_s`` as the age bound: :meth:`_order_waiting`), "srpt" (least prefill compute left
-            first, same age bound) or "fcfs" (arrival order).
+            with ``max_admission_wait_s`` as the age bound: :meth:`_order_waiting`), "srpt"
+            (least prefill compute left first, same age bound) or "fcfs" (arrival order).
         clock: seconds, monotonic (the age bound's clock).
 
     Two rules keep time-to-first-token low without giving up throughput:
@@ -365,8 +368,9 @@ class Scheduler:
 
     def _admit_short(self, plan: _StepPlan) -> None:
         """Before the running prefills' next chunks: admit waiting requests whose whole prefill
-        fits what the step has left, in queue order, passing over those that do not (they
-        keep their place; under ``admission_order="fcfs"`` the first that does not stops it). The first admitted may widen the step to ``short_prefill_budget``;
+        fits what the step has left, in queue order, passing over up to MAX_PASSED_OVER that
+        do not (they keep their place; under ``admission_order="fcfs"`` the first that does
+        not stops it). The first admitted may widen the step to ``short_prefill_budget``;
         the rest fit the step's own budget (several short turns packed into one widened step
         would each wait for all of them). A page of budget stays for the prefill work behind
         them.
@@ -393,8 +397,8 @@ class Scheduler:
             admitted = len(plan.chunks)
             plan.budget += widen
             if not self._try_admit(plan, seq, whole_only=True):
-                if self.admission_order == "fcfs":  # arrival order: nothing passes it
-                    plan.budget -= widen
+                if self.admission_order == "fcfs" or len(passed) == MAX_PASSED_OVER:
+                    plan.budget -= widen  # arrival order: nothing passes it
                     break
                 passed.append(self.waiting.popleft())  # _try_admit put it back at the head
             plan.budget -= widen
