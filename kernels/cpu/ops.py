@@ -557,29 +557,7 @@ def q8_rows_native(
     Raises:
         IndexError: an id outside ``[0, N)`` (nothing gathered).
     """
-    lib = library()
-    n, k = shape
-    if (
-        lib is None
-        or qtype not in QUANT_TYPE_IDS
-        or ids.dim() != 1
-        or ids.dtype != torch.int64
-        or ids.device.type != "cpu"
-        or packed.dtype != torch.uint8
-        or not packed.is_contiguous()
-        or packed.shape != (-(-n // LINEAR_COLS),
-                            k // BLOCK * lib.pg_quant_group_bytes(QUANT_TYPE_IDS[qtype]))
-    ):
-        return None
-    ids = ids.contiguous()
-    out = torch.empty((ids.shape[0], k), dtype=torch.float32)
-    bad = lib.pg_q8_rows_f32(
-        QUANT_TYPE_IDS[qtype], packed.data_ptr(), n, k, ids.data_ptr(), ids.shape[0],
-        out.data_ptr(), out.stride(0), torch.get_num_threads(),
-    )
-    if bad > 0:
-        raise IndexError(f"row id {int(ids[bad - 1])} outside [0, {n})")
-    return out if bad == 0 else None
+    return _packed_rows("pg_q8_rows_f32", ids, packed, qtype, shape)
 
 
 def quant_rows_native(
@@ -595,6 +573,13 @@ def quant_rows_native(
     Raises:
         IndexError: an id outside ``[0, N)`` (nothing gathered).
     """
+    return _packed_rows("pg_quant_rows_f32", ids, packed, qtype, shape)
+
+
+def _packed_rows(kernel: str, ids: torch.Tensor, packed: torch.Tensor, qtype: str,
+                 shape: tuple[int, int]) -> torch.Tensor | None:
+    """The row gather of :func:`quant_rows_native` and :func:`q8_rows_native` (``kernel``: the
+    C entry point of the packing); None when not handled here."""
     lib = library()
     n, k = shape
     if (
@@ -611,13 +596,13 @@ def quant_rows_native(
         return None
     ids = ids.contiguous()
     out = torch.empty((ids.shape[0], k), dtype=torch.float32)
-    bad = lib.pg_quant_rows_f32(
+    bad = getattr(lib, kernel)(
         QUANT_TYPE_IDS[qtype], packed.data_ptr(), n, k, ids.data_ptr(), ids.shape[0],
         out.data_ptr(), out.stride(0), torch.get_num_threads(),
     )
-    if bad:
+    if bad > 0:
         raise IndexError(f"row id {int(ids[bad - 1])} outside [0, {n})")
-    return out
+    return out if bad == 0 else None
 
 
 __all__ = [

@@ -47,23 +47,12 @@
 #include <immintrin.h>
 #endif
 
-#define COLS 16
-#define GROUP 32
+#include "quant_groups.h"
+
 #define TILE_ROWS 4
 #define CHUNK 4 /* column blocks a thread's row tiles share (~20-60 KB, L1/L2) */
 #define PREFETCH_BYTES 1024
 
-enum { PG_Q4_0 = 2, PG_Q4_1 = 3, PG_Q8_0 = 8 };
-
-/* bytes of one packed group (16 columns x 32 k), 0 when not handled */
-static inline int group_bytes(int qtype) {
-    switch (qtype) {
-        case PG_Q4_0: return 2 * COLS + COLS * GROUP / 2;
-        case PG_Q4_1: return 4 * COLS + COLS * GROUP / 2;
-        case PG_Q8_0: return 2 * COLS + COLS * GROUP;
-        default: return 0;
-    }
-}
 
 /* 1 where this build has AVX512-VNNI and AVX512-BW: the --dtype q8 mode runs here. */
 int pg_linear_q8_preferred(void) {
@@ -142,7 +131,7 @@ static inline __m512i broadcast4(const int8_t *p) {
 static inline __attribute__((always_inline)) void q8_tile(
     const int qtype, const int R, const int NB, const QRows *xr, int m0, int K,
     const uint8_t *wp, int64_t block_bytes, __m512 *out) {
-    const int gb = group_bytes(qtype), groups = xr->groups;
+    const int gb = quant_group_bytes(qtype), groups = xr->groups;
     const int quant_offset = qtype == PG_Q4_1 ? 4 * COLS : 2 * COLS;
     const __m512i low = _mm512_set1_epi8(0x0f);
     __m512 acc[8];
@@ -233,21 +222,6 @@ static void tile_dispatch(int qtype, int rows, int nb, const QRows *xr, int m0, 
 #undef PG_TILE
 }
 
-static inline void store_tile(const __m512 *acc, int nrows, int ncols, const float *bias,
-                              const float *residual, int64_t ld_res, float *y, int64_t ldy) {
-    for (int r = 0; r < nrows; ++r) {
-        float row[COLS];
-        _mm512_storeu_ps(row, acc[r]);
-        float *dst = y + r * ldy;
-        const float *res = residual != NULL ? residual + r * ld_res : NULL;
-        for (int c = 0; c < ncols; ++c) {
-            float v = row[c];
-            if (bias != NULL) v += bias[c];
-            if (res != NULL) v = res[c] + v;
-            dst[c] = v;
-        }
-    }
-}
 
 /* Column blocks [first, last) for every row: chunks of CHUNK blocks, row tiles of TILE_ROWS. */
 static void q8_blocks(int qtype, const QRows *xr, const uint8_t *packed, int64_t block_bytes,
@@ -289,9 +263,9 @@ int pg_linear_q8(int qtype, const float *x, int64_t ldx, const uint8_t *packed, 
                  const float *residual, int64_t ld_res, float *y, int64_t ldy, int M, int N, int K,
                  int num_threads) {
 #if defined(PG_Q8)
-    if (group_bytes(qtype) == 0 || K % GROUP) return -1;
+    if (quant_group_bytes(qtype) == 0 || K % GROUP) return -1;
     const int blocks = (N + COLS - 1) / COLS;
-    const int64_t block_bytes = (int64_t)(K / GROUP) * group_bytes(qtype);
+    const int64_t block_bytes = (int64_t)(K / GROUP) * quant_group_bytes(qtype);
     if (num_threads < 1) num_threads = 1;
     if (blocks == 0 || M == 0) return 0;
     QRows xr;
@@ -325,10 +299,10 @@ int pg_linear_q8(int qtype, const float *x, int64_t ldx, const uint8_t *packed, 
 int64_t pg_q8_rows_f32(int qtype, const uint8_t *packed, int64_t N, int K, const int64_t *ids,
                        int64_t num_ids, float *out, int64_t ldo, int num_threads) {
 #if defined(PG_Q8)
-    if (group_bytes(qtype) == 0 || K % GROUP) return -1;
+    if (quant_group_bytes(qtype) == 0 || K % GROUP) return -1;
     for (int64_t t = 0; t < num_ids; ++t)
         if (ids[t] < 0 || ids[t] >= N) return t + 1;
-    const int gb = group_bytes(qtype);
+    const int gb = quant_group_bytes(qtype);
     const int64_t block_bytes = (int64_t)(K / GROUP) * gb;
     const int quant_offset = qtype == PG_Q4_1 ? 4 * COLS : 2 * COLS;
     if (num_threads < 1) num_threads = 1;

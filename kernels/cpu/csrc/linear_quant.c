@@ -60,21 +60,10 @@
 #include <immintrin.h>
 #endif
 
-#define COLS 16
-#define GROUP 32
-
-/* ggml's type ids */
-enum { PG_Q4_0 = 2, PG_Q4_1 = 3, PG_Q8_0 = 8 };
+#include "quant_groups.h"
 
 /* bytes of one packed group (16 columns x 32 k) of `qtype`, 0 when not handled */
-int pg_quant_group_bytes(int qtype) {
-    switch (qtype) {
-        case PG_Q4_0: return 2 * COLS + COLS * GROUP / 2;
-        case PG_Q4_1: return 4 * COLS + COLS * GROUP / 2;
-        case PG_Q8_0: return 2 * COLS + COLS * GROUP;
-        default: return 0;
-    }
-}
+int pg_quant_group_bytes(int qtype) { return quant_group_bytes(qtype); }
 
 /* 1 where this build has AVX-512 (the only build of the matrix kernels; see linear.c's
  * pg_linear_preferred). Elsewhere callers dequantize and use their fp32 path. */
@@ -272,22 +261,6 @@ static void tile_dispatch(int qtype, int rows, int nb, const float *x, int64_t l
 #undef PG_TILE
 }
 
-/* One 16-column accumulator row tile -> y (columns [0, ncols)), + bias, + residual. */
-static inline void store_tile(const __m512 *acc, int nrows, int ncols, const float *bias,
-                              const float *residual, int64_t ld_res, float *y, int64_t ldy) {
-    for (int r = 0; r < nrows; ++r) {
-        float row[COLS];
-        _mm512_storeu_ps(row, acc[r]);
-        float *dst = y + r * ldy;
-        const float *res = residual != NULL ? residual + r * ld_res : NULL;
-        for (int c = 0; c < ncols; ++c) {
-            float v = row[c];
-            if (bias != NULL) v += bias[c];
-            if (res != NULL) v = res[c] + v;
-            dst[c] = v;
-        }
-    }
-}
 
 /* Column block -> fp32 [K][16] (linear.c's packed layout), same values as the tiles use. */
 static void dequantize_block(int qtype, const uint8_t *wp, int K, float *scratch) {
