@@ -16,6 +16,12 @@ long prompt cut in small chunks re-reads its early K/V many times (fitted to the
 8 decodes + ~28 prefill tokens at depth ~3,000 take ~4x a decode-only step, where the units
 alone give ~3x). ``--kv-read-s 0`` gives the pure unit model.
 
+``--cost-model concave`` charges a step's rows at falling marginal cost instead (fitted to
+``benchmarks.model`` on the same machine: decode b1 ~12 ms, b16 ~44 ms, prefill 512 ~0.87 ms a
+token): 10 ms + 2 ms a row up to 16 rows, 1.2 ms up to 64, 0.8 ms beyond, plus 1.2 ms per
+attention unit (a unit beyond the rows) and the same K/V re-reads. It is the fairer model for
+policies that change chunk sizes: a big chunk's GEMMs run nearer their peak.
+
 Workloads:
   * ``trace``: the Mooncake FAST'25 synthetic trace (../shared/traces), sessions rebuilt from
     hash ids (a prompt extending an earlier one's blocks but its last continues that session),
@@ -65,6 +71,15 @@ from prefixgate.gateway.engine.sequence import SeqStatus, Sequence
 
 STEP_BASE_S, STEP_UNIT_S, CONTEXT_SCALE, PAGE = 0.012, 0.0015, 3072, 16
 STEP_KV_READ_S = 0.000013
+COST_MODELS = ("linear", "concave")
+
+
+@dataclass(frozen=True)
+class Costs:
+    """How the virtual clock charges a step (module doc)."""
+
+    kv_read_s: float = STEP_KV_READ_S
+    model: str = "linear"
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 ARMS: dict[str, dict[str, Any]] = {
     # the old defaults: one 192 budget, no protection, arrival order
@@ -153,9 +168,10 @@ def swarm_sessions(rng: random.Random) -> list[Session]:
 class Sim:
     """Drives one Scheduler on a virtual clock; records per-request times."""
 
-    def __init__(self, scheduler: Scheduler, kv_read_s: float = STEP_KV_READ_S):
+    def __init__(self, scheduler: Scheduler, costs: Costs = Costs()):
         self.s = scheduler
-        self.kv_read_s = kv_read_s
+        self.kv_read_s = costs.kv_read_s
+        self.concave = costs.model == "concave"
         self.now = 0.0
         scheduler.clock = lambda: self.now
         self.prefill = 0
@@ -168,6 +184,14 @@ class Sim:
         self.s.add(seq)
         return seq
 
+    def step_seconds(self, chunks: Any, units: float) -> float:
+        """The step's compute under the chosen cost model (module doc), K/V re-reads aside."""
+        if not self.concave:
+            return STEP_BASE_S + STEP_UNIT_S * units
+        rows = sum(c.num_tokens for c in chunks)
+        linear = 0.010 + 0.002 * min(rows, 16) + 0.0012 * min(max(rows - 16, 0), 48) + 0.0008 * max(rows - 64, 0)
+        return linear + 0.0012 * (units - rows)
+
     def step(self) -> list[Sequence]:
         """One step; returns the sequences that finished in it."""
         out = self.s.schedule()
@@ -177,7 +201,7 @@ class Sim:
                     for c in out.chunks)
         prefills = [c for c in out.chunks if c.seq.num_computed < c.seq.num_prompt_tokens]
         self.prefill += sum(c.num_tokens for c in prefills)
-        self.now += STEP_BASE_S + STEP_UNIT_S * units + self.kv_read_s * sum(c.start_pos for c in prefills)
+        self.now += self.step_seconds(out.chunks, units) + self.kv_read_s * sum(c.start_pos for c in prefills)
         self.s.commit(out)
         finished = []
         for c in out.chunks:
@@ -195,8 +219,8 @@ class Sim:
 
 
 def run_sessions(arm: dict[str, Any], sessions: list[Session], num_pages: int,
-                 kv_read_s: float = STEP_KV_READ_S) -> dict[str, Any]:
-    sim = Sim(Scheduler(KVCacheManager(num_pages, PAGE), context_scale=CONTEXT_SCALE, **arm), kv_read_s)
+                 costs: Costs = Costs()) -> dict[str, Any]:
+    sim = Sim(Scheduler(KVCacheManager(num_pages, PAGE), context_scale=CONTEXT_SCALE, **arm), costs)
     due = [(s.turns[0].pause_s, i, 0) for i, s in enumerate(sessions)]
     heapq.heapify(due)
     live = 0
@@ -232,13 +256,13 @@ def summarise(sim: Sim) -> dict[str, Any]:
             "protected_evicted": stats.protected_evicted}
 
 
-def run_replay(arm: dict[str, Any], num_pages: int, kv_read_s: float = STEP_KV_READ_S) -> dict[str, Any]:
+def run_replay(arm: dict[str, Any], num_pages: int, costs: Costs = Costs()) -> dict[str, Any]:
     """benchmarks.trace's own replay at its defaults (the same 178 requests), closed loop: a
     first turn at its send time, a returning one its gap after its parent finished."""
     requests = load_trace(TRACE)
     links = link_sessions(requests)
     replay = build_replay(requests, links, select(requests, links, Selection()), Scaling())
-    sim = Sim(Scheduler(KVCacheManager(num_pages, PAGE), context_scale=CONTEXT_SCALE, **arm), kv_read_s)
+    sim = Sim(Scheduler(KVCacheManager(num_pages, PAGE), context_scale=CONTEXT_SCALE, **arm), costs)
     children: dict[int, list[Any]] = {}
     for r in replay:
         if r.parent is not None:
@@ -262,8 +286,8 @@ def run_replay(arm: dict[str, Any], num_pages: int, kv_read_s: float = STEP_KV_R
     return summarise(sim)
 
 
-def run_burst(arm: dict[str, Any], rng: random.Random, kv_read_s: float = STEP_KV_READ_S) -> dict[str, Any]:
-    sim = Sim(Scheduler(KVCacheManager(8192, PAGE), context_scale=CONTEXT_SCALE, **arm), kv_read_s)
+def run_burst(arm: dict[str, Any], rng: random.Random, costs: Costs = Costs()) -> dict[str, Any]:
+    sim = Sim(Scheduler(KVCacheManager(8192, PAGE), context_scale=CONTEXT_SCALE, **arm), costs)
     streams = [sim.submit(f"d{i}", [rng.randrange(1 << 20) for _ in range(64)], 256) for i in range(16)]
     burst_at = None
     longs: list[str] = []
@@ -288,9 +312,9 @@ def run_burst(arm: dict[str, Any], rng: random.Random, kv_read_s: float = STEP_K
             "itl_ratio": pct(during, 0.9) / pct(before, 0.9), "long_ttft_s": end - burst_at}
 
 
-def run_long(arm: dict[str, Any], rng: random.Random, kv_read_s: float = STEP_KV_READ_S) -> dict[str, Any]:
+def run_long(arm: dict[str, Any], rng: random.Random, costs: Costs = Costs()) -> dict[str, Any]:
     """One Claude-Code-sized prompt (16,000 tokens) alone: its TTFT (no stream decodes)."""
-    sim = Sim(Scheduler(KVCacheManager(8192, PAGE), context_scale=CONTEXT_SCALE, **arm), kv_read_s)
+    sim = Sim(Scheduler(KVCacheManager(8192, PAGE), context_scale=CONTEXT_SCALE, **arm), costs)
     sim.submit("long", [rng.randrange(1 << 20) for _ in range(16000)], 1)
     while sim.s.has_work():
         sim.step()
@@ -317,17 +341,18 @@ def arm_settings(name: str) -> dict[str, Any]:
 
 def run(workload: str, arm: dict[str, Any], args: Any) -> dict[str, Any]:
     rng = random.Random(0)
+    costs = Costs(args.kv_read_s, args.cost_model)
     if workload == "trace":
-        return run_sessions(arm, trace_sessions(args.sessions, args.time_scale), args.trace_pages, args.kv_read_s)
+        return run_sessions(arm, trace_sessions(args.sessions, args.time_scale), args.trace_pages, costs)
     if workload == "replay":
-        return run_replay(arm, args.trace_pages, args.kv_read_s)
+        return run_replay(arm, args.trace_pages, costs)
     if workload == "agents":
-        return run_sessions(arm, agent_sessions(rng), args.agent_pages, args.kv_read_s)
+        return run_sessions(arm, agent_sessions(rng), args.agent_pages, costs)
     if workload == "swarm":
-        return run_sessions(arm, swarm_sessions(rng), 4096, args.kv_read_s)
+        return run_sessions(arm, swarm_sessions(rng), 4096, costs)
     if workload == "long":
-        return run_long(arm, rng, args.kv_read_s)
-    return run_burst(arm, rng, args.kv_read_s)
+        return run_long(arm, rng, costs)
+    return run_burst(arm, rng, costs)
 
 
 def main() -> None:
@@ -338,6 +363,7 @@ def main() -> None:
     parser.add_argument("--trace-pages", type=int, default=1456)
     parser.add_argument("--time-scale", type=float, default=0.1, help="trace gaps x this")
     parser.add_argument("--agent-pages", type=int, default=1200)
+    parser.add_argument("--cost-model", choices=COST_MODELS, default="linear")
     parser.add_argument("--kv-read-s", type=float, default=STEP_KV_READ_S,
                         help="seconds per cached token a prefill chunk re-reads (0: units only)")
     args = parser.parse_args()
@@ -352,7 +378,7 @@ def main() -> None:
         print_table(workload, [(f"{arm}.{key}", f"{value:.4g}" if isinstance(value, float) else value)
                                for arm, row in arms.items() for key, value in row.items()])
     write_json(args.json, {"cost_model": {"step_base_s": STEP_BASE_S, "step_unit_s": STEP_UNIT_S,
-                                          "kv_read_s": args.kv_read_s},
+                                          "kv_read_s": args.kv_read_s, "model": args.cost_model},
                            "arms": {a: arm_settings(a) for a in args.arms.split(",")}, "results": results})
 
 
