@@ -348,21 +348,9 @@ def linear_quant_native(
     bit-identical to the other paths). ``scratch_min_rows`` / ``amx_min_rows``: parameters only
     so tests can drive every path of the kernels."""
     lib = library()
-    k = x.shape[1] if x.dim() == 2 else -1
-    if (
-        lib is None
-        or qtype not in QUANT_TYPE_IDS
-        or x.dim() != 2
-        or k % BLOCK
-        or (x.stride(1) != 1 and k > 1)
-        or packed.dtype != torch.uint8
-        or not packed.is_contiguous()
-        or packed.shape[0] * LINEAR_COLS < out_features
-        or packed.shape[1] != k // BLOCK * lib.pg_quant_group_bytes(QUANT_TYPE_IDS[qtype])
-        or not _fp32_cpu(x)
-        or not _epilogue_fits(bias, residual, x.shape[0], out_features)
-    ):
+    if lib is None or not _takes_packed(lib, x, packed, qtype, out_features, bias, residual):
         return None
+    k = x.shape[1]
     rows = x.shape[0]
     out = torch.empty((rows, out_features), dtype=torch.float32)
     if rows:
@@ -503,6 +491,26 @@ def pack_q8_weight(
     return packed
 
 
+def _takes_packed(lib, x: torch.Tensor, packed: torch.Tensor, qtype: str, out_features: int,
+                  bias: torch.Tensor | None, residual: torch.Tensor | None) -> bool:
+    """Whether the GGUF-block linears (:func:`linear_quant_native`, :func:`linear_q8_native`)
+    take these inputs: dense fp32 rows on CPU, a packing of ``qtype`` for ``x``'s K, an
+    epilogue that fits."""
+    k = x.shape[1] if x.dim() == 2 else -1
+    return not (
+        qtype not in QUANT_TYPE_IDS
+        or x.dim() != 2
+        or k % BLOCK
+        or (x.stride(1) != 1 and k > 1)
+        or packed.dtype != torch.uint8
+        or not packed.is_contiguous()
+        or packed.shape[0] * LINEAR_COLS < out_features
+        or packed.shape[1] != k // BLOCK * lib.pg_quant_group_bytes(QUANT_TYPE_IDS[qtype])
+        or not _fp32_cpu(x)
+        or not _epilogue_fits(bias, residual, x.shape[0], out_features)
+    )
+
+
 def linear_q8_native(
     x: torch.Tensor,  # [M, K] fp32
     packed: torch.Tensor,  # from pack_q8_weight
@@ -516,21 +524,9 @@ def linear_q8_native(
     :func:`~prefixgate.kernels.quant.linear_q8_reference` is its torch twin); None (nothing
     computed) for inputs it does not take: rows of ``x`` dense, everything fp32 on CPU."""
     lib = library()
-    k = x.shape[1] if x.dim() == 2 else -1
-    if (
-        lib is None
-        or qtype not in QUANT_TYPE_IDS
-        or x.dim() != 2
-        or k % BLOCK
-        or (x.stride(1) != 1 and k > 1)
-        or packed.dtype != torch.uint8
-        or not packed.is_contiguous()
-        or packed.shape[0] * LINEAR_COLS < out_features
-        or packed.shape[1] != k // BLOCK * lib.pg_quant_group_bytes(QUANT_TYPE_IDS[qtype])
-        or not _fp32_cpu(x)
-        or not _epilogue_fits(bias, residual, x.shape[0], out_features)
-    ):
+    if lib is None or not _takes_packed(lib, x, packed, qtype, out_features, bias, residual):
         return None
+    k = x.shape[1]
     out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
     rc = lib.pg_linear_q8(
         QUANT_TYPE_IDS[qtype], x.data_ptr(), x.stride(0), packed.data_ptr(),
