@@ -386,7 +386,7 @@ class Scheduler:
         if not self.waiting:
             return
         self._order_waiting()
-        reserve = self.cache.page_size if plan.num_decodes else 0
+        reserve = self._reserve(plan)
         widen = max(0, self.short_prefill_budget - plan.step_budget)
         plan.budget -= reserve
         passed: list[Sequence] = []
@@ -406,6 +406,11 @@ class Scheduler:
                 widen = 0  # this step's one widening is used
         self.waiting.extendleft(reversed(passed))
         plan.budget = max(plan.budget, 0) + reserve
+
+    def _reserve(self, plan: _StepPlan) -> int:
+        """Budget the short-prefill pass leaves to the prefill work behind it: a page while
+        streams decode."""
+        return self.cache.page_size if plan.num_decodes else 0
 
     def _admit(self, plan: _StepPlan) -> None:
         """Admit waiting sequences in queue order while the step has budget and room."""
@@ -436,8 +441,11 @@ class Scheduler:
             start = min((len(match.page_ids) + tier_blocks) * self.cache.page_size, len(seq.token_ids) - 1)
         remaining = len(seq.token_ids) - start
         n = self._fit(start, remaining, plan.budget, not plan.has_prefill)
-        # what a step would leave it (a short prefill's step may be widened)
-        own_step = max(plan.step_budget, self.short_prefill_budget) - plan.num_decodes
+        # what the next step's short-prefill pass would leave it (widened, less the reserve)
+        # NOTE: counted without the reserve, a request costing just under the widened step
+        # bounced here "to go whole next step", and never fit the short pass either: at the
+        # queue head it stopped admission for as long as any prefill ran beside it
+        own_step = max(plan.step_budget, self.short_prefill_budget) - plan.num_decodes - self._reserve(plan)
         if n <= 0 or (n < remaining and (whole_only or plan.has_prefill and self._cost(start, remaining) <= own_step)):
             # NOTE: nothing fits, or it would fit the next step whole: split here, its first
             # token would wait a second step anyway. A held tier load stays held.
@@ -449,7 +457,8 @@ class Scheduler:
         if not self.cache.can_allocate(needed):
             # NOTE: more pages than the whole pool holds can never fit: fail it now, or it
             # would stop admission at the head of the queue until the engine drains
-            never = needed + len(match.page_ids) > self.cache.num_pages
+            # (``needed`` counts the free hit pages it takes: they are among its own pages)
+            never = needed - match.num_free_hit_pages + len(match.page_ids) > self.cache.num_pages
             idle = not self.running and not plan.chunks
             if not idle and not never:
                 self.waiting.appendleft(seq)

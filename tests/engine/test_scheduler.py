@@ -253,3 +253,21 @@ def test_a_bounced_prompt_keeps_its_place_behind_dedup_deferred_ones():
     out = s.schedule()
     assert [c.seq.request_id for c in out.chunks] == ["cold"]
     assert [x.request_id for x in s.waiting] == ["dup", "short"]  # order kept
+
+
+def test_a_large_free_hit_is_not_counted_twice_against_the_pool():
+    # 9 of 10 pages, 8 of them a free cached hit: it waits for `other`, it is not failed
+    s = Scheduler(KVCacheManager(10, 4, watermark=0), max_num_batched_tokens=1000)
+    hist = seq(range(32), "hist")
+    s.add(hist)
+    step(s)
+    s.finish(hist)
+    other = seq(range(500, 508), "other")
+    s.add(other)
+    step(s)  # 3 pages (its decode took hist's last block): 7 free, 8 would be needed
+    back = seq([*range(32), 1, 2, 3, 4], "back")
+    s.add(back)
+    assert step(s).unschedulable == () and s.waiting[0] is back
+    s.finish(other)
+    out = step(s)
+    assert [c.seq.request_id for c in out.chunks] == ["back"] and back.num_cached_tokens == 28

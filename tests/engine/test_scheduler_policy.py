@@ -256,3 +256,22 @@ def test_fcfs_keeps_arrival_order():
     s.add(cold)
     s.add(full)
     assert [c.seq.request_id for c in step(s).chunks][0] == "cold"
+
+
+def test_a_prompt_just_under_the_widened_step_is_not_starved_by_short_turns():
+    # 37 tokens: under the widened step (40 - 1 decode) but over what the short pass leaves
+    # (less the reserved page: 35); it must be chunked beside the short turns, not wait
+    # for a step with no other prefill (which a stream of short turns never leaves)
+    now = [0.0]
+    s = Scheduler(KVCacheManager(512, 4, watermark=0), max_num_batched_tokens=256,
+                  decode_step_budget=8, short_prefill_budget=40, max_admission_wait_s=5.0,
+                  clock=lambda: now[0])
+    s.add(seq(range(4), "streamer"))
+    step(s)
+    mid = seq(range(1000, 1037), "mid")
+    s.add(mid)
+    now[0] = 10.0  # aged: it heads the queue
+    for i in range(3):
+        s.add(seq(range(2000 + 100 * i, 2000 + 100 * i + 4), f"turn{i}"))
+        out = step(s)
+        assert [(c.seq.request_id, c.num_tokens) for c in out.chunks][-1] == ("mid", 4)
