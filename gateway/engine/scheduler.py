@@ -113,6 +113,10 @@ class _StepPlan:
     loads: list[PageLoad] = field(default_factory=list)
     scheduled: set[int] = field(default_factory=set)
     has_prefill: bool = False  # a prefill chunk is in this step already
+    # the short-prefill pass: pages the request it passed over first would take (it is owed
+    # them), and what the last request that went back would have taken
+    owed_pages: int = 0
+    bounced_pages: int = 0
     num_decodes: int = 0
 
     def __post_init__(self) -> None:
@@ -391,7 +395,10 @@ class Scheduler:
         plan.budget -= reserve
         passed: list[Sequence] = []
         for _ in range(min(len(self.waiting), ADMISSION_WINDOW)):
-            if plan.budget + widen <= 0 or len(self.running) >= self.max_num_seqs:
+            # NOTE: the first request passed over heads the queue for _admit: it keeps its
+            # running slot and its pages, or a stream of short turns would take them every step
+            # and starve it (aged or preempted as much as any)
+            if plan.budget + widen <= 0 or len(self.running) + bool(passed) >= self.max_num_seqs:
                 break
             seq = self.waiting.popleft()
             admitted = len(plan.chunks)
@@ -400,11 +407,14 @@ class Scheduler:
                 if self.admission_order == "fcfs" or len(passed) == MAX_PASSED_OVER:
                     plan.budget -= widen  # arrival order: nothing passes it
                     break
+                if not passed:
+                    plan.owed_pages = plan.bounced_pages
                 passed.append(self.waiting.popleft())  # _try_admit put it back at the head
             plan.budget -= widen
             if len(plan.chunks) > admitted:
                 widen = 0  # this step's one widening is used
         self.waiting.extendleft(reversed(passed))
+        plan.owed_pages = 0
         plan.budget = max(plan.budget, 0) + reserve
 
     def _reserve(self, plan: _StepPlan) -> int:
@@ -421,6 +431,7 @@ class Scheduler:
     def _try_admit(self, plan: _StepPlan, seq: Sequence, whole_only: bool = False) -> bool:
         """Admit ``seq`` into this step, defer it, or fail it; False = it goes back to the
         head of the queue and admission stops (FIFO: nothing behind it goes first)."""
+        plan.bounced_pages = 0
         blocks = self.cache.block_hashes(seq)
         match = self.cache.find_prefix(seq.token_ids, seq.extra_keys, blocks=blocks)
         if self.enable_dedup and match.num_pending_tokens > 0:
@@ -439,29 +450,24 @@ class Scheduler:
         start = match.num_cached_tokens
         if tier_blocks:
             start = min((len(match.page_ids) + tier_blocks) * self.cache.page_size, len(seq.token_ids) - 1)
-        remaining = len(seq.token_ids) - start
-        n = self._fit(start, remaining, plan.budget, not plan.has_prefill)
-        # what the next step's short-prefill pass would leave it (widened, less the reserve)
-        # NOTE: counted without the reserve, a request costing just under the widened step
-        # bounced here "to go whole next step", and never fit the short pass either: at the
-        # queue head it stopped admission for as long as any prefill ran beside it
-        own_step = max(plan.step_budget, self.short_prefill_budget) - plan.num_decodes - self._reserve(plan)
-        if n <= 0 or (n < remaining and (whole_only or plan.has_prefill and self._cost(start, remaining) <= own_step)):
-            # NOTE: nothing fits, or it would fit the next step whole: split here, its first
-            # token would wait a second step anyway. A held tier load stays held.
-            self.waiting.appendleft(seq)
-            return False
         # the same count with or without a held load: installed pages come out of the free
         # ones and stay free (refcount 0) until this allocation takes them
         needed = self.cache.pages_needed_for_prompt(len(seq.token_ids), match)
+        if self._waits_for_budget(plan, start, len(seq.token_ids) - start, whole_only):
+            self.waiting.appendleft(seq)  # a held tier load stays held
+            plan.bounced_pages = 0 if self._never_fits(needed, match) else needed
+            return False
+        if plan.owed_pages and not self.cache.can_allocate(needed + plan.owed_pages):
+            self.waiting.appendleft(seq)  # the pages are owed to the request it passed
+            return False
         if not self.cache.can_allocate(needed):
             # NOTE: more pages than the whole pool holds can never fit: fail it now, or it
             # would stop admission at the head of the queue until the engine drains
-            # (``needed`` counts the free hit pages it takes: they are among its own pages)
-            never = needed - match.num_free_hit_pages + len(match.page_ids) > self.cache.num_pages
+            never = self._never_fits(needed, match)
             idle = not self.running and not plan.chunks
             if not idle and not never:
                 self.waiting.appendleft(seq)
+                plan.bounced_pages = needed
                 return False
             if never or needed > self.cache.num_free_pages:
                 self._drop_tier_load(seq)
@@ -478,6 +484,23 @@ class Scheduler:
                 return False
         self._start(plan, seq)
         return True
+
+    def _waits_for_budget(self, plan: _StepPlan, start: int, remaining: int, whole_only: bool) -> bool:
+        """Whether a request with ``remaining`` tokens from ``start`` waits for a later step:
+        nothing fits, or it would fit the next step whole (split here, its first token would
+        wait a second step anyway), or ``whole_only`` and it does not fit whole."""
+        n = self._fit(start, remaining, plan.budget, not plan.has_prefill)
+        # what the next step's short-prefill pass would leave it (widened, less the reserve)
+        # NOTE: counted without the reserve, a request costing just under the widened step
+        # bounced here "to go whole next step", and never fit the short pass either: at the
+        # queue head it stopped admission for as long as any prefill ran beside it
+        own_step = max(plan.step_budget, self.short_prefill_budget) - plan.num_decodes - self._reserve(plan)
+        return n <= 0 or (n < remaining and (whole_only or plan.has_prefill and self._cost(start, remaining) <= own_step))
+
+    def _never_fits(self, needed: int, match: PrefixMatch) -> bool:
+        """Whether a prompt needing ``needed`` free pages over ``match`` holds more pages than
+        the whole pool (``needed`` counts the free hit pages it takes: they are its own)."""
+        return needed - match.num_free_hit_pages + len(match.page_ids) > self.cache.num_pages
 
     def _start(self, plan: _StepPlan, seq: Sequence) -> None:
         """Allocate ``seq`` (sharing its cached prefix) and schedule its first chunk."""

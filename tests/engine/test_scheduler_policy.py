@@ -275,3 +275,26 @@ def test_a_prompt_just_under_the_widened_step_is_not_starved_by_short_turns():
         s.add(seq(range(2000 + 100 * i, 2000 + 100 * i + 4), f"turn{i}"))
         out = step(s)
         assert [(c.seq.request_id, c.num_tokens) for c in out.chunks][-1] == ("mid", 4)
+
+
+def test_short_turns_passing_a_prompt_leave_it_its_pages_and_its_slot():
+    # a stream of 4-token turns (2-3 pages each while they decode) passes the 48-token prompt
+    # at the head (never whole in the short pass): it must not take the 12 pages and the
+    # running slot the prompt waits for, step after step
+    now = [0.0]
+    s = Scheduler(KVCacheManager(20, 4, watermark=0), max_num_batched_tokens=64, max_num_seqs=5,
+                  decode_step_budget=8, short_prefill_budget=16, max_admission_wait_s=5.0,
+                  clock=lambda: now[0])
+    big = seq(range(1000, 1048), "big")
+    for i in range(30):
+        s.add(seq(range(2000 + 100 * i, 2000 + 100 * i + 4), f"turn{i}"))
+        if i == 5:
+            s.add(big)
+            now[0] += 10.0  # aged at once: it heads the queue
+        out = step(s)
+        for c in out.chunks:
+            if c.seq.request_id.startswith("turn") and c.seq.num_output_tokens >= 6:
+                s.finish(c.seq)
+        if big.admitted_order >= 0:
+            break
+    assert big.admitted_order >= 0 and i <= 10, f"admitted: {big.admitted_order >= 0}, step {i}"
