@@ -301,6 +301,7 @@ class Scheduler:
         spec_rows = 0
         if self.drafter is not None:
             spec_rows = self.max_spec_rows - sum(1 for s in self.running if s.num_uncomputed == 1)
+        oldest_prefill = next((s for s in self.running if s.num_uncomputed > 1), None)
         for decodes in (True, False):
             if not decodes and not plan.preempted:
                 self._admit_short(plan)
@@ -314,8 +315,9 @@ class Scheduler:
                     if self.drafter is not None and seq.draft is not None and spec_rows > 0:
                         spare = plan.budget - (len(self.running) - plan.num_decodes)
                         drafts = self._draft(seq, min(spec_rows, spare))
-                else:
-                    n = self._fit(seq.num_computed, seq.num_uncomputed, plan.budget, not plan.has_prefill)
+                else:  # NOTE: beside decodes the oldest moves a token at least, however deep
+                    n = self._fit(seq.num_computed, seq.num_uncomputed, plan.budget, not plan.has_prefill
+                                  or (seq is oldest_prefill and plan.num_decodes > 0))
                 if n <= 0 or not self._make_room(plan, seq, n):
                     continue
                 if drafts and self.cache.pages_needed(seq.seq_id, n, len(drafts)) > self.cache.num_free_pages:

@@ -298,3 +298,21 @@ def test_short_turns_passing_a_prompt_leave_it_its_pages_and_its_slot():
         if big.admitted_order >= 0:
             break
     assert big.admitted_order >= 0 and i <= 10, f"admitted: {big.admitted_order >= 0}, step {i}"
+
+
+def test_a_prompt_deeper_than_a_page_of_budget_still_moves_beside_short_turns():
+    # with a small context scale one token deep in the prompt costs more than the page the
+    # short pass keeps back: the oldest running prefill still takes a token every step
+    s = Scheduler(KVCacheManager(512, 4, watermark=0), max_num_batched_tokens=64,
+                  decode_step_budget=8, short_prefill_budget=40, context_scale=10)
+    s.add(seq(range(4), "streamer"))
+    step(s)
+    long = seq(range(1000, 1300), "long")
+    s.add(long)
+    for _ in range(10):
+        step(s)  # long gets going
+    done = long.num_computed
+    for i in range(6):  # a short turn every step
+        s.add(seq(range(2000 + 10 * i, 2000 + 10 * i + 3), f"turn{i}"))
+        step(s)
+    assert long.num_computed >= done + 6
