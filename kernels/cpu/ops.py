@@ -292,6 +292,17 @@ def quant_amx_available() -> bool:
     return lib is not None and lib.amx_available
 
 
+def _column_groups(weight) -> torch.Tensor:
+    """A GGUF-block weight's bytes as ``[column blocks, k groups, 16 columns, block bytes]``
+    (a view; rows past N zero-padded to whole 16-column blocks): what both packings start from."""
+    n, k = weight.shape
+    blocks = -(-n // LINEAR_COLS)
+    data = weight.data
+    if blocks * LINEAR_COLS != n:
+        data = torch.cat([data, data.new_zeros(blocks * LINEAR_COLS - n, data.shape[1])])
+    return data.view(blocks, LINEAR_COLS, k // BLOCK, -1).permute(0, 2, 1, 3)
+
+
 def pack_quant_weight(
     weight: QuantizedTensor, arena: HugePageArena | None = None
 ) -> torch.Tensor | None:
@@ -303,14 +314,9 @@ def pack_quant_weight(
     if not quant_native_available():
         return None
     lib = library()
-    n, k = weight.shape
-    blocks, groups = -(-n // LINEAR_COLS), k // BLOCK
+    grouped = _column_groups(weight)
+    blocks, groups = grouped.shape[:2]
     group_bytes = lib.pg_quant_group_bytes(QUANT_TYPE_IDS[weight.qtype])
-    data = weight.data
-    if blocks * LINEAR_COLS != n:
-        data = torch.cat([data, data.new_zeros(blocks * LINEAR_COLS - n, data.shape[1])])
-    # [blocks, groups, 16 columns, block bytes]
-    grouped = data.view(blocks, LINEAR_COLS, groups, -1).permute(0, 2, 1, 3)
     scales = [grouped[..., 0:2]]  # d
     if weight.qtype == "Q8_0":
         quants = grouped[..., 2:].transpose(2, 3)  # [.., 32 k, 16 columns]
@@ -467,13 +473,8 @@ def pack_q8_weight(
     None where :func:`q8_native_available` is not."""
     if not q8_native_available():
         return None
-    n, k = weight.shape
-    blocks, groups = -(-n // LINEAR_COLS), k // BLOCK
-    data = weight.data
-    if blocks * LINEAR_COLS != n:
-        data = torch.cat([data, data.new_zeros(blocks * LINEAR_COLS - n, data.shape[1])])
-    # [blocks, groups, 16 columns, block bytes]
-    grouped = data.view(blocks, LINEAR_COLS, groups, -1).permute(0, 2, 1, 3)
+    grouped = _column_groups(weight)
+    blocks, groups = grouped.shape[:2]
     scales = [grouped[..., 0:2]]  # d
     if weight.qtype == "Q4_1":
         scales.append(grouped[..., 2:4])  # m
