@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ from prefixgate.gateway.engine.config import EngineConfig
 from prefixgate.gateway.router.app import create_router_app
 from prefixgate.gateway.router.serve import router_server
 from prefixgate.gateway.router.settings import RouterSettings
+from prefixgate.gateway.scaleout.keys import RedisKeys
 from prefixgate.gateway.server import ServerSettings, create_app
 from prefixgate.gateway.server.serve import GatewayServer, ServersThread, uvicorn_config
 
@@ -43,15 +44,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.05) -> Any:
-    """Poll until ``predicate()`` is truthy; the deadline only bounds a failure."""
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.05,
+             explain: Callable[[], str] | None = None) -> Any:
+    """Poll until ``predicate()`` is truthy; the deadline only bounds a failure, whose message
+    ends with ``explain()`` (the state that was waited on)."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+            detail = f": {explain()}" if explain is not None else ""
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}{detail}")
         time.sleep(interval_s)
 
 
@@ -90,18 +94,42 @@ class RedisServer:
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
 
 
-@pytest.fixture(scope="session")
-def redis_server() -> Iterator[RedisServer]:
+def redis_binary() -> str:
     binary = shutil.which("redis-server") or (
         "/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None)
     if binary is None:
         pytest.skip("SKIPPED LOUDLY: redis-server is not installed (`make test` installs it with "
                     "apt-get; `apt-get install redis-server`)")
-    server = RedisServer(binary, free_port())
+    return binary
+
+
+@contextlib.contextmanager
+def started_redis() -> Iterator[RedisServer]:
+    server = RedisServer(redis_binary(), free_port())
     server.start()
-    yield server
-    if server.process is not None and server.process.poll() is None:
-        server.kill()
+    try:
+        yield server
+    finally:
+        if server.process is not None and server.process.poll() is None:
+            server.kill()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """The session's Redis: the fleet's live index is in it, so tests here only add and remove
+    keys of their own (their own namespace); a test that kills Redis or changes its config
+    takes ``own_redis`` instead."""
+    with started_redis() as server:
+        yield server
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    """A redis-server for this test alone, to kill or reconfigure. On the session's server an
+    ``allkeys-lru`` eviction drops the fleet's index keys behind its publishers' backs (nothing
+    tells them to resync) and later fleet tests wait in vain for the index to match."""
+    with started_redis() as server:
+        yield server
 
 
 def make_engine(loaded_model, num_pages: int = NUM_PAGES):
@@ -137,6 +165,34 @@ class Fleet:
     @property
     def router(self):
         return self.router_app.state.router
+
+
+def index_mismatch(client: redis.Redis, replica: Replica, keys: RedisKeys = RedisKeys()) -> str:
+    """Empty when Redis lists exactly the blocks the replica's engine holds (in its own set and
+    in each block's set); otherwise what differs, the publisher's status and Redis's eviction
+    facts (a failure message)."""
+    held = set(replica.engine.cached_block_hashes())
+    mine = keys.replica_blocks(replica.replica_id)
+    published = set(client.smembers(mine))
+    pipe = client.pipeline(transaction=False)
+    ordered = sorted(held)
+    for block_hash in ordered:
+        pipe.sismember(keys.block(block_hash), replica.replica_id)
+    unlisted = [h for h, listed in zip(ordered, pipe.execute(), strict=True) if not listed]
+    missing, extra = held - published, published - held
+    if not (missing or extra or unlisted):
+        return ""
+
+    def some(hashes) -> str:
+        return f"{len(hashes)} {[h.hex() for h in sorted(hashes)[:3]]}"
+
+    info = client.info("stats")
+    policy = client.config_get("maxmemory-policy").get("maxmemory-policy")
+    return (f"{replica.replica_id}: engine holds {len(held)}, {mine} lists {len(published)}; "
+            f"held but not listed {some(missing)}; listed but not held {some(extra)}; held "
+            f"but missing from their block set {some(unlisted)}; publisher {replica.publisher.status}"
+            f"; Redis evicted_keys={info.get('evicted_keys')} maxmemory-policy={policy} "
+            f"keys={client.dbsize()}")
 
 
 def replica_settings(redis_url: str, replica_id: str, port: int) -> ServerSettings:

@@ -23,6 +23,7 @@ from prefixgate.gateway.scaleout.redis_client import connect
 from tests.scaleout.conftest import (
     HEARTBEAT_TTL_S,
     free_port,
+    index_mismatch,
     kill_process,
     reset_caches,
     router_settings,
@@ -61,22 +62,6 @@ async def fleet_stats(url: str):
         return await read_fleet_stats(redis, KEYS)
     finally:
         await redis.aclose()
-
-
-def index_matches_engine(fleet, replica) -> bool:
-    """Redis lists exactly the blocks the replica's engine holds, each block set included."""
-    held = set(replica.engine.cached_block_hashes())
-    client = fleet.redis.client()
-    try:
-        published = set(client.smembers(KEYS.replica_blocks(replica.replica_id)))
-        if published != held:
-            return False
-        pipe = client.pipeline(transaction=False)
-        for block_hash in held:
-            pipe.sismember(KEYS.block(block_hash), replica.replica_id)
-        return all(pipe.execute())
-    finally:
-        client.close()
 
 
 def test_fleet_hit_rate_matches_one_replica_and_load_stays_balanced(fleet):
@@ -156,9 +141,12 @@ def test_redis_outage_fails_no_request_and_the_index_resyncs(fleet):
     reasons = Counter(d.reason for d in list(fleet.router.decisions)[first:])
     assert reasons["redis_down"] > 0, reasons
     # Both replicas republish their whole index into the fresh Redis, by themselves.
+    client = fleet.redis.client()
     for replica in fleet.replicas:
-        wait_for(lambda r=replica: index_matches_engine(fleet, r), 60,
-                 f"{replica.replica_id}'s index to resync")
+        wait_for(lambda r=replica: not index_mismatch(client, r), 60,
+                 f"{replica.replica_id}'s index to resync",
+                 explain=lambda r=replica: index_mismatch(client, r))
+    client.close()
     assert [r.publisher.status.resyncs for r in fleet.replicas] > resyncs_before
     # The fleet counters the restart wiped are written again, without double counting.
     def counters_back() -> bool:

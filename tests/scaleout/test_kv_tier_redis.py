@@ -39,10 +39,10 @@ def _ask(engine, tokenizer, request_id: str) -> tuple[list[int], int]:
 
 
 def test_a_replica_loads_what_another_computed_and_survives_redis_dying(
-        loaded_model, tokenizer, redis_server):
+        loaded_model, tokenizer, own_redis):
     full_blocks = (len(chat(tokenizer, PROMPT)) - 1) // 16 * 16
     others = [chat(tokenizer, f"{i}: {TASKS[i]} " * 14) for i in range(3)]
-    first = _replica(loaded_model, redis_server.url)
+    first = _replica(loaded_model, own_redis.url)
     want, _ = _ask(first, tokenizer, "a1")
     run(first, [GenerationRequest(p, greedy(2), request_id=f"o{i}") for i, p in enumerate(others)])
     first.tier.flush()  # the other agents' traffic evicted the session's pages into Redis
@@ -51,7 +51,7 @@ def test_a_replica_loads_what_another_computed_and_survives_redis_dying(
     def replica_with_the_system_prompt():
         # NOTE: the shared system-prompt blocks never left the first replica's pool (every
         # request hits them), so they are not in the tier: this replica computes them itself
-        engine = _replica(loaded_model, redis_server.url)
+        engine = _replica(loaded_model, own_redis.url)
         run(engine, [GenerationRequest(others[0], greedy(1), request_id="head")])
         return engine
 
@@ -80,7 +80,7 @@ def test_a_replica_loads_what_another_computed_and_survives_redis_dying(
     probes = third.tier.stats().probes
     third.step()
     assert third.tier.stats().probes == probes + 1  # the load is queued behind the gate
-    redis_server.kill()
+    own_redis.kill()
     try:
         gate.set()
         while third.has_work():
@@ -91,7 +91,7 @@ def test_a_replica_loads_what_another_computed_and_survives_redis_dying(
         assert again == want
         third.cache.check_integrity()
     finally:
-        redis_server.start()
+        own_redis.start()
     for engine in (first, second, third):
         engine.tier.close()
 
@@ -157,14 +157,14 @@ def test_flipped_truncated_swapped_and_foreign_values_fail_authentication(redis_
     assert foreign.get_many([a]) == [b""]
 
 
-def test_entries_redis_drops_are_written_again(loaded_model, tokenizer, redis_server):
+def test_entries_redis_drops_are_written_again(loaded_model, tokenizer, own_redis):
     """Deleted behind the replica's back (as the TTL or allkeys-lru would), then evicted from
     the pool again: the entries come back. Then real allkeys-lru evictions, and again."""
-    client = redis_server.client()
+    client = own_redis.client()
     namespace = "kvtier-respill"
     # 20 pages: PROMPT (12 blocks) and the other prompt (17, the system prompt's shared) do not
     # fit together, so serving the other evicts PROMPT's own blocks
-    engine = _replica(loaded_model, redis_server.url, namespace, num_pages=20, confirm_s=0.0)
+    engine = _replica(loaded_model, own_redis.url, namespace, num_pages=20, confirm_s=0.0)
     _evict_into_the_tier(engine, tokenizer, "r1")
     # (the shared system prompt's blocks stay in the pool: the other prompt hits them)
     written = _entry_keys(client, namespace) & _prompt_keys(engine, tokenizer, namespace)
@@ -177,15 +177,11 @@ def test_entries_redis_drops_are_written_again(loaded_model, tokenizer, redis_se
     used = client.info("memory")["used_memory"]
     client.config_set("maxmemory-policy", "allkeys-lru")
     client.config_set("maxmemory", used + (4 << 20))
-    try:
-        for i in range(16):
-            client.set(f"junk:{i}", bytes(1 << 20))
-        assert not written <= _entry_keys(client, namespace)  # some of ours are gone
-        client.delete(*[f"junk:{i}" for i in range(16)])
-        client.config_set("maxmemory", 0)
-        _evict_into_the_tier(engine, tokenizer, "r3")
-        assert written <= _entry_keys(client, namespace)
-    finally:
-        client.config_set("maxmemory", 0)
-        client.config_set("maxmemory-policy", "noeviction")
+    for i in range(16):
+        client.set(f"junk:{i}", bytes(1 << 20))
+    assert not written <= _entry_keys(client, namespace)  # some of ours are gone
+    client.delete(*[f"junk:{i}" for i in range(16)])
+    client.config_set("maxmemory", 0)
+    _evict_into_the_tier(engine, tokenizer, "r3")
+    assert written <= _entry_keys(client, namespace)
     engine.tier.close()

@@ -19,7 +19,14 @@ from prefixgate.gateway.scaleout.index_writer import coalesce
 from prefixgate.gateway.scaleout.keys import RedisKeys
 from prefixgate.gateway.scaleout.publisher import PublisherConfig, ReplicaPublisher
 from prefixgate.gateway.scaleout.redis_client import connect
-from tests.scaleout.conftest import HEARTBEAT_TTL_S, NUM_PAGES, PAGE_SIZE, free_port, wait_for
+from tests.scaleout.conftest import (
+    HEARTBEAT_TTL_S,
+    NUM_PAGES,
+    PAGE_SIZE,
+    free_port,
+    index_mismatch,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 KEYS = RedisKeys()
@@ -42,8 +49,8 @@ def test_the_index_mirrors_the_engine_cache_and_hashes_like_the_router(fleet):
     replica = fleet.replicas[0]
     redis = fleet.redis.client()
     body = chat(replica.url, "You index every block you compute. " * 12)
-    wait_for(lambda: published(redis, replica.replica_id)
-             == set(replica.engine.cached_block_hashes()), 30, "the index to mirror the engine")
+    wait_for(lambda: not index_mismatch(redis, replica), 30, "the index to mirror the engine",
+             explain=lambda: index_mismatch(redis, replica))
     # The prompt's chain, hashed independently of the engine (tokens from the replica's own
     # /tokenize, the model id and tenant the router uses), is in Redis block by block.
     tokens = httpx.post(replica.url + "/tokenize", json={"messages": body["messages"]},
@@ -66,8 +73,8 @@ def test_reset_unpublishes_what_the_cache_dropped(fleet):
     chat(replica.url, "Blocks that will be dropped again. " * 10)
     wait_for(lambda: len(published(redis, replica.replica_id)) > 3, 30, "blocks to be published")
     httpx.post(replica.url + "/v1/cache/reset", timeout=30).raise_for_status()
-    wait_for(lambda: published(redis, replica.replica_id)
-             == set(replica.engine.cached_block_hashes()), 30, "BlockRemoved to reach Redis")
+    wait_for(lambda: not index_mismatch(redis, replica), 30, "BlockRemoved to reach Redis",
+             explain=lambda: index_mismatch(redis, replica))
     assert set(replica.engine.cached_block_hashes()) == set()  # nothing pinned or in use
     redis.close()
 
