@@ -14,9 +14,10 @@ handed on as corrupt (never decoded), counted and deleted.
 
 Bounds: each replica keeps an LRU of what it wrote and deletes its oldest entries beyond
 ``capacity_bytes``; every key also expires after ``ttl_s`` (a replica that dies cannot leak
-memory forever). Size Redis itself with ``maxmemory`` + ``allkeys-lru`` for a hard bound.
+memory forever). Size Redis itself with ``maxmemory`` + ``volatile-lru`` for a hard bound
+(``allkeys-lru`` would evict the cache index too: it has no TTL, entries do).
 
-Redis drops entries behind the replica's back (the TTL, ``allkeys-lru``), so "I wrote it" is
+Redis drops entries behind the replica's back (the TTL, maxmemory eviction), so "I wrote it" is
 trusted only for ``confirm_s`` after Redis last confirmed the entry; after that a spill of the
 block asks Redis (``PEXPIRE``: present entries get a fresh TTL, which also keeps a block the
 fleet keeps evicting alive) and writes it again when it is gone.
@@ -192,7 +193,7 @@ class RedisTier:
                     self._written[key] = (self._written[key][0], now)
             if run < len(keys):
                 self._remember_miss(keys[run], now)
-                # Redis dropped it (TTL, allkeys-lru): ours no longer, spill it again
+                # Redis dropped it (TTL, maxmemory eviction): ours no longer, spill it again
                 self._bytes -= self._written.pop(keys[run], (0, 0.0))[0]
         return [*(self._authentic(k, b) for k, b in zip(keys, blobs, strict=False)),
                 *([None] * (len(keys) - run))]

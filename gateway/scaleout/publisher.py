@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from redis.exceptions import ResponseError
+
 from prefixgate.cache.stats import CacheStats
 from prefixgate.gateway.scaleout.event_buffer import EventBuffer
 from prefixgate.gateway.scaleout.fleet_stats import queue_snapshot, snapshot_json
@@ -136,6 +138,7 @@ class ReplicaPublisher:
         self.writer: IndexWriter | None = None
         self._task: asyncio.Task[None] | None = None
         self._dirty = True  # the index needs a full resync before deltas mean anything
+        self._policy_checked = False  # Redis's maxmemory-policy, read at the first resync
         self._started_at = time.time()
         # Pool size and queue bound never change: read once, before the engine runs.
         self._num_pages = engine.cache_stats().num_pages
@@ -220,6 +223,8 @@ class ReplicaPublisher:
 
     async def _resync(self) -> None:
         assert self.writer is not None
+        if not self._policy_checked:
+            await self._warn_if_redis_may_evict_the_index()
         # Events queued so far are older than the snapshot below, which covers them.
         self.buffer.discard()
         held = await asyncio.to_thread(self.engine.cached_block_hashes)
@@ -229,6 +234,23 @@ class ReplicaPublisher:
         self.status.resyncs += 1
         logger.info("replica %s index resynchronised: %d blocks held (+%d, -%d)",
                     self.config.replica_id, len(held), added, removed)
+
+    async def _warn_if_redis_may_evict_the_index(self) -> None:
+        """Once: under an ``allkeys-*`` maxmemory policy Redis evicts index keys (they have no
+        TTL) without telling anyone, and routers then miss blocks this replica holds until the
+        next resync; ``volatile-*`` policies evict only keys with a TTL (KV-tier entries)."""
+        try:
+            reply = await self.redis.config_get("maxmemory-policy")
+        except ResponseError:  # CONFIG is often disabled on managed Redis: nothing to check
+            reply = {}
+        self._policy_checked = True
+        policy = reply.get(b"maxmemory-policy", reply.get("maxmemory-policy", b""))
+        policy = policy.decode() if isinstance(policy, bytes) else str(policy)
+        if policy.startswith("allkeys"):
+            logger.warning("Redis at %s has maxmemory-policy %s: it may evict replica %s's cache "
+                           "index, which then stays incomplete until the next resync; use "
+                           "volatile-lru (index keys have no TTL, KV-tier entries do)",
+                           self.config.redis_url, policy, self.config.replica_id)
 
     async def _flush(self) -> None:
         assert self.writer is not None

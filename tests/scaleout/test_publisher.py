@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import httpx
 import pytest
@@ -174,3 +175,30 @@ def test_a_replica_without_redis_keeps_serving(fleet):
         return len(deltas)
 
     assert asyncio.run(main()) >= 1
+
+
+def test_a_redis_that_may_evict_the_index_is_named_in_a_warning(fleet, own_redis, caplog):
+    """Under allkeys-lru Redis evicts index keys silently (the index has no TTL): the replica
+    says so once at its first resync; the default noeviction and volatile-* say nothing."""
+    engine = fleet.replicas[1].engine
+
+    async def publish(policy: str) -> list[str]:
+        client = own_redis.client()
+        client.config_set("maxmemory-policy", policy)
+        client.close()
+        caplog.clear()
+        publisher = ReplicaPublisher(engine, PublisherConfig(own_redis.url, "policy-check",
+                                                             "http://127.0.0.1:1"), served_model="m")
+        await publisher.start()
+        deadline = asyncio.get_running_loop().time() + 30
+        while publisher.status.resyncs == 0 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+        await publisher.stop()
+        assert publisher.status.resyncs >= 1, publisher.status
+        return [r.getMessage() for r in caplog.records if "maxmemory-policy" in r.getMessage()]
+
+    with caplog.at_level(logging.WARNING, logger="prefixgate.scaleout"):
+        assert asyncio.run(publish("noeviction")) == []
+        assert asyncio.run(publish("volatile-lru")) == []
+        [warning] = asyncio.run(publish("allkeys-lru"))
+    assert "allkeys-lru" in warning and "policy-check" in warning and "volatile-lru" in warning
