@@ -274,8 +274,12 @@ def test_a_changing_attribution_nonce_keeps_the_cache(claude, server_url):
                    f"cc_entrypoint=cli; cch={secrets.token_hex(3)[:5]};")
         system = [{"type": "text", "text": billing}, {"type": "text", "text": SYSTEM}]
         messages.append({"role": "user", "content": turn})
+        hits = httpx.get(server_url + "/v1/cache/stats", timeout=30).json()["global"]["hit_tokens"]
         reply = claude.messages.create(model="claude-sonnet-4-5", max_tokens=8, extra_body=GREEDY,
                                        system=system, messages=messages)
+        # the usage is true: the gateway's own counter moved by exactly what it reports
+        hits = httpx.get(server_url + "/v1/cache/stats", timeout=30).json()["global"]["hit_tokens"] - hits
+        assert hits == reply.usage.cache_read_input_tokens, (hits, reply.usage)
         counted = claude.messages.count_tokens(model="claude-sonnet-4-5", system=system,
                                                messages=messages).input_tokens
         plain = claude.messages.count_tokens(model="claude-sonnet-4-5", messages=messages,
