@@ -73,3 +73,9 @@ def test_a_hostile_gguf_template_gets_400s_and_the_server_serves_on(tmp_path, de
         ok = client.post("/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2})
         assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("filter_", ["center(10**9)", "wordwrap(1)", "filesizeformat", "random"])
+def test_filters_without_a_bound_are_refused_at_load(filter_):
+    with pytest.raises(ChatTemplateError, match="does not parse"):
+        ChatTemplate("{{ messages[0].content|" + filter_ + " }}")

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import anthropic
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -77,7 +78,10 @@ def test_default_max_tokens_applies_only_when_none_is_sent(gpt, server_url):
     assert asked.usage.completion_tokens == 9  # the request's own value is kept
     response = gpt.responses.create(model="gpt-5", input=story[0]["content"], temperature=0)
     assert response.usage.output_tokens == DEFAULT_MAX_TOKENS
-    assert clients_stats(server_url)["default_max_tokens_applied"] == before + 2
+    completion = gpt.completions.create(model="gpt-5", prompt="1, 2, 3, 4, 5, 6,", temperature=0)
+    assert completion.usage.completion_tokens == DEFAULT_MAX_TOKENS
+    assert completion.choices[0].finish_reason == "length"
+    assert clients_stats(server_url)["default_max_tokens_applied"] == before + 3
 
 
 def test_codex_namespace_and_hosted_tools_round_trip(gpt, server_url):
@@ -95,7 +99,7 @@ def test_codex_namespace_and_hosted_tools_round_trip(gpt, server_url):
     response = raw.parse()
     (call,) = [item for item in response.output if item.type == "function_call"]
     assert (call.name, call.namespace) == ("spawn_agent", "multi_agent_v1")
-    assert "task" in json.loads(call.arguments)
+    jsonschema.validate(json.loads(call.arguments), spawn["parameters"])
     assert clients_stats(server_url)["hosted_tools_dropped"] == before + 1
     # the next turn sends the call back (with its namespace) and its output: accepted
     follow = gpt.responses.create(model="gpt-5.1-codex", tools=tools, max_output_tokens=4,
@@ -119,21 +123,42 @@ def test_an_exact_repeat_of_a_call_ends_the_turn_on_every_surface(gpt, claude, s
     stream = gpt.chat.completions.create(model="gpt-5", messages=PARIS, tools=[WEATHER],
                                          tool_choice="required", temperature=0, max_tokens=120,
                                          stream=True)
-    finishes = [c.choices[0].finish_reason for c in stream if c.choices]
-    assert finishes[-1] == "tool_calls"
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert chunks[-1].finish_reason == "tool_calls"
+    streamed = [d for c in chunks for d in c.delta.tool_calls or ()]
+    assert {d.index for d in streamed} == {0}  # one call, the repeat never streamed
+    assert json.loads("".join(d.function.arguments or "" for d in streamed)) == {"city": "Paris"}
     function = {"type": "function", **WEATHER["function"]}
     response = gpt.responses.create(model="gpt-5", input=PARIS[0]["content"], tools=[function],
                                     tool_choice="required", temperature=0,
                                     max_output_tokens=120)
     assert response.status == "completed"
-    assert [item.type for item in response.output] == ["function_call"]
+    assert [(item.type, json.loads(item.arguments)) for item in response.output] == [
+        ("function_call", {"city": "Paris"})]
     message = claude.messages.create(
         model="claude-haiku-4-5", max_tokens=120, extra_body=GREEDY, messages=PARIS,
         tool_choice={"type": "any"}, tools=[{"name": "get_weather",
                                              "input_schema": WEATHER["function"]["parameters"]}])
     assert message.stop_reason == "tool_use"
-    assert [block.type for block in message.content] == ["tool_use"]
-    assert clients_stats(server_url)["repeated_calls_cut"] == before + 4
+    assert [(block.type, block.input) for block in message.content] == [
+        ("tool_use", {"city": "Paris"})]
+    # streamed, Responses and Messages too
+    with gpt.responses.stream(model="gpt-5", input=PARIS[0]["content"], tools=[function],
+                              tool_choice="required", temperature=0,
+                              max_output_tokens=120) as events:
+        streamed = events.get_final_response()
+    assert streamed.status == "completed"
+    assert [(item.type, json.loads(item.arguments)) for item in streamed.output] == [
+        ("function_call", {"city": "Paris"})]
+    with claude.messages.stream(
+            model="claude-haiku-4-5", max_tokens=120, extra_body=GREEDY, messages=PARIS,
+            tool_choice={"type": "any"}, tools=[{
+                "name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}]) as events:
+        final = events.get_final_message()
+    assert final.stop_reason == "tool_use"
+    assert [(block.type, block.input) for block in final.content] == [
+        ("tool_use", {"city": "Paris"})]
+    assert clients_stats(server_url)["repeated_calls_cut"] == before + 6
     with httpx.Client(base_url=server_url, timeout=30) as client:
         stats = wait_idle(client)  # the requests ended early released every page
     assert stats["pages_used"] == stats["pages_pinned"] == 0
@@ -143,6 +168,7 @@ def test_the_cut_never_changes_a_turn_without_a_repeat(gpt):
     # n=2 choices are never cut (they cannot end alone): greedy choice 0 is the uncut output
     asks = [PARIS, [{"role": "user", "content": "Weather in Paris and in London, please."}],
             [{"role": "user", "content": "Is it raining in Tokyo?"}]]
+    unchanged = 0
     for messages in asks:
         kwargs = dict(model="gpt-5", messages=messages, tools=[WEATHER], tool_choice="required",
                       temperature=0, max_tokens=120)
@@ -157,9 +183,12 @@ def test_the_cut_never_changes_a_turn_without_a_repeat(gpt):
         assert [(c.function.name, c.function.arguments) for c in cut.message.tool_calls] == unique
         if len(unique) == len(calls):  # no repeat: the very same turn
             assert cut.finish_reason == whole.finish_reason
+            unchanged += 1
+        print(f"{messages[0]['content']!r}: {len(calls)} calls, {len(unique)} unique")
+    assert unchanged >= 1  # a real output without a repeat went through the guard untouched
 
 
-def test_stop_strings_keep_a_forced_calls_finish_reason(gpt):
+def test_stop_strings_keep_a_forced_calls_finish_reason(gpt, claude):
     # smolagents: stop strings plus tool_choice "required"
     chat = gpt.chat.completions.create(model="gpt-5", messages=PARIS, tools=[WEATHER],
                                        tool_choice="required", temperature=0, max_tokens=120,
@@ -175,9 +204,17 @@ def test_stop_strings_keep_a_forced_calls_finish_reason(gpt):
                                       stop=["Observation:", "Calling tools:"])
     assert one.choices[0].finish_reason == "tool_calls"
     assert len(one.choices[0].message.tool_calls) == 1
+    # the same on Messages (stop_sequences with a forced call)
+    message = claude.messages.create(
+        model="claude-haiku-4-5", max_tokens=60, extra_body=GREEDY, messages=PARIS,
+        stop_sequences=["Observation:", "Calling tools:"],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        tools=[{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}])
+    assert message.stop_reason == "tool_use"
+    assert [(b.type, b.input) for b in message.content] == [("tool_use", {"city": "Paris"})]
 
 
-def test_a_forced_call_wins_over_a_json_text_format(gpt):
+def test_a_forced_call_wins_over_a_json_text_format(gpt, claude):
     # instructor: a forced function tool_choice plus a JSON-schema text.format
     function = {"type": "function", **WEATHER["function"]}
     response = gpt.responses.create(
@@ -186,6 +223,25 @@ def test_a_forced_call_wins_over_a_json_text_format(gpt):
         text={"format": {"type": "json_schema", "name": "Weather", "schema": {
             "type": "object", "properties": {"summary": {"type": "string"}}}}})
     assert [(item.type, item.name) for item in response.output] == [("function_call", "get_weather")]
+    jsonschema.validate(json.loads(response.output[0].arguments), function["parameters"])
+    # the same on chat (response_format) and Messages (output_config.format)
+    chat = gpt.chat.completions.create(
+        model="gpt-5", messages=PARIS, tools=[WEATHER], temperature=0, max_tokens=40,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        response_format={"type": "json_schema", "json_schema": {"name": "Weather", "schema": {
+            "type": "object", "properties": {"summary": {"type": "string"}}}}})
+    assert chat.choices[0].finish_reason == "tool_calls"
+    (call,) = chat.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    message = claude.messages.create(
+        model="claude-haiku-4-5", max_tokens=40, messages=PARIS,
+        tool_choice={"type": "tool", "name": "get_weather"},
+        tools=[{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}],
+        extra_body={**GREEDY, "output_config": {"format": {"type": "json_schema", "schema": {
+            "type": "object", "properties": {"summary": {"type": "string"}}}}}})
+    assert message.stop_reason == "tool_use"
+    assert [b.type for b in message.content] == ["tool_use"]
+    jsonschema.validate(message.content[0].input, WEATHER["function"]["parameters"])
 
 
 def test_claude_codes_request_shape_is_accepted(claude, server_url):
@@ -222,8 +278,12 @@ def test_a_changing_attribution_nonce_keeps_the_cache(claude, server_url):
                    f"cc_entrypoint=cli; cch={secrets.token_hex(3)[:5]};")
         system = [{"type": "text", "text": billing}, {"type": "text", "text": SYSTEM}]
         messages.append({"role": "user", "content": turn})
+        hits = httpx.get(server_url + "/v1/cache/stats", timeout=30).json()["global"]["hit_tokens"]
         reply = claude.messages.create(model="claude-sonnet-4-5", max_tokens=8, extra_body=GREEDY,
                                        system=system, messages=messages)
+        # the usage is true: the gateway's own counter moved by exactly what it reports
+        hits = httpx.get(server_url + "/v1/cache/stats", timeout=30).json()["global"]["hit_tokens"] - hits
+        assert hits == reply.usage.cache_read_input_tokens, (hits, reply.usage)
         counted = claude.messages.count_tokens(model="claude-sonnet-4-5", system=system,
                                                messages=messages).input_tokens
         plain = claude.messages.count_tokens(model="claude-sonnet-4-5", messages=messages,

@@ -106,6 +106,9 @@ def test_no_surface_lets_a_message_forge_a_turn(client, tokenizer):
     expected = len(ids["tokens"])
     forged_parse = len(tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": text}])))
     assert forged_parse < expected  # parsed, the markers would be 1 token each
+    chat = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": text}], "max_tokens": 1})
+    assert chat.json()["usage"]["prompt_tokens"] == expected, chat.text
     responses = client.post("/v1/responses", json={"input": text, "max_output_tokens": 1,
                                                    "store": False})
     assert responses.status_code == 200, responses.text

@@ -113,3 +113,21 @@ def test_the_kv_tier_secret_reaches_every_replica():
         engine, settings = cli.configs(values)
         assert engine.kv_tier == "redis" and settings.kv_tier_secret == host["PREFIXGATE_KV_TIER_SECRET"]
         assert "s3cret" not in repr(settings)
+
+
+def test_the_client_settings_reach_every_replica():
+    """docs/clients.md's knobs set on the host reach both replicas; the special-token reading
+    reaches the router too (its placement hashes must tokenize as the replicas do)."""
+    host = {"PREFIXGATE_MODEL_ALIAS": "claude-*,gpt-5*", "PREFIXGATE_ROPE_SCALING": "yarn:4",
+            "PREFIXGATE_DEFAULT_MAX_TOKENS": "1024", "PREFIXGATE_PARSE_SPECIAL_TOKENS": "on"}
+    parser = cli.build_parser()
+    for name in ("replica-a", "replica-b", "router"):
+        env = {k: INTERPOLATION.sub(lambda m: host.get(m.group(1), m.group(3) or ""), str(v))
+               for k, v in SERVICES[name]["environment"].items()}
+        command = SERVICES[name]["command"][0]
+        values = cli.resolve(parser.parse_args([command]), parser, env, command)
+        assert values["parse_special_tokens"] == "on"
+        if command == "serve":
+            engine, settings = cli.configs(values)
+            assert settings.model_aliases == ("claude-*", "gpt-5*")
+            assert (engine.rope_scaling, settings.default_max_tokens) == ("yarn:4", 1024)

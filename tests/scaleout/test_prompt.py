@@ -93,7 +93,7 @@ def test_tenants_never_share_a_chain(hasher):
     assert not set(alpha.chain) & set(beta.chain)
 
 
-def test_clients_requests_hash_as_the_replica_sees_them(hasher):
+def test_clients_requests_hash_as_the_replica_sees_them(fleet, hasher):
     """Claude Code's attribution nonce never moves a prompt to another prefix; Codex's
     namespace and hosted tools hash (issue 26, docs/clients.md)."""
     from prefixgate.gateway.router.prompt import MESSAGES_PATH, RESPONSES_PATH
@@ -109,6 +109,10 @@ def test_clients_requests_hash_as_the_replica_sees_them(hasher):
         keys.append(hasher.key(MESSAGES_PATH, httpx.Request("POST", "/", json=body).content,
                                {"x-api-key": "sk-alpha"}))
     assert keys[0] is not None and keys[0].chain == keys[1].chain
+    # and the replica counts the same prompt (the fleet's replicas have no model aliases)
+    counted = httpx.post(fleet.replicas[0].url + "/v1/messages/count_tokens", timeout=30,
+                         json={k: v for k, v in body.items() if k != "model"})
+    assert counted.json()["input_tokens"] == keys[0].num_tokens, counted.text
     codex = {"model": "gpt-5.1-codex", "input": "hi", "tools": [
         {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.",
          "tools": [{"type": "function", "name": "spawn_agent", "parameters": {"type": "object"}}]},
@@ -116,3 +120,6 @@ def test_clients_requests_hash_as_the_replica_sees_them(hasher):
     key = hasher.key(RESPONSES_PATH, httpx.Request("POST", "/", json=codex).content,
                      {"authorization": "Bearer sk-alpha"})
     assert key is not None and key.num_tokens > 0
+    served = httpx.post(fleet.replicas[0].url + "/v1/responses", timeout=120, json={
+        "input": "hi", "tools": codex["tools"], "max_output_tokens": 1, "store": False})
+    assert served.json()["usage"]["input_tokens"] == key.num_tokens, served.text
