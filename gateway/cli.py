@@ -117,6 +117,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _fraction(text: str) -> float:
     value = float(text)
     if not 0 <= value < 1:
@@ -331,9 +338,10 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     http = p.add_argument_group("HTTP and auth")
     http.add_argument(
         "--default-max-tokens",
-        type=_positive_int,
-        help="max_tokens of a request that sends none (Codex, aider); clamped to the context "
-        "left (default: the rest of the context)",
+        type=_non_negative_int,
+        metavar="N",
+        help="max_tokens of a request that sends none (Codex, aider), cut to the context left; "
+        "0 = the rest of the context, as OpenAI's API (default {default})",
     )
     http.add_argument(
         "--default-temperature",
@@ -571,7 +579,7 @@ def server_settings(values: Mapping[str, Any]) -> ServerSettings:
         admin_key=values["admin_key"],
         served_model_name=values["served_model_name"],
         model_aliases=tuple(values["model_alias"]),
-        default_max_tokens=values["default_max_tokens"],
+        default_max_tokens=values["default_max_tokens"] or None,  # 0 = off
         default_temperature=values["default_temperature"],
         tool_call_format=values["tool_call_format"],
         allowed_origins=tuple(values["allowed_origin"]),

@@ -181,9 +181,12 @@ class ServerSettings:
     # more names a request's ``model`` may carry (fnmatch globs: ``claude-*``, ``gpt-5*``), all
     # served by the one model, like vLLM's list of --served-model-name (docs/clients.md)
     model_aliases: tuple[str, ...] = ()
-    # max_tokens of a request that sends none (None = the rest of the context, as OpenAI's API
-    # does); clamped to what fits the context
-    default_max_tokens: int | None = None
+    # max_tokens of a request that sends none, cut to what fits the context (None = the rest
+    # of the context, as OpenAI's API and vLLM do). On by default: Codex and aider send none,
+    # and a small model that never says EOS then streams until the context is full (aider once
+    # streamed 1.59 MB for 200 s). 4096 is above any real answer of one turn and the output cap
+    # hosted models once had (GPT-4 Turbo, Claude 3); docs/clients.md
+    default_max_tokens: int | None = 4096
     # temperature of a request that sends none (1.0, as OpenAI's and Anthropic's APIs);
     # Claude Code and Codex send none: a small local model may want it lower
     default_temperature: float | None = 1.0

@@ -46,6 +46,7 @@ from prefixgate.gateway.server.turn_stream import (
 )
 
 logger = logging.getLogger("prefixgate.server")
+_DEFAULT_SETTINGS = ServerSettings()  # what sampling_params falls back to without settings
 
 
 @dataclass(slots=True)
@@ -116,8 +117,9 @@ def sampling_params(
 
     ``settings`` gives the server's defaults for what a request leaves out (``temperature``:
     ``--default-temperature``, else 1.0 as OpenAI's API).
-    Without ``max_tokens`` the request gets ``--default-max-tokens`` when set,
-    else the rest of the context, as OpenAI's API does; either is cut to the room left. A
+    Without ``max_tokens`` the request gets ``--default-max-tokens`` (4096 unless set; the
+    server default when ``settings`` is None), or the rest of the context when it is off
+    (``0``), as OpenAI's API does; either is cut to the room left. A
     ``max_tokens`` the request asked for is cut too when ``clamp_max_tokens`` (Anthropic's
     ``max_tokens`` is a required cap: Claude Code sends 32,000-64,000); else it must fit
     (OpenAI, vLLM).
@@ -151,7 +153,7 @@ def _max_tokens(turn: ChatTurn, prompt_len: int, capacity: int, page_size: int,
     # n > 1: every choice grows its own pages; leave each a share (and a page of slack).
     share = capacity if turn.n == 1 else capacity // turn.n - 2 * page_size
     max_tokens, clamp = turn.max_tokens, turn.clamp_max_tokens
-    default_max_tokens = settings.default_max_tokens if settings is not None else None
+    default_max_tokens = (settings or _DEFAULT_SETTINGS).default_max_tokens
     if max_tokens is None and default_max_tokens is not None:
         max_tokens, clamp = default_max_tokens, True
         if counters is not None:

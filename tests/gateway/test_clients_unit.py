@@ -15,6 +15,7 @@ from prefixgate.gateway.server.anthropic.models import MessagesRequest
 from prefixgate.gateway.server.clients import is_attribution, model_served, strip_attribution
 from prefixgate.gateway.server.fields import MAX_MODEL_ALIASES
 from prefixgate.gateway.server.settings import ServerSettings
+from prefixgate.gateway.server.turn import ChatTurn, sampling_params
 
 BILLING = "x-anthropic-billing-header: cc_version=2.1.197.3f2; cc_entrypoint=cli; cch=0a9f1;"
 
@@ -81,3 +82,27 @@ def test_the_rope_override_stretches_the_context():
     for bad in ("yarn", "yarn:1", "dynamic:2", "yarn:x", "linear:1000"):
         with pytest.raises(ValueError, match="--rope-scaling"):
             parse_rope_override(bad)
+
+
+def test_default_max_tokens_is_on_unless_zero():
+    parser = build_parser()
+
+    def settings_of(argv: list[str], environ: dict[str, str] | None = None) -> ServerSettings:
+        return configs(resolve(parser.parse_args(["serve", *argv]), parser, environ or {}))[1]
+
+    assert settings_of([]).default_max_tokens == ServerSettings().default_max_tokens == 4096
+    assert settings_of(["--default-max-tokens", "0"]).default_max_tokens is None
+    assert settings_of([], {"PREFIXGATE_DEFAULT_MAX_TOKENS": "0"}).default_max_tokens is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--default-max-tokens", "-1"])
+
+
+def test_the_default_budget_is_cut_to_the_room_left_and_a_request_keeps_its_own():
+    def budget(turn: ChatTurn, settings: ServerSettings | None, prompt_len: int = 100) -> int:
+        return sampling_params(turn, prompt_len, 32_768, 16, settings=settings).max_tokens
+
+    assert budget(ChatTurn([]), ServerSettings()) == 4096
+    assert budget(ChatTurn([]), None) == 4096  # no settings: the server's default
+    assert budget(ChatTurn([]), ServerSettings(), prompt_len=30_000) == 2768  # the room left
+    assert budget(ChatTurn([]), ServerSettings(default_max_tokens=None)) == 32_668  # off
+    assert budget(ChatTurn([], max_tokens=9000), ServerSettings()) == 9000  # asked: kept
