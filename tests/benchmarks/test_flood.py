@@ -35,10 +35,10 @@ def test_the_envelope_must_be_the_surfaces_own():
 
 
 def test_a_tiny_flood_against_the_live_gateway(gateway):
-    workload = bench.FloodWorkload(duration_s=2.0, baseline_s=0.5, flood_processes=1, senders=2,
+    workload = bench.FloodWorkload(duration_s=1.0, baseline_s=0.5, flood_processes=1, senders=2,
                                    body_bytes=MIB, message_chars=64 * 1024)
     figures = bench.run_flood(gateway.open_url, gateway.model, workload, os.getpid(),
-                             ready_s=2.0, settle_s=0.2)
+                             ready_s=1.5, settle_s=0.2)
     flood = figures["flood"]
     assert flood["requests"] >= 2 and figures["byte_bound"], figures
     assert set(flood["statuses_by_kind"]) <= set(bench.KINDS)
