@@ -2,27 +2,34 @@
  * (aligned to the lower right: row i sits at position ctx_len - n + i) to the sequence's
  * context, K/V read in place from its pages. Covers a first prefill (ctx_len == n), a chunk
  * after earlier chunks and a suffix after a cached prefix alike. A sliding layer (window > 0):
- * row i sees positions (pos - window, pos] only; an item's keys start at its first row's
- * window, so the pages before it are never read.
+ * row i sees positions (pos - window, pos] only; the pages before the first row's window are
+ * never read.
  *
  * Why: the torch path gathers the context into a dense buffer and runs SDPA's CPU flash
  * kernel, whose GEMM blocks are thin at head dim 64 (docs/benchmarks.md); this
  * kernel keeps the G query heads of a KV head together as the rows of one tile, so each K/V
- * row loaded serves G x 16 query rows, and computes 16 keys per vector.
+ * row loaded serves G x 32 query rows, and computes 16 keys per vector.
  *
- * Work item: (KV head, block of ROWS_PER_ITEM query positions); its R = ROWS_PER_ITEM * G
- * rows are scaled queries, online-softmax state (max, sum) and output accumulators. Keys go
- * by in blocks of 16: the block's K rows are transposed into kt[D][16] (so a query row's 16
- * scores are D vector FMAs with the query element broadcast), masked past each row's
- * position, folded into the running softmax, and the V rows are accumulated into the rows'
- * outputs. Items are handed out latest block first (the causal mask makes them uneven).
+ * Spans. The keys are cut into spans of SPAN_KEYS at absolute positions. A row's result is
+ * the merge, in span order, of one partial per span (an online softmax over the span's 16-key
+ * blocks from a fresh state: running max, sum, unnormalised output). So a row's arithmetic
+ * depends only on its position and its keys: not on how the prompt was chunked, how many rows
+ * came with it, or the thread count. Work items are (KV head, block of ROWS_PER_ITEM query
+ * positions); when there are few of them (a short chunk deep into a long context: the chunk
+ * beside decodes) the spans of an item become items of their own, their partials are kept
+ * and merged in a second pass, with the same arithmetic as an item that merges as it goes.
+ *
+ * In a span, key blocks of 16 go by: the block's K rows are transposed into kt[D][16] (16x16
+ * register transposes where AVX-512 is there), so a query row's 16 scores are D vector FMAs
+ * with the query element broadcast; a tile of TILE_ROWS rows keeps its scores in registers,
+ * folds them into the running softmax (masked only where the block crosses a row's position
+ * or window edge), and then takes each V vector loaded once for all the tile's rows.
  *
  * Layout (kernels/layout.py): k_cache, v_cache [num_pages, page_size, Hkv, D] contiguous, fp32
  * or bf16 (kv_bf16): a key block's bf16 K and V rows are widened exactly (zero-extend, shift
  * left 16) once per block, K while it is transposed, V into an fp32 block buffer, so the tiles
  * below run the fp32 code unchanged and the conversion is amortised over all the item's rows
- * (widening each V vector as the tiles load it instead was measurably slower than fp32 pages;
- * the block buffer is not: docs/benchmarks.md).
+ * (docs/benchmarks.md).
  * Built with the other kernels/cpu/csrc files into one library by kernels/cpu/library.py; the torch
  * path (SDPA) is the oracle in the tests.
  */
@@ -31,16 +38,24 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "kv_rows.h"
 
 #define KEYS 16          /* keys per block: one vector of scores */
 #define ROWS_PER_ITEM 32 /* query positions per work item */
 #define TILE_ROWS 4      /* query rows whose scores and outputs are in registers together */
+#define SPAN_KEYS 512    /* keys per span (a multiple of KEYS) */
+#define ITEMS_PER_THREAD 4 /* fewer (head, row block) items than this per thread: split spans */
 #define PREFILL_MAX_GROUP 16
 #define PREFILL_MAX_HEAD_DIM 256
 
 _Static_assert(sizeof(vkeys) == KEYS * sizeof(float), "KEYS is one vkeys");
+_Static_assert(SPAN_KEYS % KEYS == 0, "spans are whole key blocks");
+
+typedef int32_t vlanes __attribute__((vector_size(KEYS * sizeof(int32_t))));
 
 int pg_prefill_limits(int *max_group, int *max_head_dim) {
     *max_group = PREFILL_MAX_GROUP;
@@ -48,69 +63,148 @@ int pg_prefill_limits(int *max_group, int *max_head_dim) {
     return 0;
 }
 
-/* One work item. `rows` = positions in the item (<= ROWS_PER_ITEM) x group; row r is position
- * i0 + r / group, query head h * group + r % group. head_dim, group and bf16 (the page
- * dtype) are compile-time constants where inlined. Returns 1 when scratch could not be allocated. */
-static inline __attribute__((always_inline)) int prefill_item(
-    const int group, const int head_dim, const int bf16, const paged_kv *kv, const float *query,
-    int64_t q_row_stride, float *out, int64_t out_row_stride, int ctx_len, int n_rows, int h,
-    int i0, int positions, float scale, int window) {
-    const int rows = positions * group;
-    const int first_pos = ctx_len - n_rows + i0; /* position of the item's first query */
-    const int last_pos = first_pos + positions - 1;
-    /* the first key any of the item's rows sees */
-    const int first_key = window > 0 && first_pos >= window ? first_pos - window + 1 : 0;
-    /* scratch: q [R][D], o [R][D], kt [D][KEYS], m [R], l [R] with R = rows rounded up to
-     * whole tiles (the padding rows are zero queries that see no key); bf16 pages: vb [KEYS][D],
-     * the block's V rows widened */
-    const int padded_rows = (rows + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+static inline vkeys splat(float x) { return (vkeys){0} + x; }
+
+static inline float lanes_max(vkeys v) {
+#if defined(__AVX512F__)
+    __m512 x;
+    memcpy(&x, &v, sizeof(x));
+    return _mm512_reduce_max_ps(x);
+#else
+    float m = v[0];
+    for (int j = 1; j < KEYS; ++j) m = v[j] > m ? v[j] : m;
+    return m;
+#endif
+}
+
+static inline float lanes_sum(vkeys v) {
+#if defined(__AVX512F__)
+    __m512 x;
+    memcpy(&x, &v, sizeof(x));
+    return _mm512_reduce_add_ps(x);
+#else
+    float s = 0.0f;
+    for (int j = 0; j < KEYS; ++j) s += v[j];
+    return s;
+#endif
+}
+
+/* exp of 16 arguments <= 0 (a score less its row's max): 2^n * e^r with |r| <= ln2 / 2, e^r
+ * by its Taylor polynomial to degree 7 (relative error below 1e-8 there, under fp32
+ * rounding); arguments below -87 (e^-87 is near FLT_MIN) give 0. A NaN stays NaN without a
+ * test (-ffast-math would fold one away): its exponent bits are all ones, and the integer
+ * conversion of NaN (INT_MIN on x86, 0 elsewhere) shifted by 23 adds 0 to them. */
+static inline vkeys exp_lanes(vkeys x) {
+    const vlanes under = x < splat(-87.0f);
+    x = (vkeys)(((vlanes)x & ~under) | ((vlanes)splat(-87.0f) & under));
+    const vkeys t = x * 1.44269504088896341f;
+    const vlanes n = __builtin_convertvector(t - 0.5f, vlanes); /* round to nearest, t <= 0 */
+    const vkeys nf = __builtin_convertvector(n, vkeys);
+    const vkeys r = x - nf * 0.693145751953125f - nf * 1.428606765330187e-06f;
+    vkeys p = splat(1.0f / 5040.0f);
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const vlanes scaled = (vlanes)p + (n << 23);
+    return (vkeys)(scaled & ~under);
+}
+
+#if defined(__AVX512F__)
+/* r[c] <- column c of the 16x16 block whose rows are r[0..15]: in-lane unpacks of pairs and
+ * quads, then two rounds of 128-bit lane shuffles. */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    /* u[4g + k], 128-bit lane L: column 4L + k of rows 4g .. 4g + 3 */
+    for (int g = 0; g < 4; ++g) {
+        const __m512d a = _mm512_castps_pd(t[4 * g]), b = _mm512_castps_pd(t[4 * g + 2]);
+        const __m512d c = _mm512_castps_pd(t[4 * g + 1]), d = _mm512_castps_pd(t[4 * g + 3]);
+        u[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+        u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+        u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+    }
+    for (int k = 0; k < 4; ++k) {
+        const __m512 v0 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x44);
+        const __m512 w0 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xEE);
+        const __m512 v1 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x44);
+        const __m512 w1 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xEE);
+        r[k] = _mm512_shuffle_f32x4(v0, v1, 0x88);
+        r[4 + k] = _mm512_shuffle_f32x4(v0, v1, 0xDD);
+        r[8 + k] = _mm512_shuffle_f32x4(w0, w1, 0x88);
+        r[12 + k] = _mm512_shuffle_f32x4(w0, w1, 0xDD);
+    }
+}
+
+static inline __m512 load_row16(const void *row, int64_t at, const int bf16) {
+    if (bf16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + at));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)row + at);
+}
+#endif
+
+/* kt[d][j] = K row j, element d, for the block's nkeys rows (zero past them). */
+static inline __attribute__((always_inline)) void transpose_keys(
+    float *kt, const void *const krow[KEYS], int nkeys, const int head_dim, const int bf16) {
+#if defined(__AVX512F__)
+    for (int c = 0; c < head_dim; c += KEYS) {
+        __m512 r[KEYS];
+        for (int j = 0; j < KEYS; ++j)
+            r[j] = j < nkeys ? load_row16(krow[j], c, bf16) : _mm512_setzero_ps();
+        transpose16(r);
+        for (int d = 0; d < KEYS; ++d) _mm512_storeu_ps(kt + (size_t)(c + d) * KEYS, r[d]);
+    }
+#else
+    for (int j = 0; j < KEYS; ++j)
+        for (int d = 0; d < head_dim; ++d)
+            kt[d * KEYS + j] = j < nkeys ? kv_elem(krow[j], d, bf16) : 0.0f;
+#endif
+}
+
+/* A span's partial for an item's rows: an online softmax over keys k0 .. k1 from a fresh
+ * state, into o (unnormalised, [padded_rows][D]), m (running max) and l (sum). q holds the
+ * rows' scaled queries (zero padding rows); row r sits at position first_pos + r / group. */
+static inline __attribute__((always_inline)) void prefill_span(
+    const int group, const int head_dim, const int bf16, const paged_kv *kv, int h,
+    const float *q, int rows, int padded_rows, int first_pos, int k0, int k1, int window,
+    float *o, float *m, float *l, float *kt, float *vb) {
     const int chunks = head_dim / KEYS;
-    const size_t qd = (size_t)padded_rows * head_dim;
-    size_t floats = 2 * qd + (size_t)head_dim * KEYS * (bf16 ? 2 : 1) + 2 * (size_t)padded_rows;
-    floats = (floats + 15) / 16 * 16; /* aligned_alloc takes whole multiples of the alignment */
-    float *q = (float *)aligned_alloc(64, sizeof(float) * floats);
-    if (q == NULL) return 1;
-    float *o = q + qd;
-    float *kt = o + qd;
-    float *m = kt + (size_t)head_dim * KEYS;
-    float *l = m + padded_rows;
-    float *vb = l + padded_rows;
-    memset(q, 0, sizeof(float) * qd);
+    memset(o, 0, sizeof(float) * (size_t)padded_rows * head_dim);
     for (int r = 0; r < padded_rows; ++r) {
         m[r] = -FLT_MAX;
         l[r] = 0.0f;
     }
-    for (int r = 0; r < rows; ++r) {
-        const float *src = query + (int64_t)(i0 + r / group) * q_row_stride +
-                           (int64_t)(h * group + r % group) * head_dim;
-        for (int d = 0; d < head_dim; ++d) q[(size_t)r * head_dim + d] = src[d] * scale;
-    }
-    memset(o, 0, sizeof(float) * qd);
-
-    for (int t0 = first_key; t0 <= last_pos; t0 += KEYS) {
-        const int nkeys = last_pos + 1 - t0 < KEYS ? last_pos + 1 - t0 : KEYS;
+    vlanes lane;
+    for (int j = 0; j < KEYS; ++j) lane[j] = j;
+    for (int t0 = k0; t0 <= k1; t0 += KEYS) {
+        const int nkeys = k1 + 1 - t0 < KEYS ? k1 + 1 - t0 : KEYS;
         const float *vrow[KEYS];
-        /* K block transposed: kt[d][j] = K[t0 + j][d] (zero past the last key) */
+        const void *krow[KEYS];
         for (int j = 0; j < KEYS; ++j) {
-            if (j < nkeys) {
-                const void *k = kv_row(kv, kv->k_cache, t0 + j, h, head_dim);
-                const void *v = kv_row(kv, kv->v_cache, t0 + j, h, head_dim);
-                if (bf16) {
-                    float *row = vb + (size_t)j * head_dim;
-                    for (int d = 0; d < head_dim; ++d) row[d] = kv_elem(v, d, 1);
-                    vrow[j] = row;
-                } else {
-                    vrow[j] = (const float *)v;
-                }
-                for (int d = 0; d < head_dim; ++d) kt[d * KEYS + j] = kv_elem(k, d, bf16);
-            } else {
+            if (j >= nkeys) {
                 vrow[j] = NULL;
-                for (int d = 0; d < head_dim; ++d) kt[d * KEYS + j] = 0.0f;
+                continue;
+            }
+            krow[j] = kv_row(kv, kv->k_cache, t0 + j, h, head_dim);
+            const void *v = kv_row(kv, kv->v_cache, t0 + j, h, head_dim);
+            if (bf16) {
+                float *row = vb + (size_t)j * head_dim;
+                for (int d = 0; d < head_dim; ++d) row[d] = kv_elem(v, d, 1);
+                vrow[j] = row;
+            } else {
+                vrow[j] = (const float *)v;
             }
         }
-        /* TILE_ROWS rows at a time: their 16 scores each stay in registers (one kt row load
-         * per TILE_ROWS FMAs), then their softmax update, then their output slices take each
-         * V vector loaded once for all the tile's rows */
+        transpose_keys(kt, krow, nkeys, head_dim, bf16);
         for (int r = 0; r < padded_rows; r += TILE_ROWS) {
             vkeys sc[TILE_ROWS];
             for (int i = 0; i < TILE_ROWS; ++i) sc[i] = (vkeys){0};
@@ -119,32 +213,38 @@ static inline __attribute__((always_inline)) int prefill_item(
                 const vkeys kd = load_keys(kt + d * KEYS);
                 for (int i = 0; i < TILE_ROWS; ++i) sc[i] += q0[i * head_dim + d] * kd;
             }
+            /* every row of the tile sees every key of the block: no mask (padding rows too:
+             * their outputs are never read) */
+            const int low_pos = first_pos + r / group;
+            const int high_pos = first_pos + (r + TILE_ROWS - 1) / group;
+            const int whole = nkeys == KEYS && t0 + KEYS - 1 <= low_pos &&
+                              (window <= 0 || high_pos - window < t0);
             float p[TILE_ROWS][KEYS], alpha[TILE_ROWS];
-            int most_visible = 0;
+            int most_visible = whole ? KEYS : 0;
             for (int i = 0; i < TILE_ROWS; ++i) {
-                /* keys j in [seen, visible) of the block: up to the row's position, from its
-                 * window's start; none for the padding rows */
-                const int pos = r + i < rows ? first_pos + (r + i) / group : -1;
-                const int visible = pos - t0 + 1 < nkeys ? pos - t0 + 1 : nkeys;
-                const int seen = window > 0 ? pos - window + 1 - t0 : 0;
-                most_visible = visible > most_visible ? visible : most_visible;
-                store_keys(p[i], sc[i]);
-                float mb = m[r + i];
-                for (int j = 0; j < KEYS; ++j)
-                    mb = j >= seen && j < visible && p[i][j] > mb ? p[i][j] : mb;
-                alpha[i] = expf(m[r + i] - mb);
-                float sum = 0.0f;
-                /* all 16 lanes through the vector exp; keys outside the row's span weigh 0
-                 * (their argument replaced before the exp, so a NaN score still propagates) */
-#pragma omp simd reduction(+ : sum)
-                for (int j = 0; j < KEYS; ++j) {
-                    const int in_span = j >= seen && j < visible;
-                    const float e = expf(in_span ? p[i][j] - mb : -1e30f);
-                    p[i][j] = in_span ? e : 0.0f;
-                    sum += p[i][j];
+                vkeys x = sc[i];
+                vlanes span = (vlanes){0} - 1; /* all lanes */
+                if (!whole) {
+                    /* keys j in [seen, visible) of the block: up to the row's position, from
+                     * its window's start; none for the padding rows */
+                    const int pos = r + i < rows ? first_pos + (r + i) / group : -1;
+                    const int visible = pos - t0 + 1 < nkeys ? pos - t0 + 1 : nkeys;
+                    const int seen = window > 0 ? pos - window + 1 - t0 : 0;
+                    most_visible = visible > most_visible ? visible : most_visible;
+                    span = (lane >= seen) & (lane < visible);
+                    x = (vkeys)(((vlanes)x & span) | ((vlanes)splat(-FLT_MAX) & ~span));
                 }
+                const float block_max = lanes_max(x);
+                const float mb = block_max > m[r + i] ? block_max : m[r + i];
+                alpha[i] = expf(m[r + i] - mb);
+                /* lanes outside the row's span get an argument of -1e30 (weight 0) after
+                 * the max, so a NaN score in the span still propagates */
+                vkeys arg = sc[i] - mb;
+                if (!whole) arg = (vkeys)(((vlanes)arg & span) | ((vlanes)splat(-1e30f) & ~span));
+                const vkeys e = exp_lanes(arg);
+                store_keys(p[i], e);
                 m[r + i] = mb;
-                l[r + i] = l[r + i] * alpha[i] + sum;
+                l[r + i] = l[r + i] * alpha[i] + lanes_sum(e);
             }
             for (int c0 = 0; c0 < chunks; c0 += 4) {
                 const int cn = chunks - c0 < 4 ? chunks - c0 : 4;
@@ -165,14 +265,114 @@ static inline __attribute__((always_inline)) int prefill_item(
             }
         }
     }
-    for (int r = 0; r < rows; ++r) {
-        float *dst = out + (int64_t)(i0 + r / group) * out_row_stride +
+}
+
+/* Fold a span's partial (po, pm, pl) into a row's running state (o, m, l). */
+static inline void merge_partial(int head_dim, float *o, float *m, float *l, const float *po,
+                                 float pm, float pl) {
+    const float mn = pm > *m ? pm : *m;
+    const float a = expf(*m - mn), b = expf(pm - mn);
+    for (int d = 0; d < head_dim; ++d) o[d] = o[d] * a + po[d] * b;
+    *l = *l * a + pl * b;
+    *m = mn;
+}
+
+/* An item's geometry: its rows, its positions, its spans. */
+typedef struct {
+    int i0, positions, rows, padded_rows, first_pos, first_key, last_pos, first_span, spans;
+} item_rows;
+
+static inline item_rows item_geometry(int b, int group, int ctx_len, int n_rows, int window) {
+    item_rows g;
+    g.i0 = b * ROWS_PER_ITEM;
+    g.positions = n_rows - g.i0 < ROWS_PER_ITEM ? n_rows - g.i0 : ROWS_PER_ITEM;
+    g.rows = g.positions * group;
+    g.padded_rows = (g.rows + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+    g.first_pos = ctx_len - n_rows + g.i0;
+    g.last_pos = g.first_pos + g.positions - 1;
+    /* the first key any of the item's rows sees */
+    g.first_key = window > 0 && g.first_pos >= window ? g.first_pos - window + 1 : 0;
+    g.first_span = g.first_key / SPAN_KEYS;
+    g.spans = g.last_pos / SPAN_KEYS - g.first_span + 1;
+    return g;
+}
+
+/* Floats of a span's scratch: q [R][D], kt [D][KEYS], vb [KEYS][D]. */
+static inline size_t scratch_floats(int padded_rows, int head_dim) {
+    const size_t n = (size_t)padded_rows * head_dim + 2 * (size_t)head_dim * KEYS;
+    return (n + 15) / 16 * 16; /* aligned_alloc takes whole multiples of the alignment */
+}
+
+/* The item's rows' scaled queries into q (zero padding rows). */
+static inline void scaled_queries(float *q, const item_rows *g, int group, int head_dim,
+                                  const float *query, int64_t q_row_stride, int h, float scale) {
+    memset(q, 0, sizeof(float) * (size_t)g->padded_rows * head_dim);
+    for (int r = 0; r < g->rows; ++r) {
+        const float *src = query + (int64_t)(g->i0 + r / group) * q_row_stride +
+                           (int64_t)(h * group + r % group) * head_dim;
+        for (int d = 0; d < head_dim; ++d) q[(size_t)r * head_dim + d] = src[d] * scale;
+    }
+}
+
+/* Span s (0-based within the item) of item (g, h): its partial into po/pm/pl, [padded_rows]
+ * rows. Returns 1 when scratch could not be allocated. */
+static inline __attribute__((always_inline)) int span_partial(
+    const int group, const int head_dim, const int bf16, const paged_kv *kv, const float *query,
+    int64_t q_row_stride, const item_rows *g, int h, int s, float scale, int window,
+    float *po, float *pm, float *pl) {
+    float *q = (float *)aligned_alloc(64, sizeof(float) * scratch_floats(g->padded_rows, head_dim));
+    if (q == NULL) return 1;
+    float *kt = q + (size_t)g->padded_rows * head_dim;
+    float *vb = kt + (size_t)head_dim * KEYS;
+    scaled_queries(q, g, group, head_dim, query, q_row_stride, h, scale);
+    const int span = g->first_span + s;
+    const int k0 = span * SPAN_KEYS > g->first_key ? span * SPAN_KEYS : g->first_key;
+    const int k1 = (span + 1) * SPAN_KEYS - 1 < g->last_pos ? (span + 1) * SPAN_KEYS - 1 : g->last_pos;
+    prefill_span(group, head_dim, bf16, kv, h, q, g->rows, g->padded_rows, g->first_pos, k0, k1,
+                 window, po, pm, pl, kt, vb);
+    free(q);
+    return 0;
+}
+
+/* Out rows of item (g, h) from its running state. */
+static inline void write_rows(float *out, int64_t out_row_stride, const item_rows *g, int group,
+                              int head_dim, int h, const float *o, const float *l) {
+    for (int r = 0; r < g->rows; ++r) {
+        float *dst = out + (int64_t)(g->i0 + r / group) * out_row_stride +
                      (int64_t)(h * group + r % group) * head_dim;
         const float inv = 1.0f / l[r];
         for (int d = 0; d < head_dim; ++d) dst[d] = o[(size_t)r * head_dim + d] * inv;
     }
-    free(q);
-    return 0;
+}
+
+/* A whole item, its spans merged as they are computed. Returns 1 when scratch could not be
+ * allocated. */
+static inline __attribute__((always_inline)) int prefill_item(
+    const int group, const int head_dim, const int bf16, const paged_kv *kv, const float *query,
+    int64_t q_row_stride, float *out, int64_t out_row_stride, const item_rows *g, int h,
+    float scale, int window) {
+    const size_t rd = (size_t)g->padded_rows * head_dim;
+    /* running o, m, l, then a span's po, pm, pl */
+    float *o = (float *)aligned_alloc(64, sizeof(float) * ((2 * rd + 4 * g->padded_rows + 15) / 16 * 16));
+    if (o == NULL) return 1;
+    float *m = o + rd, *l = m + g->padded_rows;
+    float *po = l + g->padded_rows, *pm = po + rd, *pl = pm + g->padded_rows;
+    memset(o, 0, sizeof(float) * rd);
+    for (int r = 0; r < g->padded_rows; ++r) {
+        m[r] = -FLT_MAX;
+        l[r] = 0.0f;
+    }
+    int failed = 0;
+    for (int s = 0; s < g->spans && !failed; ++s) {
+        failed = span_partial(group, head_dim, bf16, kv, query, q_row_stride, g, h, s, scale,
+                              window, po, pm, pl);
+        for (int r = 0; r < g->rows && !failed; ++r)
+            merge_partial(head_dim, o + (size_t)r * head_dim, m + r, l + r,
+                          po + (size_t)r * head_dim, pm[r], pl[r]);
+    }
+    if (!failed) write_rows(out, out_row_stride, g, group, head_dim, h, o, l);
+    free(o);
+    return failed;
 }
 
 /*
@@ -208,31 +408,96 @@ int pg_paged_prefill_f32(const float *query, int64_t q_row_stride, const void *k
     const int blocks = (n_rows + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
     const int items = blocks * num_kv_heads;
     int failed = 0;
+/* compile-time (group, head_dim) for the common shapes, per page dtype B; CALL(G, D, B) */
+#define PG_PREFILL_CASES(CALL, B)                                    \
+    switch (head_dim * 64 + group) {                                 \
+        case 64 * 64 + 1: failed |= CALL(1, 64, B); break;           \
+        case 64 * 64 + 3: failed |= CALL(3, 64, B); break;           \
+        case 64 * 64 + 4: failed |= CALL(4, 64, B); break;           \
+        case 64 * 64 + 8: failed |= CALL(8, 64, B); break;           \
+        case 128 * 64 + 1: failed |= CALL(1, 128, B); break;         \
+        case 128 * 64 + 4: failed |= CALL(4, 128, B); break;         \
+        case 128 * 64 + 8: failed |= CALL(8, 128, B); break;         \
+        default: failed |= CALL(group, head_dim, B); break;          \
+    }
+#define PG_DISPATCH(CALL)                        \
+    if (kv_bf16) {                               \
+        PG_PREFILL_CASES(CALL, 1)                \
+    } else {                                     \
+        PG_PREFILL_CASES(CALL, 0)                \
+    }
+    if (items >= ITEMS_PER_THREAD * num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) reduction(| : failed)
+        for (int item = 0; item < items; ++item) {
+            /* latest (longest) blocks first: the causal mask makes them uneven */
+            const item_rows g = item_geometry(blocks - 1 - item / num_kv_heads, group, ctx_len,
+                                              n_rows, window);
+            const int h = item % num_kv_heads;
+#define PG_ITEM(G, D, B) \
+    prefill_item(G, D, B, &kv, query, q_row_stride, out, out_row_stride, &g, h, scale, window)
+            PG_DISPATCH(PG_ITEM)
+#undef PG_ITEM
+        }
+        return failed ? -1 : 0;
+    }
+    /* few items: one task per (item, span), partials kept, then merged in span order */
+    int *task_start = (int *)malloc(sizeof(int) * ((size_t)items + 1));
+    if (task_start == NULL) return -1;
+    size_t stride = 0; /* floats of one task's partial: o [R][D], m [R], l [R] */
+    task_start[0] = 0;
     for (int item = 0; item < items; ++item) {
-        const int b = blocks - 1 - item / num_kv_heads; /* latest (longest) blocks first */
+        const item_rows g = item_geometry(item / num_kv_heads, group, ctx_len, n_rows, window);
+        task_start[item + 1] = task_start[item] + g.spans;
+        const size_t need = (size_t)g.padded_rows * (head_dim + 2);
+        stride = need > stride ? need : stride;
+    }
+    const int tasks = task_start[items];
+    float *partials = (float *)malloc(sizeof(float) * stride * (size_t)tasks);
+    if (partials == NULL) {
+        free(task_start);
+        return -1;
+    }
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) reduction(| : failed)
+    for (int task = 0; task < tasks; ++task) {
+        int item = 0;
+        while (task_start[item + 1] <= task) ++item;
+        const item_rows g = item_geometry(item / num_kv_heads, group, ctx_len, n_rows, window);
         const int h = item % num_kv_heads;
-        const int i0 = b * ROWS_PER_ITEM;
-        const int positions = n_rows - i0 < ROWS_PER_ITEM ? n_rows - i0 : ROWS_PER_ITEM;
-#define PG_PREFILL(G, D, B)                                                                  \
-    prefill_item(G, D, B, &kv, query, q_row_stride, out, out_row_stride, ctx_len, n_rows, h, \
-                 i0, positions, scale, window)
-/* compile-time (group, head_dim) for the common shapes, per page dtype B */
-#define PG_PREFILL_CASES(B)                                                   \
-    switch (head_dim * 64 + group) {                                          \
-        case 64 * 64 + 1: failed |= PG_PREFILL(1, 64, B); continue;           \
-        case 64 * 64 + 3: failed |= PG_PREFILL(3, 64, B); continue;           \
-        case 64 * 64 + 4: failed |= PG_PREFILL(4, 64, B); continue;           \
-        case 64 * 64 + 8: failed |= PG_PREFILL(8, 64, B); continue;           \
-        case 128 * 64 + 1: failed |= PG_PREFILL(1, 128, B); continue;         \
-        case 128 * 64 + 4: failed |= PG_PREFILL(4, 128, B); continue;         \
-        case 128 * 64 + 8: failed |= PG_PREFILL(8, 128, B); continue;         \
-        default: failed |= PG_PREFILL(group, head_dim, B); continue;          \
+        float *po = partials + stride * (size_t)task;
+        float *pm = po + (size_t)g.padded_rows * head_dim, *pl = pm + g.padded_rows;
+#define PG_SPAN(G, D, B)                                                                    \
+    span_partial(G, D, B, &kv, query, q_row_stride, &g, h, task - task_start[item], scale, \
+                 window, po, pm, pl)
+        PG_DISPATCH(PG_SPAN)
+#undef PG_SPAN
     }
-        if (kv_bf16) PG_PREFILL_CASES(1)
-        PG_PREFILL_CASES(0)
+    if (!failed) {
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
+        for (int item = 0; item < items; ++item) {
+            const item_rows g = item_geometry(item / num_kv_heads, group, ctx_len, n_rows, window);
+            const size_t rd = (size_t)g.padded_rows * head_dim;
+            float *state = (float *)calloc(rd + 2 * (size_t)g.padded_rows, sizeof(float));
+            if (state == NULL) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            float *m = state + rd, *l = m + g.padded_rows;
+            for (int r = 0; r < g.padded_rows; ++r) m[r] = -FLT_MAX;
+            for (int s = 0; s < g.spans; ++s) {
+                const float *po = partials + stride * (size_t)(task_start[item] + s);
+                const float *pm = po + rd, *pl = pm + g.padded_rows;
+                for (int r = 0; r < g.rows; ++r)
+                    merge_partial(head_dim, state + (size_t)r * head_dim, m + r, l + r,
+                                  po + (size_t)r * head_dim, pm[r], pl[r]);
+            }
+            write_rows(out, out_row_stride, &g, group, head_dim, item % num_kv_heads, state, l);
+            free(state);
+        }
+    }
+    free(partials);
+    free(task_start);
+#undef PG_DISPATCH
 #undef PG_PREFILL_CASES
-#undef PG_PREFILL
-    }
     return failed ? -1 : 0;
 }
