@@ -44,7 +44,9 @@
 
 #include "kv_rows.h"
 
-#define KEYS 16          /* keys per block: one vector of scores */
+#define KEYS 16          /* keys per vector of scores */
+#define VECS 2           /* vectors of scores per key block */
+#define BLOCK (KEYS * VECS) /* keys per block */
 #define ROWS_PER_ITEM 32 /* query positions per work item */
 #define TILE_ROWS 4      /* query rows whose scores and outputs are in registers together */
 #define SPAN_KEYS 512    /* keys per span (a multiple of KEYS) */
@@ -53,7 +55,7 @@
 #define PREFILL_MAX_HEAD_DIM 256
 
 _Static_assert(sizeof(vkeys) == KEYS * sizeof(float), "KEYS is one vkeys");
-_Static_assert(SPAN_KEYS % KEYS == 0, "spans are whole key blocks");
+_Static_assert(SPAN_KEYS % BLOCK == 0, "spans are whole key blocks");
 
 typedef int32_t vlanes __attribute__((vector_size(KEYS * sizeof(int32_t))));
 
@@ -91,10 +93,12 @@ static inline float lanes_sum(vkeys v) {
 
 /* exp of 16 arguments <= 0 (a score less its row's max): 2^n * e^r with |r| <= ln2 / 2, e^r
  * by its Taylor polynomial to degree 7 (relative error below 1e-8 there, under fp32
- * rounding); arguments below -87 (e^-87 is near FLT_MIN) give 0. A NaN stays NaN without a
- * test (-ffast-math would fold one away): its exponent bits are all ones, and the integer
- * conversion of NaN (INT_MIN on x86, 0 elsewhere) shifted by 23 adds 0 to them. */
+ * rounding); arguments below -87 (e^-87 is near FLT_MIN) give 0. A NaN stays NaN: it is found
+ * by its bits (-ffast-math folds a float self-comparison away, and may turn the clamp into a
+ * max that drops it). */
 static inline vkeys exp_lanes(vkeys x) {
+    const vlanes bits = (vlanes)x;
+    const vlanes nan = (bits & 0x7fffffff) > 0x7f800000;
     const vlanes under = x < splat(-87.0f);
     x = (vkeys)(((vlanes)x & ~under) | ((vlanes)splat(-87.0f) & under));
     const vkeys t = x * 1.44269504088896341f;
@@ -110,7 +114,7 @@ static inline vkeys exp_lanes(vkeys x) {
     p = p * r + 1.0f;
     p = p * r + 1.0f;
     const vlanes scaled = (vlanes)p + (n << 23);
-    return (vkeys)(scaled & ~under);
+    return (vkeys)((scaled & ~under & ~nan) | (bits & nan));
 }
 
 #if defined(__AVX512F__)
@@ -172,7 +176,9 @@ static inline __attribute__((always_inline)) void transpose_keys(
 
 /* A span's partial for an item's rows: an online softmax over keys k0 .. k1 from a fresh
  * state, into o (unnormalised, [padded_rows][D]), m (running max) and l (sum). q holds the
- * rows' scaled queries (zero padding rows); row r sits at position first_pos + r / group. */
+ * rows' scaled queries (zero padding rows); row r sits at position first_pos + r / group.
+ * Keys go by in blocks of VECS x 16: each row's scores of a block are VECS vectors, so a
+ * broadcast query element feeds VECS FMAs, and the block's max, rescale and sum are paid once. */
 static inline __attribute__((always_inline)) void prefill_span(
     const int group, const int head_dim, const int bf16, const paged_kv *kv, int h,
     const float *q, int rows, int padded_rows, int first_pos, int k0, int k1, int window,
@@ -185,15 +191,11 @@ static inline __attribute__((always_inline)) void prefill_span(
     }
     vlanes lane;
     for (int j = 0; j < KEYS; ++j) lane[j] = j;
-    for (int t0 = k0; t0 <= k1; t0 += KEYS) {
-        const int nkeys = k1 + 1 - t0 < KEYS ? k1 + 1 - t0 : KEYS;
-        const float *vrow[KEYS];
-        const void *krow[KEYS];
-        for (int j = 0; j < KEYS; ++j) {
-            if (j >= nkeys) {
-                vrow[j] = NULL;
-                continue;
-            }
+    for (int t0 = k0; t0 <= k1; t0 += BLOCK) {
+        const int nkeys = k1 + 1 - t0 < BLOCK ? k1 + 1 - t0 : BLOCK;
+        const float *vrow[BLOCK];
+        const void *krow[BLOCK];
+        for (int j = 0; j < nkeys; ++j) {
             krow[j] = kv_row(kv, kv->k_cache, t0 + j, h, head_dim);
             const void *v = kv_row(kv, kv->v_cache, t0 + j, h, head_dim);
             if (bf16) {
@@ -204,26 +206,41 @@ static inline __attribute__((always_inline)) void prefill_span(
                 vrow[j] = (const float *)v;
             }
         }
-        transpose_keys(kt, krow, nkeys, head_dim, bf16);
+        /* kt: VECS transposed [D][16] blocks */
+        for (int b = 0; b < VECS; ++b) {
+            const int in_vec = nkeys - b * KEYS;
+            transpose_keys(kt + (size_t)b * head_dim * KEYS, krow + b * KEYS,
+                           in_vec < 0 ? 0 : in_vec, head_dim, bf16);
+        }
         for (int r = 0; r < padded_rows; r += TILE_ROWS) {
-            vkeys sc[TILE_ROWS];
-            for (int i = 0; i < TILE_ROWS; ++i) sc[i] = (vkeys){0};
+            vkeys sc[TILE_ROWS][VECS];
+            for (int i = 0; i < TILE_ROWS; ++i)
+                for (int b = 0; b < VECS; ++b) sc[i][b] = (vkeys){0};
             const float *q0 = q + (size_t)r * head_dim;
             for (int d = 0; d < head_dim; ++d) {
-                const vkeys kd = load_keys(kt + d * KEYS);
-                for (int i = 0; i < TILE_ROWS; ++i) sc[i] += q0[i * head_dim + d] * kd;
+                vkeys kd[VECS];
+                for (int b = 0; b < VECS; ++b)
+                    kd[b] = load_keys(kt + (size_t)b * head_dim * KEYS + d * KEYS);
+                for (int i = 0; i < TILE_ROWS; ++i) {
+                    const float qd = q0[i * head_dim + d];
+                    for (int b = 0; b < VECS; ++b) sc[i][b] += qd * kd[b];
+                }
             }
             /* every row of the tile sees every key of the block: no mask (padding rows too:
              * their outputs are never read) */
             const int low_pos = first_pos + r / group;
             const int high_pos = first_pos + (r + TILE_ROWS - 1) / group;
-            const int whole = nkeys == KEYS && t0 + KEYS - 1 <= low_pos &&
+            const int whole = nkeys == BLOCK && t0 + BLOCK - 1 <= low_pos &&
                               (window <= 0 || high_pos - window < t0);
-            float p[TILE_ROWS][KEYS], alpha[TILE_ROWS];
-            int most_visible = whole ? KEYS : 0;
+            float p[TILE_ROWS][BLOCK], alpha[TILE_ROWS];
+            int most_visible = whole ? BLOCK : 0;
             for (int i = 0; i < TILE_ROWS; ++i) {
-                vkeys x = sc[i];
-                vlanes span = (vlanes){0} - 1; /* all lanes */
+                vkeys x[VECS];
+                vlanes span[VECS];
+                for (int b = 0; b < VECS; ++b) {
+                    x[b] = sc[i][b];
+                    span[b] = (vlanes){0} - 1;
+                }
                 if (!whole) {
                     /* keys j in [seen, visible) of the block: up to the row's position, from
                      * its window's start; none for the padding rows */
@@ -231,20 +248,33 @@ static inline __attribute__((always_inline)) void prefill_span(
                     const int visible = pos - t0 + 1 < nkeys ? pos - t0 + 1 : nkeys;
                     const int seen = window > 0 ? pos - window + 1 - t0 : 0;
                     most_visible = visible > most_visible ? visible : most_visible;
-                    span = (lane >= seen) & (lane < visible);
-                    x = (vkeys)(((vlanes)x & span) | ((vlanes)splat(-FLT_MAX) & ~span));
+                    for (int b = 0; b < VECS; ++b) {
+                        span[b] = (lane + b * KEYS >= seen) & (lane + b * KEYS < visible);
+                        x[b] = (vkeys)(((vlanes)x[b] & span[b]) |
+                                       ((vlanes)splat(-FLT_MAX) & ~span[b]));
+                    }
                 }
-                const float block_max = lanes_max(x);
+                vkeys most = x[0];
+                for (int b = 1; b < VECS; ++b) {
+                    const vlanes keep = most > x[b];
+                    most = (vkeys)(((vlanes)most & keep) | ((vlanes)x[b] & ~keep));
+                }
+                const float block_max = lanes_max(most);
                 const float mb = block_max > m[r + i] ? block_max : m[r + i];
                 alpha[i] = expf(m[r + i] - mb);
                 /* lanes outside the row's span get an argument of -1e30 (weight 0) after
                  * the max, so a NaN score in the span still propagates */
-                vkeys arg = sc[i] - mb;
-                if (!whole) arg = (vkeys)(((vlanes)arg & span) | ((vlanes)splat(-1e30f) & ~span));
-                const vkeys e = exp_lanes(arg);
-                store_keys(p[i], e);
+                vkeys sum = (vkeys){0};
+                for (int b = 0; b < VECS; ++b) {
+                    vkeys arg = sc[i][b] - mb;
+                    if (!whole)
+                        arg = (vkeys)(((vlanes)arg & span[b]) | ((vlanes)splat(-1e30f) & ~span[b]));
+                    const vkeys e = exp_lanes(arg);
+                    store_keys(p[i] + b * KEYS, e);
+                    sum += e;
+                }
                 m[r + i] = mb;
-                l[r + i] = l[r + i] * alpha[i] + lanes_sum(e);
+                l[r + i] = l[r + i] * alpha[i] + lanes_sum(sum);
             }
             for (int c0 = 0; c0 < chunks; c0 += 4) {
                 const int cn = chunks - c0 < 4 ? chunks - c0 : 4;
@@ -297,9 +327,9 @@ static inline item_rows item_geometry(int b, int group, int ctx_len, int n_rows,
     return g;
 }
 
-/* Floats of a span's scratch: q [R][D], kt [D][KEYS], vb [KEYS][D]. */
+/* Floats of a span's scratch: q [R][D], kt VECS x [D][KEYS], vb [BLOCK][D]. */
 static inline size_t scratch_floats(int padded_rows, int head_dim) {
-    const size_t n = (size_t)padded_rows * head_dim + 2 * (size_t)head_dim * KEYS;
+    const size_t n = (size_t)padded_rows * head_dim + 2 * (size_t)head_dim * BLOCK;
     return (n + 15) / 16 * 16; /* aligned_alloc takes whole multiples of the alignment */
 }
 
@@ -323,7 +353,7 @@ static inline __attribute__((always_inline)) int span_partial(
     float *q = (float *)aligned_alloc(64, sizeof(float) * scratch_floats(g->padded_rows, head_dim));
     if (q == NULL) return 1;
     float *kt = q + (size_t)g->padded_rows * head_dim;
-    float *vb = kt + (size_t)head_dim * KEYS;
+    float *vb = kt + (size_t)head_dim * BLOCK;
     scaled_queries(q, g, group, head_dim, query, q_row_stride, h, scale);
     const int span = g->first_span + s;
     const int k0 = span * SPAN_KEYS > g->first_key ? span * SPAN_KEYS : g->first_key;

@@ -95,6 +95,37 @@ def test_strided_query_rows_and_thread_counts() -> None:
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+@pytest.mark.parametrize(("n", "ctx"), [(16, 1300), (70, 1100), (300, 1100)])
+def test_spans_are_split_or_merged_in_place_with_the_same_bits(n: int, ctx: int) -> None:
+    """Contexts past one span (512 keys): a short chunk deep in a context (few work items, so
+    its spans run as items of their own and merge after) and a long one (items merge their
+    spans as they go) match SDPA, and every thread count (which picks the path) gives the
+    same bits."""
+    query, k_cache, v_cache, pages = _case(n, ctx, 9, 3, 64, 16, seed=4)
+    outs = []
+    for threads in (1, 2, 3):
+        out = torch.full_like(query, float("nan"))
+        assert paged_prefill_native(out, query, k_cache, v_cache, pages, ctx, 0.125, threads)
+        outs.append(out)
+    expected = _prefill_one(query, k_cache, v_cache, pages.int(), ctx, 0.125)
+    torch.testing.assert_close(outs[0], expected, atol=2e-6, rtol=1e-5)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_a_row_has_the_same_bits_however_the_prompt_was_chunked() -> None:
+    """A row's arithmetic depends on its position and keys only: the last 40 rows of a
+    700-token prompt prefilled whole equal the same rows run as a 40-row chunk, and as a
+    3-row chunk, after the rest is cached."""
+    ctx = 700
+    query, k_cache, v_cache, pages = _case(ctx, ctx, 9, 3, 64, 16, seed=5)
+    whole = torch.empty_like(query)
+    assert paged_prefill_native(whole, query, k_cache, v_cache, pages, ctx, 0.125)
+    for tail in (40, 3):
+        part = torch.empty_like(query[-tail:])
+        assert paged_prefill_native(part, query[-tail:], k_cache, v_cache, pages, ctx, 0.125)
+        assert torch.equal(part, whole[-tail:])
+
+
 def test_bad_addressing_raises_and_writes_nothing() -> None:
     query, k_cache, v_cache, pages = _case(8, 40, 4, 2, 64, 16)
     out = torch.zeros_like(query)
