@@ -68,6 +68,7 @@ DEFAULTS: dict[str, Any] = {
     "max_model_len": _ENGINE.max_model_len,
     "max_num_batched_tokens": _ENGINE.max_num_batched_tokens,
     "decode_step_budget": _ENGINE.decode_step_budget,
+    "decode_slowdown": _ENGINE.decode_slowdown,
     "short_prefill_budget": _ENGINE.short_prefill_budget,
     "protect_waiting": _switch(_ENGINE.protect_waiting),
     "admission_order": _ENGINE.admission_order,
@@ -247,6 +248,14 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         help="token budget of a step while any stream decodes: bounds the inter-token latency "
         f"(default {DECODE_STEP_BUDGET['cpu']} on CPU; on GPU the same as "
         "--max-num-batched-tokens)",
+    )
+    sched.add_argument(
+        "--decode-slowdown",
+        type=float,
+        help="while streams decode, cap each step's prefill so the step takes at most this "
+        "many times a step of the decodes alone, by a step-time model fitted online "
+        "(e.g. 2 = running streams' inter-token latency at most doubles while prompts "
+        "prefill beside them; 0 = off, the default: the token budget alone)",
     )
     sched.add_argument(
         "--short-prefill-budget",
@@ -549,6 +558,7 @@ def engine_config(values: Mapping[str, Any]) -> EngineConfig:
         max_model_len=values["max_model_len"],
         max_num_batched_tokens=values["max_num_batched_tokens"],
         decode_step_budget=values["decode_step_budget"],
+        decode_slowdown=values["decode_slowdown"],
         short_prefill_budget=values["short_prefill_budget"],
         protect_waiting=values["protect_waiting"] == "on",
         admission_order=values["admission_order"],

@@ -56,6 +56,10 @@ class EngineConfig:
     # step budget while any stream decodes: every decode waits for the whole step, so this
     # bounds the inter-token latency; None = decode_token_budget()
     decode_step_budget: int | None = None
+    # while streams decode, a step's prefill is also capped so that the step takes at most this
+    # many times a step of the decodes alone, by a step-time model the engine fits online
+    # (gateway/engine/step_pacing.py); 0 = off (the token budget alone); None = decode_slowdown()
+    decode_slowdown: float | None = None
     # a waiting request whose whole prefill costs at most this runs first and unsplit, even in a
     # step with a smaller budget (a returning agent turn's suffix); None = short_prefill_budget()
     short_prefill_budget: int | None = None
@@ -133,6 +137,8 @@ class EngineConfig:
             # NOTE: no floor at max_num_seqs: decodes are never skipped for budget, and a step
             # while streams decode always leaves a page to a prefill (Scheduler.step_budget)
             raise ValueError(f"decode_step_budget must be >= 1, got {self.decode_step_budget}")
+        if self.decode_slowdown is not None and self.decode_slowdown != 0 and not self.decode_slowdown > 1:
+            raise ValueError(f"decode_slowdown must be 0 (off) or > 1, got {self.decode_slowdown}")
         if self.admission_order not in ADMISSION_ORDERS:
             raise ValueError(f"admission_order must be one of {', '.join(ADMISSION_ORDERS)}, "
                              f"got {self.admission_order!r}")
@@ -175,6 +181,7 @@ class EngineConfig:
 STEP_TOKEN_BUDGET = {"cpu": 512, "cuda": 2048}
 DECODE_STEP_BUDGET = {"cpu": 64}  # a GPU gains throughput from larger steps: no decode bound
 SHORT_PREFILL_BUDGET = {"cpu": 192}
+DECODE_SLOWDOWN: dict[str, float] = {}  # no device paces its decode steps unless asked
 
 
 def step_token_budget(config: EngineConfig, device_type: str) -> int:
@@ -193,6 +200,15 @@ def decode_token_budget(config: EngineConfig, device_type: str) -> int:
         return min(config.decode_step_budget, ceiling)
     default = DECODE_STEP_BUDGET.get(device_type, ceiling)
     return min(default, ceiling)
+
+
+def decode_slowdown(config: EngineConfig, device_type: str) -> float | None:
+    """The step-time bound of a step with decodes (a multiple of the decodes' own step), or
+    None: the configured figure (0 = off), else the device's default."""
+    slowdown = config.decode_slowdown
+    if slowdown is None:
+        slowdown = DECODE_SLOWDOWN.get(device_type)
+    return slowdown or None
 
 
 def short_prefill_budget(config: EngineConfig, device_type: str) -> int:

@@ -32,6 +32,7 @@ from prefixgate.gateway.engine.api import (
 )
 from prefixgate.gateway.engine.config import (
     EngineConfig,
+    decode_slowdown,
     decode_token_budget,
     short_prefill_budget,
     step_token_budget,
@@ -64,6 +65,7 @@ from prefixgate.gateway.engine.scheduler import ScheduledChunk, Scheduler, Sched
 from prefixgate.gateway.engine.sequence import SeqStatus, Sequence
 from prefixgate.gateway.engine.step_counters import StepCounters, counter
 from prefixgate.gateway.engine.step_masks import StepMasks
+from prefixgate.gateway.engine.step_pacing import StepPacer
 from prefixgate.gateway.engine.stop_strings import StopStringMatcher
 
 logger = logging.getLogger("prefixgate.engine")
@@ -192,6 +194,7 @@ class LLMEngine:
             protect_waiting=config.protect_waiting,
             admission_order=config.admission_order,
             max_admission_wait_s=config.max_admission_wait_s,
+            pacer=StepPacer(slowdown) if (slowdown := decode_slowdown(config, device_type)) else None,
         )
 
     # ------------------------------------------------------------------ grammars
@@ -347,6 +350,7 @@ class LLMEngine:
 
     def step(self) -> SchedulerOutput:
         """One step: schedule -> execute -> sample/verify -> update (docs/engine.md)."""
+        began = time.perf_counter()
         out = self.scheduler.schedule()
         self._prepare(out)
         if out.is_empty:
@@ -359,6 +363,8 @@ class LLMEngine:
         sampled = self._sample_step(out, forward, verified)
         self._emit_sampled(sampled)
         self._emit_verified(verified)
+        # the whole step, as a decoding stream waits for it between two tokens
+        self.scheduler.observe_step(out, time.perf_counter() - began)
         return out
 
     # ------------------------------------------------------------------ schedule

@@ -21,6 +21,7 @@ from prefixgate.cache.manager import PrefixMatch
 from prefixgate.gateway.engine.config import ADMISSION_ORDERS
 from prefixgate.gateway.engine.drafter import NgramDrafter
 from prefixgate.gateway.engine.sequence import SeqStatus, Sequence, TierProbe
+from prefixgate.gateway.engine.step_pacing import StepPacer
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +146,9 @@ class Scheduler:
             linear layers'). None = every token costs 1. A decode token always costs 1.
         protect_waiting: a waiting request's cached prefix is protected from eviction until
             it is admitted (soft: ``KVCacheManager.hold_prefix``).
+        pacer: caps the prefill of a step with decodes by its modelled time (``slowdown`` x
+            the decodes' own step; :mod:`step_pacing`), below the token budget; the engine
+            feeds it every step (:meth:`observe_step`). None = the token budget alone.
         admission_order: "lpm" (longest cached prefix first, then least prefill compute,
             with ``max_admission_wait_s`` as the age bound: :meth:`_order_waiting`), "srpt"
             (least prefill compute left first, same age bound) or "fcfs" (arrival order).
@@ -176,6 +180,7 @@ class Scheduler:
         protect_waiting: bool = True,
         admission_order: str = "lpm",
         max_admission_wait_s: float = 90.0,
+        pacer: StepPacer | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
@@ -191,6 +196,7 @@ class Scheduler:
         self.protect_waiting = protect_waiting
         self.admission_order = admission_order
         self.max_admission_wait_s = max_admission_wait_s
+        self.pacer = pacer
         self.clock = clock
         self.max_num_seqs = max_num_seqs
         self.enable_dedup = enable_dedup
@@ -274,8 +280,28 @@ class Scheduler:
         if decodes:
             # NOTE: at least a page of prefill a step, however many decode: a long prompt
             # admitted among max_num_seqs streams must not crawl one token a step
-            return max(self.decode_step_budget, min(decodes + self.cache.page_size, self.max_num_batched_tokens))
+            budget = max(self.decode_step_budget, min(decodes + self.cache.page_size, self.max_num_batched_tokens))
+            paced = self.pacer.prefill_units(decodes) if self.pacer is not None else None
+            if paced is not None:
+                # the step-time bound wins, below a page too: the oldest prefill still moves a
+                # token a step (_schedule_running)
+                budget = min(budget, decodes + int(paced))
+            return budget
         return self.max_num_batched_tokens
+
+    def observe_step(self, output: SchedulerOutput, seconds: float) -> None:
+        """Feed an executed step's time to the pacer: its decode rows and the cost units of
+        its prefill chunks (as :meth:`schedule` counted them)."""
+        if self.pacer is None or output.is_empty:
+            return
+        decode_rows, units = 0, 0.0
+        for c in output.chunks:
+            prompt_left = c.seq.num_prompt_tokens - c.start_pos
+            if prompt_left > 0:
+                units += self._cost(c.start_pos, min(c.num_tokens, prompt_left))
+            else:
+                decode_rows += c.num_tokens
+        self.pacer.observe(decode_rows, units, seconds)
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step: every running decode, short prefills whole (:meth:`_admit_short`),
