@@ -194,8 +194,16 @@ class LLMEngine:
             protect_waiting=config.protect_waiting,
             admission_order=config.admission_order,
             max_admission_wait_s=config.max_admission_wait_s,
-            pacer=StepPacer(slowdown) if (slowdown := decode_slowdown(config, device_type)) else None,
+            pacer=self._build_pacer(config, device_type),
         )
+
+    @staticmethod
+    def _build_pacer(config: EngineConfig, device_type: str) -> StepPacer | None:
+        slowdown = decode_slowdown(config, device_type)
+        if slowdown is None:
+            return None
+        logger.info("step pacing: a step with decodes is held to %gx the decodes' own step", slowdown)
+        return StepPacer(slowdown)
 
     # ------------------------------------------------------------------ grammars
 
