@@ -12,8 +12,11 @@ Workload (deterministic; defaults in brackets, --quick in braces):
     rotating over the kinds:
       - ``chat``, ``responses``, ``messages``: a MAXIMAL body of each surface within the
         server's limits: as many messages of ``MAX_TEXT_CHARS`` (1 Mi) characters as fit
-        --body-bytes [32 MiB, the default --max-body-size]: 31 messages, ~32.5 MB. It cannot
-        fit the context: the answer must be a 400 before tokenizing.
+        --body-bytes [32 MiB, the default --max-body-size], or just under a one-prompt
+        route's own cap when the server names one in a 413 (what a prompt that fits the
+        context can take, JSON-escaped: ~8.2 MB on the default model), the largest body the
+        server still reads and parses. It cannot fit the context: the answer must be a 400
+        before tokenizing.
       - ``chat_tokenized``: a chat body just under the server's byte bound (context x the
         longest token's bytes, read from the first flood answer's message), so it IS
         tokenized (~the context in tokens, or more) before it is refused.
@@ -44,7 +47,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from multiprocessing import get_context
 from typing import Any
 
@@ -65,6 +68,8 @@ SMALL_CHAT = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens"
               "temperature": 0}
 # the server's 400 for a text that cannot fit names the byte bound (PromptTooLongError)
 BYTE_BOUND_RE = re.compile(r"spell at most (\d+) bytes")
+# a one-prompt route's 413 names its cap (gateway/server/slow_clients.py prompt_body_caps)
+ROUTE_CAP_RE = re.compile(r"limit of (\d+) bytes of this route")
 MEMORY_SAMPLE_S = 0.2
 
 
@@ -251,13 +256,25 @@ def flood_figures(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
                               if problems else None)}
 
 
-def calibrate(base_url: str, model: str | None, workload: FloodWorkload) -> tuple[int | None, str]:
-    """The server's byte bound, from its 400 to one maximal chat body (None if not named)."""
-    body = flood_body("chat", model, workload.num_messages, workload.message_chars)
-    response = httpx.post(base_url + PATHS["chat"], content=body, timeout=300,
-                          headers={"Content-Type": "application/json"})
+def calibrate(base_url: str, model: str | None, workload: FloodWorkload
+              ) -> tuple[FloodWorkload, int | None, str]:
+    """The maximal body the server reads, and its byte bound. A one-prompt route may cap its
+    bodies below --max-body-size by what the context can hold (its 413 names the cap): the
+    flood's bodies then shrink to just under it, the largest the server still parses. The byte
+    bound (None if not named) comes from the 400 to one such body."""
+    statuses = []
+    for _ in range(2):
+        body = flood_body("chat", model, workload.num_messages, workload.message_chars)
+        response = httpx.post(base_url + PATHS["chat"], content=body, timeout=300,
+                              headers={"Content-Type": "application/json"})
+        statuses.append(f"HTTP {response.status_code}")
+        capped = ROUTE_CAP_RE.search(response.text) if response.status_code == 413 else None
+        if capped is None:
+            break
+        workload = replace(workload, body_bytes=int(capped.group(1)),
+                           message_chars=min(workload.message_chars, int(capped.group(1)) - 4096))
     found = BYTE_BOUND_RE.search(response.text)
-    return (int(found.group(1)) if found else None), f"HTTP {response.status_code}"
+    return workload, (int(found.group(1)) if found else None), ", ".join(statuses)
 
 
 def run_flood(base_url: str, model: str | None, workload: FloodWorkload,
@@ -268,7 +285,7 @@ def run_flood(base_url: str, model: str | None, workload: FloodWorkload,
     httpx.post(base_url + PATHS["chat"], json={**SMALL_CHAT, **({"model": model} if model else {})},
                timeout=300)
     before = memory_mb(pid) if pid is not None else {}
-    byte_bound, calibration = calibrate(base_url, model, workload)
+    workload, byte_bound, calibration = calibrate(base_url, model, workload)
     loadavg = os.getloadavg()[0]
     baseline = Probes(base_url, model, pid)  # the same probes, no flood: the machine's floor
     baseline.start()
@@ -292,6 +309,7 @@ def run_flood(base_url: str, model: str | None, workload: FloodWorkload,
             "probe_errors": len(probes.errors) + len(baseline.errors),
             "first_probe_error": probes.errors[0] if probes.errors else None,
             "flood": flood_figures(outcomes), "byte_bound": byte_bound, "calibration": calibration,
+            "body_bytes": workload.body_bytes,
             "rss_mb": {"before": before.get("rss_mb"), "peak": probes.rss_peak_mb or None,
                        "after": after.get("rss_mb"), "high_water": after.get("rss_hwm_mb")},
             "loadavg_1min_start": loadavg, "loadavg_1min_end": os.getloadavg()[0]}

@@ -25,7 +25,7 @@ from prefixgate.gateway.server.responses.store import (
     ResponseStore,
 )
 from prefixgate.gateway.server.settings import ServerSettings
-from prefixgate.gateway.server.slow_clients import BodyLimitMiddleware
+from prefixgate.gateway.server.slow_clients import BodyLimitMiddleware, prompt_body_caps
 from prefixgate.gateway.server.state import ServerState
 from prefixgate.gateway.server.tokenization import Tokenization
 
@@ -68,7 +68,8 @@ def create_app(
     install_exception_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
-    _add_middleware(app, settings)
+    _add_middleware(app, settings, prompt_body_caps(
+        state.capacity, getattr(engine.tokenizer, "max_token_bytes", None)))
     return app
 
 
@@ -126,9 +127,10 @@ def _response_store(settings: ServerSettings) -> ResponseStore:
     return MemoryResponseStore(settings.max_stored_responses, ttl_s=settings.response_ttl_s)
 
 
-def _add_middleware(app: FastAPI, settings: ServerSettings) -> None:
+def _add_middleware(app: FastAPI, settings: ServerSettings,
+                    route_caps: dict[str, tuple[int, str]]) -> None:
     # Inside CORS and the request id, so a 413/408 carries both.
-    app.add_middleware(BodyLimitMiddleware, limits=settings.limits)
+    app.add_middleware(BodyLimitMiddleware, limits=settings.limits, route_caps=route_caps)
     if settings.allowed_origins:
         app.add_middleware(
             CORSMiddleware,

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import h11
@@ -76,12 +77,41 @@ async def send_error(scope: Scope, send: Send, status: int, message: str, code: 
     await send({"type": "http.response.body", "body": data})
 
 
+# bytes of JSON one byte of prompt text can take at most (a control character as \u0000)
+JSON_ESCAPE_BYTES = 6
+# what a one-prompt body carries beside its prompt text: JSON structure, a response format's
+# schema, metadata, sampling fields (each bounded in fields.py far below this)
+NON_PROMPT_BYTES = 4 * 1024 * 1024
+# the routes whose body renders into ONE prompt (a chat's n choices share it); completions
+# take up to MAX_PROMPTS prompts, so they keep --max-body-size
+ONE_PROMPT_ROUTES = ("/v1/chat/completions", "/v1/responses", "/v1/messages",
+                     "/v1/messages/count_tokens", "/tokenize")
+
+
+def prompt_body_caps(capacity: int, max_token_bytes: int | None) -> dict[str, tuple[int, str]]:
+    """Per-route body caps from the context: a one-prompt body larger than its prompt could be
+    (``capacity`` tokens of at most ``max_token_bytes`` UTF-8 bytes each, every byte
+    JSON-escaped) plus its other fields can never succeed, so it is refused by its
+    Content-Length before it is read or parsed (a flood of maximal bodies then costs the
+    server no JSON parsing). None = the tokenizer has no provable byte bound: no caps."""
+    if not max_token_bytes:
+        return {}
+    cap = capacity * max_token_bytes * JSON_ESCAPE_BYTES + NON_PROMPT_BYTES
+    why = (f"a prompt that fits the context ({capacity} tokens of at most {max_token_bytes} "
+           "bytes each) and the request's other fields never need more")
+    return {route: (cap, why) for route in ONE_PROMPT_ROUTES}
+
+
 class BodyLimitMiddleware:
     """Read the request body under a size cap and a deadline, then hand it to the app."""
 
-    def __init__(self, app: ASGIApp, limits: ConnectionLimits):
+    def __init__(self, app: ASGIApp, limits: ConnectionLimits,
+                 route_caps: Mapping[str, tuple[int, str]] | None = None):
+        """``route_caps``: path -> (a tighter cap, why), for routes whose body can be bounded
+        by what can succeed there (:func:`prompt_body_caps`)."""
         self.app = app
         self.limits = limits
+        self.route_caps = dict(route_caps or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -89,6 +119,10 @@ class BodyLimitMiddleware:
             return
         cap = self.limits.max_body_bytes
         too_large = f"The request body exceeds the limit of {cap} bytes (--max-body-size)."
+        route_cap = self.route_caps.get(scope.get("path", ""))
+        if route_cap is not None and route_cap[0] < cap:
+            cap = route_cap[0]
+            too_large = f"The request body exceeds the limit of {cap} bytes of this route: {route_cap[1]}."
         declared = dict(scope.get("headers") or ()).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > cap:
             await send_error(scope, send, 413, too_large, "request_too_large")

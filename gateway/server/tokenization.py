@@ -1,9 +1,11 @@
-"""Tokenizer calls for the routes, on one worker thread, with client errors mapped to 400s."""
+"""Tokenizer calls for the routes, in two lanes of worker threads, client errors mapped to 400s."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import os
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -59,6 +61,19 @@ def _text_chars(value: Any) -> int:
     return 0
 
 
+LARGE_LANE_NICENESS = 10  # nice(1) increment of the long-prompt lane's threads
+
+
+def _lower_priority() -> None:
+    """Raise the calling thread's niceness (Linux: per thread). Best effort: where the
+    platform refuses, the lane runs at normal priority."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + LARGE_LANE_NICENESS)
+    except (AttributeError, OSError):
+        pass
+
+
 class Tokenization:
     """Runs tokenizer calls off the event loop, in two lanes of worker threads: small requests
     never queue behind a long prompt. Chat templates are pure Python (they share the GIL with
@@ -79,8 +94,11 @@ class Tokenization:
         self.dialect = choose_dialect(getattr(engine.tokenizer, "chat_template", None),
                                       tool_call_format)
         self._small = ThreadPoolExecutor(WORKERS_PER_LANE, thread_name_prefix="prefixgate-tokenize")
+        # the long-prompt lane yields the CPU to everything else: a flood of big prompts
+        # then slows only itself, not the event loop, the engine or the small lane
         self._large = ThreadPoolExecutor(WORKERS_PER_LANE,
-                                         thread_name_prefix="prefixgate-tokenize-large")
+                                         thread_name_prefix="prefixgate-tokenize-large",
+                                         initializer=_lower_priority)
 
     async def run(self, fn: Callable[..., T], *args: Any, chars: int = 0) -> T:
         pool = self._small if chars < SMALL_REQUEST_CHARS else self._large

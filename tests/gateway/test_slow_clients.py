@@ -16,6 +16,12 @@ import pytest
 from prefixgate.gateway.server import ServerSettings, create_app
 from prefixgate.gateway.server.limits import ConnectionLimits
 from prefixgate.gateway.server.serve import GatewayServer, ServersThread, uvicorn_config
+from prefixgate.gateway.server.slow_clients import (
+    JSON_ESCAPE_BYTES,
+    NON_PROMPT_BYTES,
+    ONE_PROMPT_ROUTES,
+    prompt_body_caps,
+)
 
 HEADER_TIMEOUT_S = 1.5
 BODY_TIMEOUT_S = 1.5
@@ -241,3 +247,26 @@ def test_over_the_connection_cap_is_503_not_a_hang(servers):
             break
         time.sleep(0.05)
     assert response.status_code == 200
+
+
+def test_a_one_prompt_body_the_context_cannot_hold_is_413_before_reading(gateway):
+    """Under the 32 MiB --max-body-size, a chat / Messages body over what a prompt that fits
+    the context can take (JSON-escaped) plus the other fields is refused by its declared
+    length, in the surface's envelope: a flood of maximal bodies is never read or parsed."""
+    declared = 32 * 1024 * 1024 - 1
+    for path in ("/v1/chat/completions", "/v1/messages"):
+        with _connect(gateway.open_url) as sock:
+            sock.sendall(_head(path, f"Content-Length: {declared}\r\n"))  # no body follows
+            status, _, body = _read_response(sock)
+        assert status == 413, (path, body)
+        error = json.loads(body)["error"]
+        assert "fits the context" in error["message"]
+        assert (error["type"] if path == "/v1/messages" else error["code"]) == "request_too_large"
+
+
+def test_prompt_body_caps_cover_the_one_prompt_routes_only():
+    caps = prompt_body_caps(8192, 81)
+    assert caps["/v1/chat/completions"][0] == 8192 * 81 * JSON_ESCAPE_BYTES + NON_PROMPT_BYTES
+    assert set(caps) == set(ONE_PROMPT_ROUTES)
+    assert "/v1/completions" not in caps  # up to MAX_PROMPTS prompts: --max-body-size alone
+    assert prompt_body_caps(8192, None) == {}  # no provable byte bound: no caps
