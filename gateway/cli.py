@@ -59,6 +59,7 @@ DEFAULTS: dict[str, Any] = {
     "served_model_name": _ENGINE.served_model_name,
     "model_alias": list(_SERVER.model_aliases),
     "default_max_tokens": _SERVER.default_max_tokens,
+    "max_output_tokens": _SERVER.max_output_tokens,
     "default_temperature": _SERVER.default_temperature,
     "tool_call_format": _SERVER.tool_call_format,
     "rope_scaling": _ENGINE.rope_scaling,
@@ -353,6 +354,13 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         "0 = the rest of the context, as OpenAI's API (default {default})",
     )
     http.add_argument(
+        "--max-output-tokens",
+        type=_non_negative_int,
+        metavar="N",
+        help="a ceiling on every request's output tokens: a larger max_tokens is cut to it, as a "
+        "hosted model caps its output (Claude Code asks 32,000+); 0 = none (default)",
+    )
+    http.add_argument(
         "--default-temperature",
         type=float,
         help="temperature of a request that sends none (Claude Code, Codex) (default {default})",
@@ -590,6 +598,7 @@ def server_settings(values: Mapping[str, Any]) -> ServerSettings:
         served_model_name=values["served_model_name"],
         model_aliases=tuple(values["model_alias"]),
         default_max_tokens=values["default_max_tokens"] or None,  # 0 = off
+        max_output_tokens=values["max_output_tokens"] or None,  # 0 = none
         default_temperature=values["default_temperature"],
         tool_call_format=values["tool_call_format"],
         allowed_origins=tuple(values["allowed_origin"]),

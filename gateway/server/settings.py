@@ -187,6 +187,10 @@ class ServerSettings:
     # streamed 1.59 MB for 200 s). 4096 is above any real answer of one turn and the output cap
     # hosted models once had (GPT-4 Turbo, Claude 3); docs/clients.md
     default_max_tokens: int | None = 4096
+    # a ceiling on any request's output tokens: a larger max_tokens is cut to it (counted in
+    # max_tokens_clamped), as a hosted model caps its output. None = no ceiling. Claude Code
+    # asks 32,000-64,000 on every turn: a small model that rambles would fill the context
+    max_output_tokens: int | None = None
     # temperature of a request that sends none (1.0, as OpenAI's and Anthropic's APIs);
     # Claude Code and Codex send none: a small local model may want it lower
     default_temperature: float | None = 1.0
@@ -245,6 +249,8 @@ class ServerSettings:
             raise ValueError(f"default_temperature must be in [0, 2], got {self.default_temperature}")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if self.max_output_tokens is not None and self.max_output_tokens < 1:
+            raise ValueError(f"max_output_tokens must be >= 1, got {self.max_output_tokens}")
         if self.max_agent_labels < 0 or self.max_stats_agents < 0:
             raise ValueError("max_agent_labels and max_stats_agents must be >= 0")
         # Frozen means frozen: nobody adds a key to a running server by mutating the dict.

@@ -158,9 +158,14 @@ def _max_tokens(turn: ChatTurn, prompt_len: int, capacity: int, page_size: int,
         max_tokens, clamp = default_max_tokens, True
         if counters is not None:
             counters.add("default_max_tokens_applied")
+    ceiling = (settings or _DEFAULT_SETTINGS).max_output_tokens
     if max_tokens is None:
         max_tokens = max(1, share - prompt_len)
-    elif clamp and prompt_len + max_tokens > share and prompt_len < share:
+    if ceiling is not None and max_tokens > ceiling:
+        max_tokens = ceiling
+        if counters is not None and turn.max_tokens is not None:
+            counters.add("max_tokens_clamped")
+    if clamp and prompt_len + max_tokens > share and prompt_len < share:
         max_tokens = share - prompt_len
         if counters is not None:
             counters.add("max_tokens_clamped")

@@ -12,7 +12,12 @@ from prefixgate.gateway.engine.model_config import (
     with_rope_override,
 )
 from prefixgate.gateway.server.anthropic.models import MessagesRequest
-from prefixgate.gateway.server.clients import is_attribution, model_served, strip_attribution
+from prefixgate.gateway.server.clients import (
+    ClientCounters,
+    is_attribution,
+    model_served,
+    strip_attribution,
+)
 from prefixgate.gateway.server.fields import MAX_MODEL_ALIASES
 from prefixgate.gateway.server.settings import ServerSettings
 from prefixgate.gateway.server.turn import ChatTurn, sampling_params
@@ -106,3 +111,27 @@ def test_the_default_budget_is_cut_to_the_room_left_and_a_request_keeps_its_own(
     assert budget(ChatTurn([]), ServerSettings(), prompt_len=30_000) == 2768  # the room left
     assert budget(ChatTurn([]), ServerSettings(default_max_tokens=None)) == 32_668  # off
     assert budget(ChatTurn([], max_tokens=9000), ServerSettings()) == 9000  # asked: kept
+
+
+def test_max_output_tokens_caps_every_request_and_is_counted():
+    counters = ClientCounters()
+
+    def budget(turn: ChatTurn, ceiling: int | None, prompt_len: int = 100) -> int:
+        settings = ServerSettings(max_output_tokens=ceiling)
+        return sampling_params(turn, prompt_len, 32_768, 16, settings=settings,
+                               counters=counters).max_tokens
+
+    assert budget(ChatTurn([], max_tokens=32_000, clamp_max_tokens=True), 64) == 64  # Claude Code
+    assert counters.snapshot()["max_tokens_clamped"] == 1
+    assert budget(ChatTurn([], max_tokens=9000), 64) == 64  # an explicit OpenAI value too
+    assert budget(ChatTurn([]), 64) == 64  # over the default
+    assert budget(ChatTurn([], max_tokens=10), 64) == 10  # under it: kept
+    assert budget(ChatTurn([], max_tokens=9000), None) == 9000  # no ceiling (the default)
+    assert budget(ChatTurn([], max_tokens=32_000, clamp_max_tokens=True), 64, prompt_len=32_740) == 28
+    with pytest.raises(ValueError):
+        ServerSettings(max_output_tokens=0)
+    parser = build_parser()
+    for argv, expected in ((["--max-output-tokens", "64"], 64), (["--max-output-tokens", "0"], None),
+                           ([], None)):
+        args = parser.parse_args(["serve", *argv])
+        assert configs(resolve(args, parser, {}))[1].max_output_tokens == expected
