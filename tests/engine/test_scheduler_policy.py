@@ -87,13 +87,20 @@ def test_only_one_short_prefill_a_step_widens_it():
         ("streamer", 1), ("a", 6), ("b", 8)]
 
 
-def test_short_turns_pass_an_aged_long_prompt_but_never_starve_it():
-    now = [0.0]
+def _streaming_scheduler(now: list[float]) -> Scheduler:
+    """A scheduler with short-prefill widening and a 5 s age bound on ``now``, one stream
+    already decoding."""
     s = Scheduler(KVCacheManager(512, 4, watermark=0), max_num_batched_tokens=256,
                   decode_step_budget=8, short_prefill_budget=40, max_admission_wait_s=5.0,
                   clock=lambda: now[0])
     s.add(seq(range(4), "streamer"))
     step(s)
+    return s
+
+
+def test_short_turns_pass_an_aged_long_prompt_but_never_starve_it():
+    now = [0.0]
+    s = _streaming_scheduler(now)
     long = seq(range(1000, 1200), "long")
     s.add(long)
     now[0] = 10.0  # long waited past the age bound: it heads the queue
@@ -263,11 +270,7 @@ def test_a_prompt_just_under_the_widened_step_is_not_starved_by_short_turns():
     # (less the reserved page: 35); it must be chunked beside the short turns, not wait
     # for a step with no other prefill (which a stream of short turns never leaves)
     now = [0.0]
-    s = Scheduler(KVCacheManager(512, 4, watermark=0), max_num_batched_tokens=256,
-                  decode_step_budget=8, short_prefill_budget=40, max_admission_wait_s=5.0,
-                  clock=lambda: now[0])
-    s.add(seq(range(4), "streamer"))
-    step(s)
+    s = _streaming_scheduler(now)
     mid = seq(range(1000, 1037), "mid")
     s.add(mid)
     now[0] = 10.0  # aged: it heads the queue
