@@ -120,6 +120,7 @@ def sampling_params(
     Without ``max_tokens`` the request gets ``--default-max-tokens`` (4096 unless set; the
     server default when ``settings`` is None), or the rest of the context when it is off
     (``0``), as OpenAI's API does; either is cut to the room left. A
+    ``max_tokens`` over ``--max-output-tokens`` is cut to it (off unless set). A
     ``max_tokens`` the request asked for is cut too when ``clamp_max_tokens`` (Anthropic's
     ``max_tokens`` is a required cap: Claude Code sends 32,000-64,000); else it must fit
     (OpenAI, vLLM).
@@ -161,14 +162,13 @@ def _max_tokens(turn: ChatTurn, prompt_len: int, capacity: int, page_size: int,
     ceiling = (settings or _DEFAULT_SETTINGS).max_output_tokens
     if max_tokens is None:
         max_tokens = max(1, share - prompt_len)
+    asked = max_tokens
     if ceiling is not None and max_tokens > ceiling:
         max_tokens = ceiling
-        if counters is not None and turn.max_tokens is not None:
-            counters.add("max_tokens_clamped")
     if clamp and prompt_len + max_tokens > share and prompt_len < share:
         max_tokens = share - prompt_len
-        if counters is not None:
-            counters.add("max_tokens_clamped")
+    if max_tokens < asked and turn.max_tokens is not None and counters is not None:
+        counters.add("max_tokens_clamped")  # what the request asked for was cut, once
     if prompt_len + max_tokens > capacity:
         raise ContextLengthError(prompt_len, max_tokens, capacity, param=turn.prompt_param)
     return max_tokens
