@@ -50,26 +50,32 @@ class CacheControl(_Model):
     ttl: Literal["5m", "1h"] | None = None
 
 
-class TextBlock(_Model):
-    type: Literal["text"]
-    text: str
+class _Cacheable(_Model):
+    """A part of a request that may carry a ``cache_control`` breakpoint (text, tool_use and
+    tool_result blocks, system blocks, tools). Thinking blocks may not (Anthropic's rule), so
+    they do not derive from it: read breakpoints through :func:`cache_controls`, never by
+    assuming every block has the field."""
+
     cache_control: CacheControl | None = None
 
 
-class ToolUseBlock(_Model):
+class TextBlock(_Cacheable):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(_Cacheable):
     type: Literal["tool_use"]
     id: str = Field(min_length=1, max_length=256)
     name: FunctionName
     input: dict[str, Any] = Field(default_factory=dict)
-    cache_control: CacheControl | None = None
 
 
-class ToolResultBlock(_Model):
+class ToolResultBlock(_Cacheable):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1, max_length=256)
     content: str | list[TextBlock] = ""
     is_error: bool = False
-    cache_control: CacheControl | None = None
 
     @property
     def text(self) -> str:
@@ -110,11 +116,10 @@ class Message(_Model):
             value, ("text", "tool_use", "tool_result", "thinking", "redacted_thinking"), "block")
 
 
-class Tool(_Model):
+class Tool(_Cacheable):
     name: FunctionName
     description: str | None = Field(default=None, max_length=MAX_DESCRIPTION_CHARS)
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
-    cache_control: CacheControl | None = None
 
 
 class ToolChoiceModel(_Model):
@@ -277,13 +282,26 @@ class MessagesRequest(CountTokensRequest):
 
     def cache_ttl_s(self) -> float | None:
         """The longest ``cache_control`` TTL on the request or any block (5m by default)."""
-        controls = [self.cache_control] if self.cache_control else []
-        if isinstance(self.system, list):
-            controls += [b.cache_control for b in self.system if b.cache_control]
-        controls += [t.cache_control for t in self.tools or () if t.cache_control]
+        parts: list[Any] = [*(self.system if isinstance(self.system, list) else ()),
+                            *(self.tools or ())]
         for message in self.messages:
             if not isinstance(message.content, str):
-                controls += [b.cache_control for b in message.content if b.cache_control]
+                parts += message.content
+        controls = cache_controls(parts)
+        if self.cache_control:
+            controls.append(self.cache_control)
         if not controls:
             return None
         return max(3600.0 if c.ttl == "1h" else 300.0 for c in controls)
+
+
+def cache_controls(parts: list[Any]) -> list[CacheControl]:
+    """The ``cache_control`` breakpoints set on ``parts`` and on the text blocks inside their
+    tool results; parts that cannot carry one (thinking blocks) are skipped."""
+    found: list[CacheControl] = []
+    for part in parts:
+        if isinstance(part, ToolResultBlock) and not isinstance(part.content, str):
+            found += cache_controls(list(part.content))
+        if isinstance(part, _Cacheable) and part.cache_control is not None:
+            found.append(part.cache_control)
+    return found

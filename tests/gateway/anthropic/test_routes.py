@@ -147,3 +147,35 @@ def test_x_api_key_auth_and_the_anthropic_error_envelope(gateway, client):
         assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
         assert field in error["error"]["message"], error
     assert wait_idle(client)["pages_used"] == 0
+
+
+THINKING = {"type": "thinking", "thinking": "", "signature": ""}  # what a schema fuzz sent
+
+
+@pytest.mark.parametrize("role", ["user", "assistant"])
+def test_thinking_blocks_beside_cache_control_are_answered(client, gateway, role):
+    """Thinking blocks carry no cache_control: reading the breakpoints skips them (was a 500,
+    AttributeError in cache_ttl_s), wherever they stand."""
+    blocks = [THINKING, {"type": "redacted_thinking", "data": "opaque"},
+              {"type": "text", "text": "Paris?", "cache_control": {"type": "ephemeral"}}]
+    messages = [{"role": role, "content": blocks}]
+    if role == "assistant":
+        messages = [*ASK, *messages, {"role": "user", "content": [
+            THINKING, {"type": "text", "text": "And Rome?"}]}]
+    response = client.post("/v1/messages", json={"model": gateway.model, "max_tokens": 2,
+                                                 "messages": messages, **GREEDY})
+    assert response.status_code == 200, response.text
+    assert response.json()["type"] == "message"
+
+
+def test_cache_ttl_reads_every_block_that_can_carry_one():
+    from prefixgate.gateway.server.anthropic.models import MessagesRequest
+
+    hour = {"type": "ephemeral", "ttl": "1h"}
+    request = MessagesRequest.model_validate({"max_tokens": 1, "messages": [{"role": "user", "content": [
+        THINKING, {"type": "tool_result", "tool_use_id": "t1", "content": [
+            {"type": "text", "text": "18 C", "cache_control": hour}]}]}]})
+    assert request.cache_ttl_s() == 3600.0  # a breakpoint inside a tool result counts
+    plain = MessagesRequest.model_validate({"max_tokens": 1, "messages": [
+        {"role": "user", "content": [THINKING, {"type": "text", "text": "hi"}]}]})
+    assert plain.cache_ttl_s() is None
