@@ -22,6 +22,7 @@ mkdir -p "$OUT"
 # prefixgate/<folder> -> <folder>/ for the four packages (an implicit namespace package), then the
 # repository root last, for tests.* and benchmarks.*.
 NS=$(mktemp -d)
+trap 'rm -rf "$NS"' EXIT  # only links: nothing of it is worth keeping
 mkdir -p "$NS/prefixgate"
 for pkg in gateway cache kernels agents; do ln -s "$PWD/$pkg" "$NS/prefixgate/$pkg"; done
 export PYTHONUNBUFFERED=1 PYTHONPATH=$NS${PYTHONPATH:+:$PYTHONPATH}:$PWD

@@ -1,7 +1,8 @@
 """A benchmark's server subprocess (prefixgate, or a peer from ../shared/peers/): started in
 its own process group with its output in a temporary log, ready when ``/v1/models`` answers,
 stopped by its PID and then its group (vLLM leaves worker processes behind), and measured
-(resident memory of it and its descendants)."""
+(resident memory of it and its descendants). The log is deleted when the server stops (its
+tail is in any start-up error) unless the caller keeps it."""
 
 from __future__ import annotations
 
@@ -57,15 +58,28 @@ def memory_mb(pid: int) -> dict[str, float | None]:
 
 
 class ServerProcess:
-    """A server subprocess in its own process group, its output in a temporary log."""
+    """A server subprocess in its own process group, its output in a temporary log.
+
+    Args:
+        name: a label (the log's prefix, error messages).
+        command, env, cwd: what to run, how.
+        port: where it listens (``base_url``).
+        log_dir: where the log goes (default: the temp directory; a test passes tmp_path).
+        keep_log: keep the log after :meth:`stop` (default: deleted, so runs leave nothing
+            in /tmp).
+    """
 
     def __init__(self, name: str, command: list[str], port: int,
-                 env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
+                 env: dict[str, str] | None = None, cwd: Path | None = None, *,
+                 log_dir: Path | None = None, keep_log: bool = False) -> None:
         self.name = name
         self.command = command
         self.base_url = f"http://127.0.0.1:{port}"
+        self.keep_log = keep_log
+        # NOTE: delete=False because the server writes to it while we read it by name
+        # (log_tail); stop() deletes it
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed in stop()
-            prefix=f"bench_{name}_", suffix=".log", delete=False)
+            prefix=f"bench_{name}_", suffix=".log", delete=False, dir=log_dir)
         self.started = time.perf_counter()
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
                                         env=env, cwd=cwd, start_new_session=True)
@@ -119,3 +133,5 @@ class ServerProcess:
         if self.process.poll() is None:
             self.process.wait(5)
         self.log.close()
+        if not self.keep_log:
+            Path(self.log.name).unlink(missing_ok=True)

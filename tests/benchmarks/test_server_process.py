@@ -3,8 +3,10 @@ leaves nothing of its process group behind (vLLM's workers outlive a SIGTERM to 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -52,3 +54,35 @@ def test_a_server_that_exits_early_reports_its_log():
             server.wait_ready(30)
     finally:
         server.stop()
+
+
+def test_stop_leaves_no_log_file_behind(tmp_path, monkeypatch):
+    """A benchmark's server log is temporary: after stop() nothing of it stays in the temp
+    directory, whether the server ran or died at start (its tail went into the error)."""
+    import benchmarks.server_process as module
+
+    monkeypatch.setattr(module, "STOP_TIMEOUT_S", 1)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where NamedTemporaryFile writes
+    port = free_port()
+    for command in ([sys.executable, "-c", SERVER, str(port)],
+                    [sys.executable, "-c", "print('no model here'); raise SystemExit(3)"]):
+        server = ServerProcess("leftover", command, port)
+        try:
+            with contextlib.suppress(RuntimeError):
+                server.wait_ready(30)
+            assert server.log_tail() is not None  # readable while the server lives
+        finally:
+            server.stop()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_kept_log_lands_where_asked(tmp_path):
+    """``log_dir`` puts the log in a folder of the caller's (a test's tmp_path) and
+    ``keep_log`` keeps it after stop(), to read what the server said."""
+    port = free_port()
+    server = ServerProcess("kept", [sys.executable, "-c", "print('said this')"], port,
+                           log_dir=tmp_path, keep_log=True)
+    server.process.wait(30)
+    server.stop()
+    [log] = tmp_path.iterdir()
+    assert log.name.startswith("bench_kept_") and "said this" in log.read_text()
