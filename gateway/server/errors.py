@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -101,15 +101,60 @@ def engine_error_response(request: Request, exc: EngineError) -> JSONResponse:
     return JSONResponse(engine_error_body(exc), status_code=exc.status_code, headers=headers)
 
 
-def _param_path(loc: tuple[Any, ...]) -> str:
-    """``("body", "messages", 0, "role")`` → ``messages[0].role``."""
-    path = ""
-    for part in loc[1:] if loc and loc[0] in ("body", "query", "path", "header") else loc:
-        if isinstance(part, int):
-            path += f"[{part}]"
+_LOC_ROOTS = ("body", "query", "path", "header")
+
+
+class _Located(NamedTuple):
+    """One pydantic error placed in the client's body: ``path`` spells the field as the client
+    sent it; ``depth`` counts its parts; ``in_union`` says a union member's label was left out."""
+
+    path: str
+    depth: int
+    in_union: bool
+
+
+def _locate(loc: tuple[Any, ...], body: Any, kind: str) -> _Located:
+    """``("body", "messages", 0, "content", "list[...]", 0, "text", "text")`` → ``messages[0]
+    .content[0].text``: only the keys and indexes found in ``body`` are kept. Pydantic's loc
+    also names a union's members (``constrained-str``, ``list[...]``) and a tagged union's tags,
+    which name no part of the body; kept, they made the 400 name a field that does not exist.
+    ``body`` None (unknown) keeps every part."""
+    parts = loc[1:] if loc and loc[0] in _LOC_ROOTS else loc
+    path, value, depth, in_union = "", body, 0, False
+    for index, part in enumerate(parts):
+        missing = kind == "missing" and index == len(parts) - 1 and isinstance(value, dict)
+        if body is None or isinstance(part, int) or missing or (
+                isinstance(value, dict) and part in value):
+            path += f"[{part}]" if isinstance(part, int) else ("." if path else "") + str(part)
+            depth += 1
+            if isinstance(part, int):
+                value = value[part] if isinstance(value, list) and 0 <= part < len(value) else None
+            elif isinstance(value, dict):
+                value = value.get(part)
         else:
-            path += ("." if path else "") + str(part)
-    return path
+            in_union = True
+    return _Located(path, depth, in_union)
+
+
+def _is_mismatch(kind: str) -> bool:
+    # what a union member says when the value is not its kind at all (the wrong branch)
+    return kind.endswith("_type") or kind == "literal_error"
+
+
+def _pick(errors: list[Any], body: Any) -> tuple[Any, _Located, int]:
+    """The error to report, where it is, and how many errors lie elsewhere. The first error
+    leads, except inside a union: pydantic reports every member's failure, the branches the
+    value does not take among them ("Input should be a valid string" for a list of blocks);
+    there the deepest error under the union wins, then one that is not a type mismatch."""
+    located = [_locate(tuple(e.get("loc", ())), body, e.get("type", "")) for e in errors]
+    if not located[0].in_union:
+        return errors[0], located[0], len(errors) - 1
+    root = located[0].path
+    group = [i for i, where in enumerate(located) if where.in_union and (
+        where.path == root or where.path.startswith((root + ".", root + "[")) or not root)]
+    best = max(group, key=lambda i: (located[i].depth,
+                                     not _is_mismatch(errors[i].get("type", "")), -i))
+    return errors[best], located[best], len(errors) - len(group)
 
 
 def validation_error(exc: RequestValidationError) -> InvalidRequestError:
@@ -117,12 +162,12 @@ def validation_error(exc: RequestValidationError) -> InvalidRequestError:
     errors = list(exc.errors())
     if not errors:
         return InvalidRequestError("Invalid request body.")
-    first = errors[0]
-    kind = first.get("type", "")
-    if kind == "json_invalid":
-        detail = (first.get("ctx") or {}).get("error", "invalid JSON")
+    if errors[0].get("type", "") == "json_invalid":
+        detail = (errors[0].get("ctx") or {}).get("error", "invalid JSON")
         return InvalidRequestError(f"Malformed JSON body: {detail}.", code="invalid_json")
-    param = _param_path(tuple(first.get("loc", ())))
+    first, where, more = _pick(errors, exc.body)
+    kind = first.get("type", "")
+    param = where.path
     inner = (first.get("ctx") or {}).get("param")  # a path found inside the value (fields.py)
     if inner:
         param = f"{param}{'' if not param or inner.startswith('[') else '.'}{inner}"
@@ -142,8 +187,8 @@ def validation_error(exc: RequestValidationError) -> InvalidRequestError:
         text = f"Unrecognized request argument: '{param}'."
     else:
         text = f"Invalid value for '{param}': {message}"
-    if len(errors) > 1:
-        text += f" ({len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    if more:
+        text += f" ({more} more error{'s' if more > 1 else ''})"
     return InvalidRequestError(text, param=param, code="invalid_value")
 
 

@@ -27,12 +27,14 @@ from prefixgate.gateway.engine.api import GrammarSpec
 from prefixgate.gateway.server.clients import is_attribution, strip_attribution
 from prefixgate.gateway.server.content import require_part_types
 from prefixgate.gateway.server.fields import (
+    MAX_CONTENT_PARTS,
     MAX_DESCRIPTION_CHARS,
     MAX_MESSAGES,
     MAX_STOP_STRINGS,
     MAX_TOOLS,
     FunctionName,
     Label,
+    Text,
     TextChecked,
 )
 from prefixgate.gateway.server.tools import FunctionTool, ToolChoice
@@ -61,7 +63,10 @@ class _Cacheable(_Model):
 
 class TextBlock(_Cacheable):
     type: Literal["text"]
-    text: str
+    text: Text  # bounded as a chat message's content (fields.py)
+
+
+TextBlocks = Annotated[list[TextBlock], Field(max_length=MAX_CONTENT_PARTS)]
 
 
 class ToolUseBlock(_Cacheable):
@@ -74,7 +79,7 @@ class ToolUseBlock(_Cacheable):
 class ToolResultBlock(_Cacheable):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1, max_length=256)
-    content: str | list[TextBlock] = ""
+    content: Text | TextBlocks = ""
     is_error: bool = False
 
     @property
@@ -88,7 +93,7 @@ class ThinkingBlock(_Model):
     """An earlier turn's reasoning; ``redacted_thinking`` blocks (opaque data) are dropped."""
 
     type: Literal["thinking", "redacted_thinking"]
-    thinking: str = ""
+    thinking: Text = ""
     signature: str | None = None
 
 
@@ -105,7 +110,7 @@ class Message(_Model):
     # "system": Claude Code's mid-conversation system messages (the mid-conversation-system
     # beta): text only, rendered as a system turn where they stand
     role: Literal["user", "assistant", "system"]
-    content: str | list[Block]
+    content: Text | Annotated[list[Block], Field(max_length=MAX_CONTENT_PARTS)]
 
     @model_validator(mode="before")
     @classmethod
@@ -150,7 +155,7 @@ class CountTokensRequest(TextChecked, _Model):
 
     model: str | None = None
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
-    system: str | list[TextBlock] | None = None
+    system: Text | TextBlocks | None = None
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: ToolChoiceModel | None = None
     cache_control: CacheControl | None = None  # automatic caching: prefixes are cached anyway

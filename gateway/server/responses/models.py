@@ -33,10 +33,10 @@ from prefixgate.gateway.server.fields import (
     MAX_CONTENT_PARTS,
     MAX_DESCRIPTION_CHARS,
     MAX_MESSAGES,
-    MAX_TEXT_CHARS,
     MAX_TOOLS,
     FunctionName,
     Label,
+    Text,
     TextChecked,
 )
 from prefixgate.gateway.server.tools import FunctionTool, ToolChoice
@@ -53,14 +53,18 @@ class _Model(BaseModel):
 
 class ContentPart(_Model):
     type: Literal["input_text", "output_text", "text", "refusal"]
-    text: str = ""
-    refusal: str | None = None
+    text: Text = ""
+    refusal: Text | None = None
+
+
+# a message's or a tool output's content: bounded as a chat message's (fields.py)
+Parts = Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)]
 
 
 class MessageItem(_Model):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[ContentPart]
+    content: Text | Parts
 
     @model_validator(mode="before")
     @classmethod
@@ -78,7 +82,7 @@ class FunctionCallItem(_Model):
     type: Literal["function_call"]
     call_id: str = Field(min_length=1, max_length=256)
     name: FunctionName
-    arguments: str = "{}"
+    arguments: Text = "{}"
     id: str | None = None
     namespace: FunctionName | None = None
 
@@ -86,7 +90,7 @@ class FunctionCallItem(_Model):
 class FunctionCallOutputItem(_Model):
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1, max_length=256)
-    output: str | list[ContentPart]
+    output: Text | Parts
 
     @property
     def text(self) -> str:
@@ -95,7 +99,7 @@ class FunctionCallOutputItem(_Model):
 
 
 class ReasoningText(_Model):
-    text: Annotated[str, Field(max_length=MAX_TEXT_CHARS)] = ""
+    text: Text = ""
 
 
 class ReasoningItem(_Model):
@@ -205,7 +209,7 @@ def _check_tool_choice(choice: Any, info: ValidationInfo) -> Any:
 
 class ResponsesRequest(TextChecked, _Model):
     model: str | None = None
-    input: str | list[InputItem]
+    input: Text | list[InputItem]  # the string: one user message, bounded as one
     instructions: str | None = Field(default=None, max_length=MAX_INSTRUCTIONS_CHARS)
     tools: list[ToolModel] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Annotated[Literal["none", "auto", "required"] | NamedFunctionChoice | None,

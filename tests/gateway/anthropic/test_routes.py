@@ -179,3 +179,45 @@ def test_cache_ttl_reads_every_block_that_can_carry_one():
     plain = MessagesRequest.model_validate({"max_tokens": 1, "messages": [
         {"role": "user", "content": [THINKING, {"type": "text", "text": "hi"}]}]})
     assert plain.cache_ttl_s() is None
+
+
+def _cap_cases() -> list[tuple[str, dict, dict]]:
+    """(field, just inside, just outside): Messages text fields bounded as chat content."""
+    from prefixgate.gateway.server.fields import MAX_CONTENT_PARTS, MAX_TEXT_CHARS
+
+    def text(chars: int) -> dict:
+        return {"type": "text", "text": "x" * chars}
+
+    def user(content: object) -> dict:
+        return {"messages": [{"role": "user", "content": content}]}
+
+    def result(content: object) -> dict:
+        return user([{"type": "tool_result", "tool_use_id": "t1", "content": content}])
+
+    return [
+        ("messages[0].content[0].text", user([text(MAX_TEXT_CHARS)]), user([text(MAX_TEXT_CHARS + 1)])),
+        ("messages[0].content", user("x" * MAX_TEXT_CHARS), user("x" * (MAX_TEXT_CHARS + 1))),
+        ("messages[0].content", user([text(1)] * MAX_CONTENT_PARTS), user([text(1)] * (MAX_CONTENT_PARTS + 1))),
+        ("system[0].text", {**user("hi"), "system": [text(MAX_TEXT_CHARS)]},
+         {**user("hi"), "system": [text(MAX_TEXT_CHARS + 1)]}),
+        ("system", {**user("hi"), "system": "x" * MAX_TEXT_CHARS},
+         {**user("hi"), "system": "x" * (MAX_TEXT_CHARS + 1)}),
+        ("messages[0].content[0].content[0].text", result([text(MAX_TEXT_CHARS)]),
+         result([text(MAX_TEXT_CHARS + 1)])),
+        ("messages[0].content[0].content", result("x" * MAX_TEXT_CHARS), result("x" * (MAX_TEXT_CHARS + 1))),
+    ]
+
+
+@pytest.mark.parametrize(("field", "inside", "outside"), _cap_cases(),
+                         ids=[case[0] for case in _cap_cases()])
+def test_text_blocks_have_the_chat_content_caps(client, field, inside, outside):
+    """Text blocks, string content, system and tool results have chat content's bounds: just
+    inside validates, just outside is a 400 in Anthropic's envelope naming the field."""
+    from prefixgate.gateway.server.anthropic.models import MessagesRequest
+
+    MessagesRequest.model_validate({"max_tokens": 1, **inside})
+    response = client.post("/v1/messages", json={"max_tokens": 1, **outside})
+    assert response.status_code == 400, response.text[:300]
+    body = response.json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+    assert f"'{field}'" in body["error"]["message"] and "should have at most" in body["error"]["message"], body

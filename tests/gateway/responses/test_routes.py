@@ -172,3 +172,43 @@ def test_agents_sdk_default_responses_model_runs_a_tool(gateway):
     outputs = [item.output for item in result.new_items if item.type == "tool_call_output_item"]
     assert f"WEATHER-OK 21 {calls[0]['unit']} in {calls[0]['city']}" in outputs
     assert isinstance(result.final_output, str)
+
+
+def _cap_cases() -> list[tuple[str, dict, dict]]:
+    """(param, just inside, just outside): Responses text fields bounded as chat content."""
+    from prefixgate.gateway.server.fields import MAX_CONTENT_PARTS, MAX_TEXT_CHARS
+
+    def parts(n: int, chars: int = 1) -> list[dict]:
+        return [{"type": "input_text", "text": "x" * chars}] * n
+
+    def message(content: object) -> dict:
+        return {"input": [{"role": "user", "content": content}]}
+
+    def output(text: str) -> dict:
+        return {"input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                          {"type": "function_call_output", "call_id": "c1", "output": text}]}
+
+    return [
+        ("input", {"input": "x" * MAX_TEXT_CHARS}, {"input": "x" * (MAX_TEXT_CHARS + 1)}),
+        ("input[0].content", message("x" * MAX_TEXT_CHARS), message("x" * (MAX_TEXT_CHARS + 1))),
+        ("input[0].content[0].text", message(parts(1, MAX_TEXT_CHARS)),
+         message(parts(1, MAX_TEXT_CHARS + 1))),
+        ("input[0].content", message(parts(MAX_CONTENT_PARTS)), message(parts(MAX_CONTENT_PARTS + 1))),
+        ("input[1].output", output("x" * MAX_TEXT_CHARS), output("x" * (MAX_TEXT_CHARS + 1))),
+    ]
+
+
+@pytest.mark.parametrize(("param", "inside", "outside"), _cap_cases(),
+                         ids=[case[0] for case in _cap_cases()])
+def test_input_text_has_the_chat_content_caps(client, param, inside, outside):
+    """A Responses input string, message content and tool output have chat content's bounds:
+    just inside validates, just outside is a 400 in OpenAI's envelope naming the field."""
+    from prefixgate.gateway.server.responses.models import ResponsesRequest
+
+    ResponsesRequest.model_validate(inside)
+    response = client.post("/v1/responses", json={**outside, "max_output_tokens": 1})
+    assert response.status_code == 400, response.text[:300]
+    body = response.json()
+    assert set(body) == {"error"} and body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["param"] == param, body
+    assert "should have at most" in body["error"]["message"], body
