@@ -5,6 +5,8 @@ the native CPU kernel computes on them, and they are 5-6x smaller than fp32; the
 dequantizes them exactly where it computes otherwise); every other tensor is dequantised to
 fp32 with ``gguf.quants``. All are renamed to Hugging Face parameter names. llama.cpp's converter permutes the rows of Q and K of llama-arch models (it interleaves
 the two rotary halves of every head); we undo that so the model code uses HF's rotate-half RoPE.
+The metadata (the tokenizer's 150k-entry arrays included) is parsed by
+:class:`~gateway.engine.loader.gguf_reader.FastGGUFReader`: gguf-py's reader takes seconds there.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from tqdm import tqdm
 
+from prefixgate.gateway.engine.loader.gguf_reader import FastGGUFReader, field_value
 from prefixgate.gateway.engine.loader.loaded_model import LoadedModel
 from prefixgate.gateway.engine.model_config import (
     SUPPORTED_ARCHITECTURES,
@@ -74,22 +77,12 @@ _ROPE_TENSORS = frozenset({_ROPE_FREQS, _ROPE_SHORT, "rope_factors_long.weight"}
 
 
 def _field_value(reader: GGUFReader, key: str) -> Any:
-    """Metadata value as a Python object (str, int, float, bool, or list), None when absent."""
+    """Metadata value as a Python object (str, int, float, bool, or list), None when absent.
+    ``reader`` is a :class:`FastGGUFReader` (the loaders) or gguf-py's own (the reference)."""
+    if isinstance(reader, FastGGUFReader):
+        return reader.value(key)
     field = reader.fields.get(key)
-    if field is None:
-        return None
-    main = field.types[0]
-    if main == GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8")
-    if main == GGUFValueType.ARRAY:
-        sub = field.types[-1]
-        if sub == GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-        if not field.data:
-            return []
-        return np.concatenate([field.parts[i] for i in field.data]).tolist()
-    value = field.parts[field.data[0]][0]
-    return bool(value) if main == GGUFValueType.BOOL else value.item()
+    return None if field is None else field_value(field)
 
 
 def _read_config(
@@ -327,7 +320,7 @@ def load_gguf(
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    reader = GGUFReader(path)
+    reader = FastGGUFReader(path)
     # ggml lists dims fastest-first; numpy/torch order is the reverse
     shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
     config = _read_config(reader, path, shapes)

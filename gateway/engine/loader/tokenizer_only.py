@@ -11,10 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from gguf import GGUFReader
-
 from prefixgate.gateway.engine.loader.default_model import default_model_path
 from prefixgate.gateway.engine.loader.gguf import _read_config, _read_vocab, require_gguf_file
+from prefixgate.gateway.engine.loader.gguf_reader import FastGGUFReader
 from prefixgate.gateway.engine.loader.hf import _load_tokenizer, _read_json, config_from_hf
 from prefixgate.gateway.engine.tokenizer import Tokenizer
 
@@ -46,7 +45,7 @@ def load_tokenizer_only(model: str | Path | None = None) -> TokenizerOnly:
         tokenizer = _load_tokenizer(path)
     elif path.is_file():
         require_gguf_file(path)
-        reader = GGUFReader(path)
+        reader = FastGGUFReader(path)
         shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
         config = _read_config(reader, path, shapes)
         tokenizer = Tokenizer.from_gguf_vocab(_read_vocab(reader, path))
