@@ -8,9 +8,19 @@ arguments text) ends the turn there: the repeat is dropped, the engine is told t
 request (gateway/engine/llm_engine.py ``finish_early``), and the turn ends with the calls made
 before it, as a turn that stopped on its own (``tool_calls`` / ``tool_use`` / completed).
 
+A repeat is known as soon as its arguments are whole, not only at the call's closing tag: the
+arguments are a JSON object, so a call whose arguments text already equals an earlier call's
+(of the same function) can only close. NOTE: waiting for the closing tag missed the default
+model's runaway (issue 37): with ``max_tokens`` 64 its output ends
+``..."arguments": {"city": "Paris"}}\n</tool_call`` one token short of the ``>``, so the repeat
+came out of the parser's final flush as an incomplete call with whole arguments, was let
+through as a second call, and the turn ended ``length``. A call cut by ``max_tokens`` with whole
+arguments equal to an earlier call's is a repeat too.
+
 Nothing else changes: a call that may still turn out to be a repeat (its arguments so far are
 the prefix of an earlier call's of the same function) is held back until it differs, then
-released unchanged; a turn without an exact repeat streams the same events in the same order.
+released unchanged (a call cut inside its arguments is released as the cut call it is); a turn
+without an exact repeat streams the same events in the same order.
 """
 
 from __future__ import annotations
@@ -47,6 +57,18 @@ class RepeatGuard:
         return self.enabled and any(name == self._name and arguments.startswith(self._arguments)
                    for name, arguments in self._made)
 
+    def _repeats(self, name: str, arguments: str) -> bool:
+        """Whether a call with these (whole or partial) arguments is an earlier call again.
+
+        NOTE: arguments are a JSON object (the grammar enforces it), and an object's text ends
+        at its closing brace: text equal to a complete earlier call's arguments is whole.
+        """
+        return self.enabled and arguments.endswith("}") and (name, arguments) in self._made
+
+    def _cut(self) -> None:
+        self.repeated = True
+        self._held = []
+
     def _release(self, out: list[Event]) -> None:
         out += self._held
         self._held = []
@@ -63,15 +85,19 @@ class RepeatGuard:
                 self._arguments += event.text
                 if not self._held:
                     out.append(event)
+                elif self._repeats(self._name, self._arguments):
+                    self._cut()  # whole arguments equal to an earlier call's: only the close is left
+                    break
                 else:
                     self._held.append(event)
                     if not self._may_repeat():
                         self._release(out)
             elif isinstance(event, CallEnd):
                 key = (event.call.name, event.call.arguments)
-                if self.enabled and event.call.complete and key in self._made:
-                    self.repeated = True
-                    self._held = []
+                # a call cut by max_tokens counts too: equal to a complete call's, its
+                # arguments are whole (only its closing tag was cut)
+                if self._repeats(*key):
+                    self._cut()
                     break
                 self._release(out)
                 self._made.append(key)

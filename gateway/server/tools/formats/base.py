@@ -160,11 +160,22 @@ class FormatStreamParser:
         """Flush at the end of the output: a cut call is still reported (``complete=False``)."""
         events: list[Event] = []
         if self._in_call:
-            self._emit_call(events, self._buffer, complete=False)
+            self._emit_call(events, self._end_restored(self._buffer), complete=False)
         else:
             self._emit_text(events, self._buffer)
         self._buffer, self._in_call = "", False
         return events
+
+    def _end_restored(self, call_text: str) -> str:
+        """A call cut inside its end marker, with the rest of the marker put back: the grammar
+        writes the marker right after the arguments, so they are whole and the call parses (as
+        tools/parser.py recovers a Hermes call cut in its closing tag; the repeat guard,
+        tools/repeats.py, then sees its arguments). A call cut earlier is returned as it is."""
+        size = _partial_suffix(call_text, self.format.end)
+        restored = call_text + self.format.end[size:]
+        if size and self.format.parse_calls(restored, self.tools):
+            return restored
+        return call_text
 
     @staticmethod
     def _emit_text(events: list[Event], text: str) -> None:
