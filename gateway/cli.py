@@ -101,6 +101,10 @@ DEFAULTS: dict[str, Any] = {
     "max_stored_responses": _SERVER.max_stored_responses,
     "retention": _SERVER.retention_s,
     "speculative_tokens": _ENGINE.num_speculative_tokens,
+    "grammar_compile_timeout": _ENGINE.grammar_compile_timeout_s,
+    "grammar_compile_memory": _ENGINE.grammar_compile_memory_gb,
+    "grammar_workers": _ENGINE.grammar_workers,
+    "grammar_cache": _ENGINE.grammar_cache_mb,
     "kv_tier": SERVE_KV_TIER,
     "kv_tier_size": _ENGINE.kv_tier_size_gb,
     "kv_tier_path": _ENGINE.kv_tier_path,
@@ -312,6 +316,33 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         "own context and verified in one forward (exact: greedy output is the same token for "
         "token, sampled output has the same distribution, by rejection sampling); default "
         "{default}, 0 = off",
+    )
+    model.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="one grammar compile (a tool or response schema, a regex) may take this long in "
+        "its worker process, then the request gets a 400 naming the limit (default {default})",
+    )
+    model.add_argument(
+        "--grammar-compile-memory",
+        type=float,
+        metavar="GB",
+        help="memory one grammar compile may take in its worker process beyond the worker's "
+        "own, then a 400 naming the limit (default {default})",
+    )
+    model.add_argument(
+        "--grammar-workers",
+        type=_positive_int,
+        metavar="N",
+        help="grammar-compile worker processes at most, started on demand, ~0.3 GB each "
+        "(default {default})",
+    )
+    model.add_argument(
+        "--grammar-cache",
+        type=float,
+        metavar="MB",
+        help="compiled grammars kept in memory, one tenant at most half (default {default})",
     )
     model.add_argument(
         "--kv-tier",
@@ -581,6 +612,10 @@ def engine_config(values: Mapping[str, Any]) -> EngineConfig:
         native_kernels=values["native_kernels"] == "on",
         quantized_weights=values["quantized_weights"] == "on",
         num_speculative_tokens=values["speculative_tokens"],
+        grammar_compile_timeout_s=values["grammar_compile_timeout"],
+        grammar_compile_memory_gb=values["grammar_compile_memory"],
+        grammar_workers=values["grammar_workers"],
+        grammar_cache_mb=values["grammar_cache"],
         kv_tier=None if values["kv_tier"] == "off" else values["kv_tier"],
         kv_tier_size_gb=values["kv_tier_size"],
         kv_tier_path=values["kv_tier_path"],

@@ -86,6 +86,9 @@ class GrammarSpec:
     source: str = ""
     strict: bool = True
     param: str = field(default="response_format", compare=False)
+    # structural_tag only: its builder vouches that every text the grammar can force is finite
+    # (grammar/drafts.py ``jump_forward_allowed``; other kinds are judged by the engine)
+    forced_text_finite: bool = field(default=False, compare=False)
 
     @property
     def cache_key(self) -> tuple[str, str, bool]:
@@ -225,6 +228,8 @@ class EngineStats:
     grammar_compiles: int = 0  # distinct grammars compiled (cache misses)
     grammar_cache_hits: int = 0
     grammar_compile_seconds: float = 0.0
+    grammar_limit_failures: int = 0  # compiles refused for their time or memory limit
+    grammar_cache_bytes: int = 0  # compiled grammars held by the cache now
     tier: dict[str, Any] | None = None  # the second KV tier's counters (None = no tier)
     spec_drafts: int = 0  # speculative verify chunks run
     spec_draft_tokens: int = 0  # draft tokens proposed

@@ -109,6 +109,15 @@ class EngineConfig:
     # ~16 rows the FMAs, not memory, bound it: benchmarks.model, docs/benchmarks.md);
     # False = dequantize to fp32 as before
     quantized_weights: bool = True
+    # grammar compilation (structured outputs, tool calls) runs in worker processes so that no
+    # schema can stall or exhaust the server (gateway/engine/grammar/worker_pool.py): one
+    # compile may take this long and map this much beyond the worker's start, and at most this
+    # many workers run (each ~0.3 GB idle: it imports xgrammar and torch); compiled grammars
+    # are cached up to grammar_cache_mb, one tenant at most half of it
+    grammar_compile_timeout_s: float = 10.0
+    grammar_compile_memory_gb: float = 2.0
+    grammar_workers: int = 2
+    grammar_cache_mb: float = 256.0
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -156,6 +165,12 @@ class EngineConfig:
             raise ValueError("watermark must be in [0, 1)")
         if not 0 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [0, 16], got {self.num_speculative_tokens}")
+        if not self.grammar_compile_timeout_s > 0 or not self.grammar_compile_memory_gb > 0:
+            raise ValueError("grammar_compile_timeout_s and grammar_compile_memory_gb must be > 0")
+        if not 1 <= self.grammar_workers <= 64:
+            raise ValueError(f"grammar_workers must be in [1, 64], got {self.grammar_workers}")
+        if self.grammar_cache_mb < 0:
+            raise ValueError(f"grammar_cache_mb must be >= 0, got {self.grammar_cache_mb}")
         if self.kv_tier not in (None, *KV_TIERS):
             raise ValueError(f"kv_tier must be one of {', '.join(KV_TIERS)}, got {self.kv_tier!r}")
         if self.kv_tier_size_gb <= 0:

@@ -73,6 +73,9 @@ class AsyncEngine:
 
     async def start(self) -> None:
         self.start_sync()
+        # the first constrained request should not wait for a compile worker's interpreter
+        threading.Thread(target=self.core.grammars.start, name="prefixgate-grammar-warmup",
+                         daemon=True).start()
 
     def start_sync(self) -> None:
         if self._thread is not None:
@@ -91,6 +94,7 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        self.core.close_grammars()
 
     @contextlib.contextmanager
     def _shared(self) -> Iterator[None]:

@@ -10,6 +10,7 @@ stop strings, finish reasons, usage).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, NamedTuple, Protocol
 
@@ -44,7 +45,12 @@ from prefixgate.gateway.engine.grammar import (
     TokenMasker,
     new_matcher,
 )
-from prefixgate.gateway.engine.grammar.drafts import GrammarDrafts, draft_bitmask
+from prefixgate.gateway.engine.grammar.drafts import (
+    GrammarDrafts,
+    draft_bitmask,
+    jump_forward_allowed,
+)
+from prefixgate.gateway.engine.grammar.worker_pool import CompileLimits
 from prefixgate.gateway.engine.isolation import (
     execute_isolated,
     grammar_dead_end,
@@ -69,6 +75,8 @@ from prefixgate.gateway.engine.step_pacing import StepPacer
 from prefixgate.gateway.engine.stop_strings import StopStringMatcher
 
 logger = logging.getLogger("prefixgate.engine")
+# the grammar compiler is built on first use, from whichever executor thread asks first
+_GRAMMARS_LOCK = threading.Lock()
 
 __all__ = ["LLMEngine", "RunnerLike", "Sink"]
 
@@ -210,10 +218,23 @@ class LLMEngine:
     @property
     def grammars(self) -> GrammarCompiler:
         """The grammar compiler for this model's tokenizer (thread-safe; built on first use)."""
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size,
-                                             sorted(self.eos_token_ids))
+        with _GRAMMARS_LOCK:  # executor threads compile concurrently: build it once
+            if self._grammars is None:
+                self._grammars = self._new_grammar_compiler()
         return self._grammars
+
+    def close_grammars(self) -> None:
+        """Stop the grammar-compile workers (a later constrained request starts new ones)."""
+        if self._grammars is not None:
+            self._grammars.close()
+
+    def _new_grammar_compiler(self) -> GrammarCompiler:
+        config = self.config
+        limits = CompileLimits(timeout_s=config.grammar_compile_timeout_s,
+                               memory_bytes=int(config.grammar_compile_memory_gb * (1 << 30)),
+                               max_workers=config.grammar_workers)
+        return GrammarCompiler(self.tokenizer, self.runner.vocab_size, sorted(self.eos_token_ids),
+                               limits=limits, cache_bytes=int(config.grammar_cache_mb * (1 << 20)))
 
     def grammar_stats(self) -> dict[str, float]:
         """Compile-cache figures for EngineStats (zeros before the first grammar)."""
@@ -222,6 +243,8 @@ class LLMEngine:
             "grammar_compiles": stats.misses if stats else 0,
             "grammar_cache_hits": stats.hits if stats else 0,
             "grammar_compile_seconds": stats.compile_seconds if stats else 0.0,
+            "grammar_limit_failures": stats.limit_failures if stats else 0,
+            "grammar_cache_bytes": self._grammars.cache.num_bytes if self._grammars else 0,
         }
 
     def tier_stats(self) -> dict[str, Any] | None:
@@ -724,7 +747,9 @@ class LLMEngine:
         if self.scheduler.drafter is not None and req.speculative and sp.n == 1:
             matcher = seq.state.matcher
             seq.draft = DraftState(k=self.scheduler.drafter.max_draft,
-                                   grammar=GrammarDrafts(matcher) if matcher is not None else None)
+                                   grammar=GrammarDrafts(
+                                       matcher, jump_forward=jump_forward_allowed(req.grammar))
+                                   if matcher is not None and req.grammar is not None else None)
         state.seqs.append(seq)
         return seq
 

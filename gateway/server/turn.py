@@ -11,6 +11,7 @@ whichever surface a request arrives on.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -199,12 +200,19 @@ async def _render(state: ServerState, turn: ChatTurn) -> list[list[int]]:
     return rendered
 
 
-def _generations(state: ServerState, turn: ChatTurn, caller: _Caller,
-                 prompts: list[list[int]]) -> list[GenerationRequest]:
+async def _grammar(state: ServerState, turn: ChatTurn, caller: _Caller) -> GrammarSpec | None:
+    """The turn's output grammar. Built in a worker thread when there is one to build: a cold
+    schema is bounded and converted there (tools/grammar.py), never on the event loop."""
+    if not turn.tools and turn.response_format is None:
+        return None
+    return await asyncio.to_thread(
+        state.tokenization.dialect.grammar, turn.tools, turn.tool_choice, turn.response_format,
+        turn.parameters_param, scope=caller.tenant)
+
+
+def _generations(state: ServerState, turn: ChatTurn, caller: _Caller, prompts: list[list[int]],
+                 grammar: GrammarSpec | None) -> list[GenerationRequest]:
     """One engine request per prompt (suffixed ids when there are several)."""
-    grammar = state.tokenization.dialect.grammar(turn.tools, turn.tool_choice,
-                                                 turn.response_format, turn.parameters_param,
-                                                 scope=caller.tenant)
     out = []
     for i, prompt in enumerate(prompts):
         params = sampling_params(turn, len(prompt), state.capacity, state.page_size,
@@ -269,7 +277,8 @@ async def open_turn(request: Request, principal: Principal, turn: ChatTurn,
                      retention_ttl(request, turn.retention_s))
     note_arrival(request, principal.tenant, agent)  # back from a tool pause: learn its length
     prompts = await _render(state, turn)
-    streams = await open_streams(state.engine, _generations(state, turn, caller, prompts))
+    grammar = await _grammar(state, turn, caller)
+    streams = await open_streams(state.engine, _generations(state, turn, caller, prompts, grammar))
     return TurnStream(streams, prompts, timer, turn.n,
                       _splitters(state, turn, caller, turn.n * len(prompts)),
                       _at_end(request, state, turn, caller, prompts))

@@ -15,11 +15,16 @@ forward through the tokens the sequence emits.
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 from collections.abc import Sequence
 
 import torch
 import xgrammar as xgr
+
+from prefixgate.gateway.engine.api import GrammarSpec
+from prefixgate.gateway.engine.grammar.schema_bounds import has_regex
 
 logger = logging.getLogger("prefixgate.engine")
 
@@ -31,10 +36,11 @@ class GrammarDrafts:
         matcher: the sequence's matcher, at the state after its last emitted token.
     """
 
-    __slots__ = ("matcher",)
+    __slots__ = ("jump_forward", "matcher")
 
-    def __init__(self, matcher: xgr.GrammarMatcher) -> None:
+    def __init__(self, matcher: xgr.GrammarMatcher, *, jump_forward: bool = True) -> None:
         self.matcher = matcher
+        self.jump_forward = jump_forward
 
     def constrain(self, proposal: Sequence[int], limit: int) -> list[int]:
         """Up to ``limit`` draft tokens the grammar accepts in a row: the tokens it forces next,
@@ -50,6 +56,33 @@ class GrammarDrafts:
         except Exception:  # noqa: BLE001 - no draft; a broken matcher fails the row when it masks
             logger.warning("drafting from a grammar failed; decoding without drafts", exc_info=True)
             return []
+
+
+def jump_forward_allowed(spec: GrammarSpec) -> bool:
+    """Whether drafts may ask xgrammar for the text ``spec``'s grammar forces next.
+
+    NOTE: ``find_jump_forward_tokens`` runs until the forced text ends, in C++, unbounded: a
+    grammar that forces text without end (``root ::= "a" root``, a required self-reference, a
+    regex like ``a*[^\\s\\S]``) grows it until the process is killed. So only grammars whose
+    forced text is known finite use it: JSON schemas past grammar/schema_bounds.py (no finite
+    value is refused there) without a regex, choices, and structural tags whose builder vouches
+    for them. User regexes and EBNF draft from the n-gram proposal alone, one token at a time.
+    """
+    if spec.kind in ("json_object", "choice"):
+        return True
+    if spec.kind == "structural_tag":
+        return spec.forced_text_finite
+    if spec.kind == "json_schema":
+        return _schema_without_regex(spec.source)
+    return False
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_without_regex(source: str) -> bool:
+    try:
+        return not has_regex(json.loads(source))
+    except ValueError:
+        return False
 
 
 def walk(matcher: xgr.GrammarMatcher, tokens: Sequence[int],

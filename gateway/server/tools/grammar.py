@@ -19,13 +19,14 @@ one is the call alone (the forced call wins, as on OpenAI).
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from prefixgate.gateway.engine.api import GrammarSpec, InvalidRequestError
 from prefixgate.gateway.engine.grammar import json_schema_ebnf
+from prefixgate.gateway.engine.grammar.schema_bounds import check_schema_bounds, has_regex
+from prefixgate.gateway.engine.grammar.scoped_cache import ScopedLRUCache
 from prefixgate.gateway.server.tools.prompt import (
     CALL_END,
     CALL_SEPARATOR,
@@ -38,6 +39,8 @@ from prefixgate.gateway.server.tools.records import FunctionTool, ToolChoice
 # recurses through them (a 300-level schema would exhaust a recursive converter's stack).
 MAX_SCHEMA_DEPTH = 32
 MAX_SCHEMA_CHARS = 256 * 1024
+# schema → EBNF conversions kept, in bytes of EBNF text; one tenant at most half
+EBNF_CACHE_BYTES = 64 << 20
 
 
 def schema_depth(value: Any, limit: int = MAX_SCHEMA_DEPTH) -> int:
@@ -72,21 +75,33 @@ def check_schema(schema: Any, param: str, *, object_only: bool) -> str:
     return text
 
 
-@functools.lru_cache(maxsize=1024)
-def _ebnf(schema_text: str, strict: bool, scope: str) -> str:
+_EBNF_CACHE: ScopedLRUCache[str] = ScopedLRUCache(EBNF_CACHE_BYTES)
+
+
+def _ebnf(schema_text: str, strict: bool, scope: str, param: str) -> str:
     # NOTE: cached per scope (tenant): a warm conversion is faster than a cold one, and a shared
-    # cache would let one tenant time whether another one sent a schema
-    # the converter walks the schema once; a swarm repeats its schemas, so this is warm after
-    # the first request (the compiled grammar is cached again by the engine)
-    return json_schema_ebnf(json.loads(schema_text), strict=strict)
+    # cache would let one tenant time whether another one sent a schema. Bounded in bytes: a
+    # flood of distinct schemas evicts, and one tenant's flood only its own entries past half.
+    # The converter walks the schema once; a swarm repeats its schemas, so this is warm after
+    # the first request (the compiled grammar is cached again by the engine). The bounds are
+    # checked on a miss only: a cached schema passed them.
+    cached = _EBNF_CACHE.get(scope, (schema_text, strict))
+    if cached is None:
+        schema = json.loads(schema_text)
+        check_schema_bounds(schema, param)
+        cached = json_schema_ebnf(schema, strict=strict)
+        _EBNF_CACHE.put(scope, (schema_text, strict), cached, len(cached) + len(schema_text))
+    return cached
 
 
 def schema_grammar(schema: Any, param: str, *, strict: bool = True, object_only: bool = False,
                    scope: str = "") -> str:
-    """The canonical-JSON EBNF of ``schema`` (cached); a 400 naming ``param`` if it is bad."""
+    """The canonical-JSON EBNF of ``schema`` (cached); a 400 naming ``param`` if it is bad
+    (engine/grammar/schema_bounds.py: no finite value, or over a limit). Call it off the event
+    loop: a cold conversion walks the whole schema."""
     text = check_schema(schema, param, object_only=object_only)
     try:
-        return _ebnf(text, strict, scope)
+        return _ebnf(text, strict, scope, param)
     except (RuntimeError, ValueError, TypeError, RecursionError) as exc:
         message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         if message.startswith("[") and "] " in message:
@@ -171,4 +186,10 @@ def tool_grammar(
         grammar = {"type": "triggered_tags", "triggers": [fmt.trigger], "tags": tags,
                    "at_least_one": False, "stop_after_first": one_only}
     source = json.dumps({"type": "structural_tag", "format": grammar}, ensure_ascii=False)
-    return GrammarSpec("structural_tag", source, param="tools")
+    # every schema in it passed check_schema_bounds (a finite shortest value); a regex can
+    # still force text without end, so a grammar with one drafts without jump-forward
+    schemas = [tool.schema for tool in tools]
+    if response_format is not None and response_format.kind == "json_schema":
+        schemas.append(json.loads(response_format.source))
+    return GrammarSpec("structural_tag", source, param="tools",
+                       forced_text_finite=not any(has_regex(schema) for schema in schemas))
