@@ -1,8 +1,15 @@
-"""Writes one replica's block index to Redis: batched event deltas, full resyncs, removal.
+"""Writes one replica's block index to Redis: batched event deltas, full resyncs, removal,
+and the audit that notices when Redis lost part of it.
 
 Every write is a non-transactional pipeline (one round trip per batch). A failure part-way
 leaves the index partly updated; the publisher then resynchronises, which converges because
 every operation is an idempotent set add/remove.
+
+Index keys have no TTL, yet Redis can still drop them: an ``allkeys-*`` maxmemory policy, a
+manual DEL, a ``FLUSHDB`` of someone else's. Nothing tells the writer, so the publisher audits
+on every heartbeat (:meth:`IndexWriter.audit`): the size of the replica's own set against what
+it published, and a rotating slice of the block keys, so every block key is checked within
+``ceil(blocks / AUDIT_BLOCKS)`` beats.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from prefixgate.gateway.scaleout.keys import RedisKeys
 
 BATCH = 2000  # set members per SADD/SREM command (keeps single commands small)
 PIPELINE = 10_000  # commands per round trip (a resync of a big index takes several)
+AUDIT_BLOCKS = 512  # block keys checked per heartbeat (one pipelined round trip)
 
 
 def coalesce(events: Iterable[CacheEvent]) -> tuple[list[bytes], list[bytes]]:
@@ -46,6 +54,9 @@ class IndexWriter:
         self.redis = redis
         self.keys = keys
         self.replica_id = replica_id
+        # NOTE: the size this replica's own set has if Redis kept every write: counted from
+        # what each SADD/SREM on it changed, reset by every resync
+        self.num_published = 0
 
     async def apply(self, stored: Sequence[bytes], removed: Sequence[bytes]) -> None:
         """Publish a batch of changes in one pipeline."""
@@ -59,14 +70,16 @@ class IndexWriter:
                 pipe.sadd(self.keys.block(block_hash), rid)
             for chunk in _chunks(part):
                 pipe.sadd(mine, *chunk)
-            await pipe.execute()
+            results = await pipe.execute()
+            self.num_published += sum(results[len(part):])  # members new to our own set
         for part in _chunks(removed, PIPELINE):
             pipe = self.redis.pipeline(transaction=False)
             for block_hash in part:
                 pipe.srem(self.keys.block(block_hash), rid)
             for chunk in _chunks(part):
                 pipe.srem(mine, *chunk)
-            await pipe.execute()
+            results = await pipe.execute()
+            self.num_published -= sum(results[len(part):])
 
     async def published(self) -> set[bytes]:
         """The hashes Redis currently lists for this replica."""
@@ -82,7 +95,36 @@ class IndexWriter:
         # (a partial pipeline, a janitor racing our restart). SADD of a member is a no-op.
         await self.apply(sorted(held), stale)
         await self.redis.sadd(self.keys.replicas, self.replica_id)
+        self.num_published = len(held)  # the set is exactly ``held`` now
         return len(fresh), len(stale)
+
+    async def audit(self, cursor: int, count: int = AUDIT_BLOCKS) -> tuple[int, str | None]:
+        """Check that Redis still holds what this replica published.
+
+        Args:
+            cursor: where the rotating check of the block keys goes on (0: from the start;
+                the previous call's returned cursor after that).
+            count: about how many block keys to check (a hint to SSCAN).
+
+        Returns:
+            (the cursor for the next call, None) when nothing is missing; (0, what is
+            missing) when Redis lost part of the index (a resync is due).
+        """
+        rid, mine = self.replica_id, self.keys.replica_blocks(self.replica_id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.scard(mine)
+        pipe.sscan(mine, cursor=cursor, count=count)
+        size, (next_cursor, members) = await pipe.execute()
+        if size != self.num_published:
+            return 0, f"{mine} lists {size} blocks where {self.num_published} were published"
+        if members:
+            pipe = self.redis.pipeline(transaction=False)
+            for block_hash in members:
+                pipe.sismember(self.keys.block(block_hash), rid)
+            lost = sum(not listed for listed in await pipe.execute())
+            if lost:
+                return 0, f"{lost} of {len(members)} block keys checked no longer list {rid}"
+        return int(next_cursor), None
 
     async def remove(self) -> int:
         """Take this replica out of the index, heartbeat and registry; returns blocks removed."""
@@ -93,6 +135,7 @@ class IndexWriter:
         pipe.delete(self.keys.heartbeat(self.replica_id))
         pipe.srem(self.keys.replicas, self.replica_id)
         await pipe.execute()
+        self.num_published = 0
         return len(old)
 
 

@@ -12,8 +12,11 @@ One background task on the server's event loop does all Redis I/O:
   wait many steps under load. A second task takes the locked stats snapshots for the fleet
   counters at its own pace. Only an engine that has work but takes no step for
   ``stuck_engine_s`` stops the beats (the router then stops sending it traffic);
-* at start, after any failed write, after the event queue overflowed, and when a router's
-  janitor removed us, it resynchronises the full index from the engine's cached hashes.
+* at start, after any failed write, after the event queue overflowed, when a router's
+  janitor removed us, and when Redis lost index keys behind our back (an ``allkeys-*``
+  eviction, a DEL: every beat audits the index, :meth:`IndexWriter.audit`), it resynchronises
+  the full index from the engine's cached hashes. A stats snapshot Redis lost is written again
+  at the next beat.
 
 Requests never wait on Redis: the engine thread only appends to a deque. If Redis is down the
 replica keeps serving, the queue is discarded (the next resync covers it), and publication
@@ -106,6 +109,7 @@ class PublisherStatus:
     beats: int = 0
     failures: int = 0
     last_error: str | None = None
+    index_repairs: int = 0  # resyncs because Redis lost index keys (eviction, DEL)
 
 
 class ReplicaPublisher:
@@ -147,6 +151,7 @@ class ReplicaPublisher:
         self._stats_written: bytes | None = None  # the counters Redis holds from us
         self._epoch = str(round(self._started_at * 1000))  # this process's stats key
         self._sampler: asyncio.Task[None] | None = None
+        self._audit_cursor = 0  # where the rotating check of our block keys goes on
         self._last_steps = (-1, time.monotonic())  # (steps taken, when that count was first seen)
 
     async def start(self) -> None:
@@ -231,14 +236,16 @@ class ReplicaPublisher:
         added, removed = await self.writer.resync(held)
         self._stats_written = None  # a restarted Redis lost them too: write them again
         self._dirty = False
+        self._audit_cursor = 0
         self.status.resyncs += 1
         logger.info("replica %s index resynchronised: %d blocks held (+%d, -%d)",
                     self.config.replica_id, len(held), added, removed)
 
     async def _warn_if_redis_may_evict_the_index(self) -> None:
         """Once: under an ``allkeys-*`` maxmemory policy Redis evicts index keys (they have no
-        TTL) without telling anyone, and routers then miss blocks this replica holds until the
-        next resync; ``volatile-*`` policies evict only keys with a TTL (KV-tier entries)."""
+        TTL) without telling anyone, and routers miss blocks this replica holds until the
+        heartbeat's audit notices and resyncs; ``volatile-*`` policies evict only keys with a
+        TTL (KV-tier entries)."""
         try:
             reply = await self.redis.config_get("maxmemory-policy")
         except ResponseError:  # CONFIG is often disabled on managed Redis: nothing to check
@@ -248,8 +255,8 @@ class ReplicaPublisher:
         policy = policy.decode() if isinstance(policy, bytes) else str(policy)
         if policy.startswith("allkeys"):
             logger.warning("Redis at %s has maxmemory-policy %s: it may evict replica %s's cache "
-                           "index, which then stays incomplete until the next resync; use "
-                           "volatile-lru (index keys have no TTL, KV-tier entries do)",
+                           "index, which routers then miss until a heartbeat's audit notices and "
+                           "resyncs; use volatile-lru (index keys have no TTL, KV-tier entries do)",
                            self.config.redis_url, policy, self.config.replica_id)
 
     async def _flush(self) -> None:
@@ -298,21 +305,42 @@ class ReplicaPublisher:
         )
         cache = self._cache_sample
         stats = snapshot_json(self.config.replica_id, cache) if cache is not None else None
+        stats_key = self.keys.stats_snapshot(self.config.replica_id, self._epoch)
         pipe = self.redis.pipeline(transaction=True)
         pipe.set(self.keys.heartbeat(self.config.replica_id), beat.to_json(),
                  px=max(1, round(self.config.heartbeat_ttl_s * 1000)))
         pipe.sadd(self.keys.replicas, self.config.replica_id)
-        if stats is not None and stats != self._stats_written:
+        # whether Redis still holds the snapshot we wrote last (and lists it for the routers)
+        pipe.exists(stats_key)
+        pipe.sismember(self.keys.stats_index, stats_key)
+        write_stats = stats is not None and stats != self._stats_written
+        if write_stats:
             queue_snapshot(pipe, self.keys, self.config.replica_id, self._epoch, stats)
         results = await pipe.execute()
-        if stats is not None:
+        registered, snapshot_kept, snapshot_listed = results[1:4]
+        if write_stats:
             self._stats_written = stats
+        elif not (snapshot_kept and snapshot_listed):
+            self._stats_written = None  # evicted or deleted: the next beat writes it again
         self.status.beats += 1
-        if results[1] == 1:
+        if registered == 1:
             # We were not registered: a router's janitor reaped us while we looked dead.
             logger.warning("replica %s was removed from the index while away; resynchronising",
                            self.config.replica_id)
             self._dirty = True
+        elif not self._dirty:
+            await self._audit()
+
+    async def _audit(self) -> None:
+        """Resync when Redis lost part of our index: nothing else would ever restore it."""
+        assert self.writer is not None
+        self._audit_cursor, lost = await self.writer.audit(self._audit_cursor)
+        if lost is None:
+            return
+        self.status.index_repairs += 1
+        logger.warning("Redis lost part of replica %s's cache index (%s): an allkeys-* "
+                       "maxmemory policy or a DEL; resynchronising", self.config.replica_id, lost)
+        self._dirty = True
 
     def _up(self) -> None:
         if not self.status.connected:

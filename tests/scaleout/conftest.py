@@ -126,8 +126,8 @@ def redis_server() -> Iterator[RedisServer]:
 @pytest.fixture
 def own_redis() -> Iterator[RedisServer]:
     """A redis-server for this test alone, to kill or reconfigure. On the session's server an
-    ``allkeys-lru`` eviction drops the fleet's index keys behind its publishers' backs (nothing
-    tells them to resync) and later fleet tests wait in vain for the index to match."""
+    ``allkeys-lru`` eviction drops the fleet's index keys behind its publishers' backs (they
+    resync only once a heartbeat's audit notices) and later fleet tests see a gap."""
     with started_redis() as server:
         yield server
 

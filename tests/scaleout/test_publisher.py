@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -16,7 +17,7 @@ from prefixgate.gateway.engine.api import GenerationRequest, SamplingParams
 from prefixgate.gateway.scaleout.event_buffer import EventBuffer
 from prefixgate.gateway.scaleout.fleet_stats import read_fleet_stats
 from prefixgate.gateway.scaleout.heartbeat import Heartbeat
-from prefixgate.gateway.scaleout.index_writer import coalesce
+from prefixgate.gateway.scaleout.index_writer import AUDIT_BLOCKS, IndexWriter, coalesce
 from prefixgate.gateway.scaleout.keys import RedisKeys
 from prefixgate.gateway.scaleout.publisher import PublisherConfig, ReplicaPublisher
 from prefixgate.gateway.scaleout.redis_client import connect
@@ -202,3 +203,108 @@ def test_a_redis_that_may_evict_the_index_is_named_in_a_warning(fleet, own_redis
         assert asyncio.run(publish("volatile-lru")) == []
         [warning] = asyncio.run(publish("allkeys-lru"))
     assert "allkeys-lru" in warning and "policy-check" in warning and "volatile-lru" in warning
+
+
+def test_index_keys_dropped_behind_the_publishers_back_are_restored(fleet, own_redis):
+    """An ``allkeys-*`` eviction or a manual DEL removes index keys while the replica stays
+    registered: the heartbeat notices (its own set's size, a rotating check of the block keys)
+    and the index is resynchronised within a few beats, each way it can be lost; a lost stats
+    snapshot is written again."""
+    replica = fleet.replicas[1]
+    chat(replica.url, "Blocks Redis will lose behind the publisher's back. " * 8)
+    engine = replica.engine
+    config = PublisherConfig(own_redis.url, "heal-check", "http://127.0.0.1:1",
+                             heartbeat_ttl_s=0.3)
+    view = SimpleNamespace(replica_id="heal-check", engine=engine, publisher=None)
+    client = own_redis.client()
+    mine = KEYS.replica_blocks("heal-check")
+
+    def block_keys() -> list[bytes]:
+        return [KEYS.block(h) for h in client.smembers(mine)]
+
+    losses = {
+        "its own set": lambda: client.delete(mine),
+        "every block key": lambda: client.delete(*block_keys()),
+        "one block key": lambda: client.delete(block_keys()[0]),
+        "both": lambda: client.delete(mine, *block_keys()),
+    }
+
+    async def main() -> None:
+        publisher = ReplicaPublisher(engine, config, served_model="m")
+        view.publisher = publisher
+        await publisher.start()
+        try:
+            await wait_until(lambda: publisher.status.resyncs and not index_mismatch(client, view),
+                             "the first resync", view)
+            assert len(engine.cached_block_hashes()) > 3
+            for what, lose in losses.items():
+                lose()
+                assert index_mismatch(client, view), what
+                beats = publisher.status.beats
+                # NOTE: bounded in beats, not seconds: the engine threads load this machine
+                await wait_until(lambda beats=beats: not index_mismatch(client, view)
+                                 or publisher.status.beats > beats + 3, what, view)
+                assert not index_mismatch(client, view), (what, index_mismatch(client, view))
+            assert publisher.status.index_repairs == len(losses)
+            # a lost stats snapshot is written again (it changes only with traffic)
+            [snapshot] = client.smembers(KEYS.stats_index)
+            client.delete(snapshot, KEYS.stats_index)
+            beats = publisher.status.beats
+            await wait_until(lambda: client.exists(snapshot) and client.smembers(KEYS.stats_index)
+                             or publisher.status.beats > beats + 3, "the stats snapshot", view)
+            assert client.exists(snapshot) and client.smembers(KEYS.stats_index) == {snapshot}
+        finally:
+            await publisher.stop()
+
+    asyncio.run(main())
+    client.close()
+
+
+async def wait_until(predicate, what: str, view, timeout_s: float = 60) -> None:
+    """Poll ``predicate`` (blocking Redis reads: on a worker thread) until it holds."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await asyncio.to_thread(predicate):
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}: {view.publisher.status}")
+        await asyncio.sleep(0.02)
+
+
+def test_the_audit_checks_every_block_key_within_a_bounded_number_of_beats(redis_server):
+    """A lost block key in an index bigger than one beat's slice is found within a full pass
+    of the rotating check (about blocks / AUDIT_BLOCKS beats), wherever it sits."""
+    keys = RedisKeys("audit-test")
+    held = [i.to_bytes(16, "big") for i in range(5 * AUDIT_BLOCKS)]
+
+    async def main() -> None:
+        redis = connect(redis_server.url)
+        writer = IndexWriter(redis, keys, "r1")
+        try:
+            await writer.resync(held)
+            assert writer.num_published == len(held)
+            cursor, passes = 0, 0
+            while True:  # an intact index: one full pass, nothing missing
+                cursor, lost = await writer.audit(cursor)
+                assert lost is None
+                passes += 1
+                if cursor == 0:
+                    break
+            assert passes <= 2 * len(held) // AUDIT_BLOCKS
+            await redis.delete(keys.block(held[-7]))
+            found, beats = None, 0
+            while found is None and beats < 2 * passes:
+                cursor, found = await writer.audit(cursor)
+                beats += 1
+            assert found and "1 of" in found, (beats, found)
+            await writer.resync(held)  # what the publisher does next
+            await writer.apply([], held[:10])  # deltas keep the expected size exact
+            await writer.apply(held[:3], [])
+            assert writer.num_published == len(held) - 7
+            assert (await writer.audit(0))[1] is None
+            await redis.srem(keys.replica_blocks("r1"), held[20])
+            _, shrunk = await writer.audit(0)
+            assert shrunk and f"lists {len(held) - 8} blocks" in shrunk
+        finally:
+            await writer.remove()
+            await redis.aclose()
+
+    asyncio.run(main())
