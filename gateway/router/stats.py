@@ -7,13 +7,18 @@ and sums what they answer. Either way ``per_replica`` adds the router's own view
 With auth on, a tenant key sees its own tenant only, as on a replica: its counters and agents
 (Redis keeps them per tenant; the replicas filter what they answer by the forwarded key), and no
 per-replica hit counters of the whole fleet.
+
+``clients`` (what the replicas adapted in their clients' requests, gateway/server/clients.py)
+is the sum over the fleet, shown as a replica shows its own: to the admin, or to anyone with
+auth off.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -21,10 +26,13 @@ import httpx
 from prefixgate.cache.stats import HitStats
 from prefixgate.gateway.router.fleet import ReplicaState
 from prefixgate.gateway.router.state import RouterState
+from prefixgate.gateway.scaleout.fleet_stats import add_counters
 from prefixgate.gateway.server.auth import Principal
 from prefixgate.gateway.server.routes_cache import busiest, hit_json, scope_json
 
 MAX_STATS_AGENTS = 200
+
+logger = logging.getLogger("prefixgate.router")
 
 
 def _add(into: dict[str, HitStats], name: str, stats: HitStats) -> None:
@@ -36,40 +44,44 @@ def _hits(raw: Mapping[str, Any]) -> HitStats:
         "requests", "query_tokens", "hit_tokens", "retention_hits", "retention_hit_tokens")))
 
 
-async def _from_replicas(state: RouterState, headers: Mapping[str, str]
-                         ) -> tuple[dict[str, HitStats], dict[str, HitStats], dict[str, HitStats]]:
-    """(per replica, per tenant, per agent) summed from the replicas' own /v1/cache/stats."""
+@dataclass(slots=True)
+class _Counters:
+    """Hit counters of the caller's view: where they came from, per replica, tenant, agent;
+    and the replicas' client counters summed."""
+
+    source: str  # "redis" or "replicas"
+    per_replica: dict[str, HitStats]
+    per_tenant: dict[str, HitStats]
+    per_agent: dict[str, HitStats]
+    clients: dict[str, int] = field(default_factory=dict)
+
+
+async def _from_replicas(state: RouterState, headers: Mapping[str, str]) -> _Counters:
+    """The counters summed from the replicas' own /v1/cache/stats."""
     assert state.client is not None
     replicas = state.fleet.routable(state.redis_up)
     answers = await asyncio.gather(
         *(state.client.get(r.url + "/v1/cache/stats", headers=dict(headers), timeout=5.0)
           for r in replicas),
         return_exceptions=True)
-    per_replica: dict[str, HitStats] = {}
-    per_tenant: dict[str, HitStats] = {}
-    per_agent: dict[str, HitStats] = {}
+    counters = _Counters("replicas", {}, {}, {})
     for replica, answer in zip(replicas, answers, strict=True):
         if isinstance(answer, httpx.HTTPError) or not isinstance(answer, httpx.Response):
             continue  # unreachable now: absent from this answer, the probe will notice
         if answer.status_code != 200:
             continue
         body = answer.json()
-        per_replica[replica.name] = _hits(body.get("global", {}))
+        counters.per_replica[replica.name] = _hits(body.get("global", {}))
         for name, raw in (body.get("per_tenant") or {}).items():
-            _add(per_tenant, name, _hits(raw))
+            _add(counters.per_tenant, name, _hits(raw))
         for name, raw in (body.get("per_agent") or {}).items():
-            _add(per_agent, name, _hits(raw))
-    return per_replica, per_tenant, per_agent
-
-
-@dataclass(slots=True)
-class _Counters:
-    """Hit counters of the caller's view: where they came from, per replica, tenant, agent."""
-
-    source: str  # "redis" or "replicas"
-    per_replica: dict[str, HitStats]
-    per_tenant: dict[str, HitStats]
-    per_agent: dict[str, HitStats]
+            _add(counters.per_agent, name, _hits(raw))
+        # present where the replica shows them to this caller (admin, or auth off)
+        try:
+            add_counters(counters.clients, body.get("clients") or {})
+        except TypeError as exc:  # a replica of another version: its hits still count
+            logger.warning("ignoring replica %s's client counters: %s", replica.name, exc)
+    return counters
 
 
 async def _counters(state: RouterState, headers: Mapping[str, str],
@@ -77,10 +89,10 @@ async def _counters(state: RouterState, headers: Mapping[str, str],
     fleet = await state.index.fleet_stats() if state.index is not None and state.index.up else None
     if fleet is None:
         # the replicas answered the forwarded key: already this caller's view
-        return _Counters("replicas", *await _from_replicas(state, headers))
+        return await _from_replicas(state, headers)
     if principal.is_admin:
         return _Counters("redis", dict(fleet.per_replica), dict(fleet.per_tenant),
-                         dict(fleet.per_agent))
+                         dict(fleet.per_agent), dict(fleet.clients))
     # NOTE: Redis holds every tenant's counters; a tenant gets its own only, and the
     # per-replica totals (everyone's traffic) are not its to see.
     tenant = principal.tenant
@@ -130,7 +142,7 @@ async def fleet_stats_json(state: RouterState, headers: Mapping[str, str],
     beats = [r.heartbeat for r in state.fleet if r.heartbeat_fresh and r.heartbeat is not None]
     num_pages = sum(b.num_pages for b in beats)
     pages_used = sum(b.pages_used for b in beats)
-    return {
+    out = {
         "object": "fleet.cache.stats",
         **scope_json(principal, state.settings.auth_enabled),
         "source": counters.source,
@@ -150,3 +162,7 @@ async def fleet_stats_json(state: RouterState, headers: Mapping[str, str],
             "decisions": dict(sorted(state.reason_counts.items())),
         },
     }
+    # NOTE: counted over every tenant: the replicas' own rule (routes_cache._shared_json)
+    if principal.is_admin or not state.settings.auth_enabled:
+        out["clients"] = dict(sorted(counters.clients.items()))
+    return out

@@ -1,8 +1,9 @@
 """Fleet-wide prefix-cache counters in Redis: per replica, per tenant, per agent (and per agent
 of each tenant, for a tenant's own view).
 
-Each replica process writes its cumulative counters as one JSON snapshot under a key of its
-own (replica id + start time), overwritten at most every ``stats_interval_s``. Writes are
+Each replica process writes its cumulative counters (and what it adapted in its clients'
+requests, ``gateway/server/clients.py``) as one JSON snapshot under a key of its own (replica
+id + start time), overwritten at most every ``stats_interval_s``. Writes are
 idempotent, so a retried write, a Redis restart or a replica restart can neither double-count
 nor lose counts that are still held: the router sums all snapshots. A restarted replica writes
 under a new key, so fleet totals keep what its previous process counted (snapshots expire
@@ -29,8 +30,15 @@ def _counts(stats: HitStats) -> list[int]:
     return stats.counts()
 
 
-def snapshot_json(replica_id: str, cache: CacheStats) -> bytes:
-    """One replica's cumulative counters as the JSON stored in Redis."""
+def snapshot_json(replica_id: str, cache: CacheStats,
+                  clients: Mapping[str, int] | None = None) -> bytes:
+    """One replica's cumulative counters as the JSON stored in Redis.
+
+    Args:
+        replica_id: whose.
+        cache: the engine's hit counters.
+        clients: the server's client counters (``ClientCounters.snapshot()``), if any.
+    """
     return json.dumps({
         "replica": replica_id,
         "total": _counts(cache.total),
@@ -39,6 +47,7 @@ def snapshot_json(replica_id: str, cache: CacheStats) -> bytes:
         # so the router can show a tenant its own agents only
         "tenant_agent": {tenant: {name: _counts(s) for name, s in agents.items()}
                          for tenant, agents in cache.per_tenant_agent.items()},
+        "clients": dict(clients or {}),
     }, separators=(",", ":")).encode()
 
 
@@ -58,6 +67,8 @@ class FleetStats:
     per_agent: Mapping[str, HitStats]
     # tenant -> agent -> hits (absent from snapshots written before it existed)
     per_tenant_agent: Mapping[str, Mapping[str, HitStats]] = field(default_factory=dict)
+    # counter name -> sum of every replica's client counters (gateway/server/clients.py)
+    clients: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def total(self) -> HitStats:
@@ -80,6 +91,7 @@ async def read_fleet_stats(redis: Any, keys: RedisKeys) -> FleetStats:
     per_tenant: dict[str, HitStats] = {}
     per_agent: dict[str, HitStats] = {}
     per_tenant_agent: dict[str, dict[str, HitStats]] = {}
+    clients: dict[str, int] = {}
     expired = []
     for name, raw in zip(names, raws, strict=True):
         if raw is None:
@@ -95,8 +107,24 @@ async def read_fleet_stats(redis: Any, keys: RedisKeys) -> FleetStats:
             for tenant, agents in data.get("tenant_agent", {}).items():
                 for agent, counts in agents.items():
                     _add(per_tenant_agent.setdefault(tenant, {}), agent, counts)
+            # absent from snapshots written before replicas published them
+            add_counters(clients, data.get("clients", {}))
         except (ValueError, KeyError, TypeError) as exc:
             logger.warning("ignoring malformed stats snapshot %r: %s", name, exc)
     if expired:
         await redis.srem(keys.stats_index, *expired)
-    return FleetStats(per_replica, per_tenant, per_agent, per_tenant_agent)
+    return FleetStats(per_replica, per_tenant, per_agent, per_tenant_agent, clients)
+
+
+def add_counters(into: dict[str, int], counters: Mapping[str, Any]) -> None:
+    """Add named integer counters (one replica's ``clients``) into a running sum.
+
+    Raises:
+        TypeError / ValueError: a counter that is not an integer (a malformed snapshot).
+    """
+    if not isinstance(counters, Mapping):
+        raise TypeError(f"client counters are not an object: {counters!r}")
+    for name, value in counters.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"client counter {name!r} is not an integer: {value!r}")
+        into[str(name)] = into.get(str(name), 0) + value

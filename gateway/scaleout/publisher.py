@@ -31,6 +31,7 @@ import logging
 import re
 import socket
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,10 +123,13 @@ class ReplicaPublisher:
         config: where and how often.
         served_model: the OpenAI model name (for the router's /v1/models fallback).
         auth_enabled: whether the replica wants API keys (the router warns if it has none).
+        clients: the server's client counters (``ClientCounters.snapshot``), published with
+            the hit counters so the router sums them over the fleet; called on the event loop.
     """
 
     def __init__(self, engine: Any, config: PublisherConfig, *, served_model: str,
-                 auth_enabled: bool = False):
+                 auth_enabled: bool = False,
+                 clients: Callable[[], Mapping[str, int]] | None = None):
         missing = [name for name in ("add_event_sink", "cached_block_hashes", "load_estimate",
                                      "model_id", "page_size", "hash_seed")
                    if not hasattr(engine, name)]
@@ -135,6 +139,7 @@ class ReplicaPublisher:
         self.config = config
         self.served_model = served_model
         self.auth_enabled = auth_enabled
+        self.clients = clients
         self.keys = RedisKeys(config.namespace)
         self.buffer = EventBuffer(config.max_pending_events)
         self.status = PublisherStatus()
@@ -304,7 +309,8 @@ class ReplicaPublisher:
             **self._tier_fields(),
         )
         cache = self._cache_sample
-        stats = snapshot_json(self.config.replica_id, cache) if cache is not None else None
+        clients = self.clients() if self.clients is not None else None
+        stats = snapshot_json(self.config.replica_id, cache, clients) if cache is not None else None
         stats_key = self.keys.stats_snapshot(self.config.replica_id, self._epoch)
         pipe = self.redis.pipeline(transaction=True)
         pipe.set(self.keys.heartbeat(self.config.replica_id), beat.to_json(),
@@ -360,8 +366,11 @@ class ReplicaPublisher:
         self.status.connected = False
 
 
-def publisher_from_settings(engine: Any, settings: Any, served_model: str) -> ReplicaPublisher:
-    """The publisher for a gateway's :class:`ServerSettings` (``redis_url`` must be set).
+def publisher_from_settings(engine: Any, settings: Any, served_model: str, *,
+                            clients: Callable[[], Mapping[str, int]] | None = None
+                            ) -> ReplicaPublisher:
+    """The publisher for a gateway's :class:`ServerSettings` (``redis_url`` must be set);
+    ``clients`` as for :class:`ReplicaPublisher`.
 
     Raises:
         ValueError: a bad replica id or advertise URL, or port 0 without --advertise-url.
@@ -375,4 +384,4 @@ def publisher_from_settings(engine: Any, settings: Any, served_model: str) -> Re
         heartbeat_ttl_s=settings.heartbeat_ttl_s,
     )
     return ReplicaPublisher(engine, config, served_model=served_model,
-                            auth_enabled=settings.auth_enabled)
+                            auth_enabled=settings.auth_enabled, clients=clients)

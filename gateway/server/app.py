@@ -53,7 +53,8 @@ def create_app(
     if settings.redis_url:
         from prefixgate.gateway.scaleout.publisher import publisher_from_settings
 
-        publisher = publisher_from_settings(engine, settings, state.model_name)
+        publisher = publisher_from_settings(engine, settings, state.model_name,
+                                            clients=state.clients.snapshot)
     app = FastAPI(
         title="prefixgate",
         description="Prefix-caching OpenAI-compatible gateway",

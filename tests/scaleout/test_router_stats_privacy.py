@@ -59,12 +59,13 @@ def test_router_stats_are_tenant_private(redis_server, loaded_model, public):
         assert admin["scope"] == "admin" and {"alpha", "beta"} <= set(admin["per_tenant"])
         assert {"alpha-spy-agent", "beta-bot"} <= set(admin["per_agent"])
         assert "replica-x" in admin["per_replica"]
+        assert admin["clients"] == {}  # counted over every tenant: the admin's to see
 
         beta = get("/v1/cache/stats", KEY_BETA).json()
         assert beta["scope"] == "tenant" and beta["tenant"] == "beta"
         assert "alpha" not in json.dumps(beta)
         assert set(beta["per_tenant"]) == {"beta"} and set(beta["per_agent"]) == {"beta-bot"}
-        assert beta["global"] == beta["per_tenant"]["beta"]
+        assert beta["global"] == beta["per_tenant"]["beta"] and "clients" not in beta
         alpha = get("/v1/cache/stats", KEY_ALPHA).json()
         assert set(alpha["per_agent"]) == {"alpha-spy-agent"} and "beta" not in alpha["per_tenant"]
 
