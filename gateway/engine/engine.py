@@ -14,6 +14,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prefixgate.cache.events import CacheEvent, EventSink
@@ -68,6 +69,10 @@ class AsyncEngine:
         # what the engine thread's commands and step produced for the event loops: handed over
         # together once they are done (_flush_outbox)
         self._outbox: list[tuple[asyncio.AbstractEventLoop, Callable[[Any], None], Any]] = []
+        # grammar compiles wait on their worker processes here, not in the loop's default
+        # executor: compiles held to their time limit leave the threads other work uses free
+        self._compile_threads = ThreadPoolExecutor(
+            max_workers=4 * core.config.grammar_workers, thread_name_prefix="prefixgate-grammar")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -190,8 +195,8 @@ class AsyncEngine:
         if request.grammar is not None:
             # compiled here, off the engine thread (a cold schema takes milliseconds; a cached
             # one microseconds); a grammar that cannot compile fails before the first delta
-            grammar = await loop.run_in_executor(None, self.core.compile_grammar, request.grammar,
-                                                 request.tenant)
+            grammar = await loop.run_in_executor(self._compile_threads, self.core.compile_grammar,
+                                                 request.grammar, request.tenant)
         queue: asyncio.Queue[Delta | EngineError] = asyncio.Queue()
 
         def sink(item: Delta | EngineError) -> None:

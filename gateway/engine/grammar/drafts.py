@@ -46,11 +46,12 @@ class GrammarDrafts:
         """Up to ``limit`` draft tokens the grammar accepts in a row: the tokens it forces next,
         else ``proposal`` cut at the first token it rejects. Never a token that would end the
         grammar (a stop token ends the request: it is sampled, not drafted). The matcher is
-        left where it was."""
+        left where it was. Without ``jump_forward`` (:func:`jump_forward_allowed`) only the
+        proposal is walked."""
         try:
             if limit < 1 or self.matcher.is_terminated():
                 return []
-            forced = self.matcher.find_jump_forward_tokens()
+            forced = self.matcher.find_jump_forward_tokens() if self.jump_forward else []
             candidates = forced if forced else proposal
             return walk(self.matcher, candidates[:limit])
         except Exception:  # noqa: BLE001 - no draft; a broken matcher fails the row when it masks

@@ -127,6 +127,7 @@ class CompileWorkerPool:
                        "memory_bytes": limits.memory_bytes}
         self._idle: list[_Worker] = []
         self._num_workers = 0
+        self._num_starting = 0  # of them, still loading xgrammar
         # close() bumps it: a worker of an earlier generation is stopped when it comes back
         self._generation = 0
         self._cond = threading.Condition()
@@ -213,13 +214,16 @@ class CompileWorkerPool:
         with self._cond:
             while not self._idle and self._num_workers >= self.limits.max_workers:
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 and self._num_starting:
+                    left = 0.1  # a worker still starting is not a busy one: wait for it
+                elif left <= 0:
                     raise OverloadedError(
                         "every grammar compiler is busy; retry shortly", retry_after=1.0)
                 self._cond.wait(left)
             if self._idle:
                 return self._idle.pop()
             self._num_workers += 1
+            self._num_starting += 1
             generation = self._generation
         try:
             return _Worker(self._hello, generation)
@@ -228,6 +232,9 @@ class CompileWorkerPool:
                 self._num_workers -= 1
                 self._cond.notify()
             raise
+        finally:
+            with self._cond:
+                self._num_starting -= 1
 
     def _release(self, worker: _Worker, keep: bool) -> None:
         with self._cond:
