@@ -1,7 +1,7 @@
 """A flood of maximal request bodies against a live `prefixgate serve`: does /health and a small
 chat still answer quickly, does every flood request get a 4xx in its surface's envelope (never
 a 5xx), and does the server's memory stay bounded? (issue #27.1; target: /health and a small
-chat p99 <= 0.5 s under the flood)
+chat p99 <= 0.5 s under the flood). Issue #37.1 adds the hostile-schema mix.
 
 Workload (deterministic; defaults in brackets, --quick in braces):
   * the server: `prefixgate serve --kv-memory [1] GiB` on the default model, in its own
@@ -20,6 +20,16 @@ Workload (deterministic; defaults in brackets, --quick in braces):
       - ``chat_tokenized``: a chat body just under the server's byte bound (context x the
         longest token's bytes, read from the first flood answer's message), so it IS
         tokenized (~the context in tokens, or more) before it is refused.
+    and with --mix schemas or all [all], the hostile-schema mix (#37.1):
+      - ``schema_tools``: the issue's tool schema, ``{"properties": {"a": {"$ref": "#"}},
+        "required": ["a"]}`` with tool_choice required (once grew the server to 23 GB);
+      - ``schema_messages`` / ``schema_responses``: the same as an Anthropic ``input_schema``
+        and as a Responses ``text.format``;
+      - ``schema_slow``: an EBNF response_format of 500 nested starred groups, whose compile
+        runs to --grammar-compile-timeout in its worker;
+      - ``schema_enum``: an enum of 5,000 values (over the enum cap);
+      - ``schema_fresh``: a valid, never-seen schema every time (the compile cache flood),
+        answered (200, max_tokens 4) or, while every compile worker is busy, 429.
   * the probes, in this process: /health polled back to back on one connection, and small
     chats ("Say hi.", max_tokens 4) back to back on another, from the moment the flood starts
     to its end.
@@ -61,9 +71,18 @@ from prefixgate.gateway.server.fields import MAX_TEXT_CHARS
 from prefixgate.gateway.server.limits import MIB
 
 TARGET_P99_S = 0.5  # issue #27.1
-KINDS = ("chat", "responses", "messages", "chat_tokenized")
+BODY_KINDS = ("chat", "responses", "messages", "chat_tokenized")
+SCHEMA_KINDS = ("schema_tools", "schema_messages", "schema_responses", "schema_slow",
+                "schema_enum", "schema_fresh")
+KINDS = BODY_KINDS + SCHEMA_KINDS
+MIXES = {"bodies": BODY_KINDS, "schemas": SCHEMA_KINDS, "all": KINDS}
 PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses",
-         "messages": "/v1/messages", "chat_tokenized": "/v1/chat/completions"}
+         "messages": "/v1/messages", "chat_tokenized": "/v1/chat/completions",
+         "schema_tools": "/v1/chat/completions", "schema_messages": "/v1/messages",
+         "schema_responses": "/v1/responses", "schema_slow": "/v1/chat/completions",
+         "schema_enum": "/v1/chat/completions", "schema_fresh": "/v1/chat/completions"}
+RECURSIVE_SCHEMA = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+SLOW_EBNF = "root ::= " + "(" * 500 + '"a"' + ' | "b")*' * 500
 SMALL_CHAT = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4,
               "temperature": 0}
 # the server's 400 for a text that cannot fit names the byte bound (PromptTooLongError)
@@ -81,12 +100,15 @@ class FloodWorkload:
     senders: int = 3
     body_bytes: int = 32 * MIB
     message_chars: int = MAX_TEXT_CHARS
+    mix: str = "all"  # a key of MIXES
 
     def __post_init__(self) -> None:
         if self.duration_s <= 0 or self.baseline_s < 0 or self.flood_processes < 1 or self.senders < 1:
             raise ValueError("duration_s > 0, flood_processes >= 1 and senders >= 1")
         if not 1 <= self.message_chars <= self.body_bytes - 4096:
             raise ValueError("message_chars must be in [1, body_bytes - 4096]")
+        if self.mix not in MIXES:
+            raise ValueError(f"mix must be one of {', '.join(MIXES)}")
 
     @property
     def num_messages(self) -> int:
@@ -115,6 +137,37 @@ def flood_body(kind: str, model: str | None, messages: int, chars: int) -> bytes
     return json.dumps(body).encode()
 
 
+def schema_body(kind: str, model: str | None, turn: int) -> bytes:
+    """One body of the hostile-schema mix (``turn`` makes ``schema_fresh`` distinct)."""
+    ask = [{"role": "user", "content": "Call the tool."}]
+    body: dict[str, Any]
+    if kind == "schema_tools":
+        body = {"messages": ask, "max_tokens": 16, "tool_choice": "required", "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": RECURSIVE_SCHEMA}}]}
+    elif kind == "schema_messages":
+        body = {"messages": ask, "max_tokens": 16, "tool_choice": {"type": "any"},
+                "tools": [{"name": "f", "input_schema": RECURSIVE_SCHEMA}]}
+    elif kind == "schema_responses":
+        body = {"input": "Answer.", "max_output_tokens": 16, "store": False, "text": {
+            "format": {"type": "json_schema", "name": "r", "schema": RECURSIVE_SCHEMA}}}
+    elif kind == "schema_slow":
+        body = {"messages": ask, "max_tokens": 4,
+                "response_format": {"type": "grammar", "grammar": SLOW_EBNF}}
+    elif kind == "schema_enum":
+        body = {"messages": ask, "max_tokens": 4, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "e", "schema": {
+                "enum": [f"value-{i}" for i in range(5000)]}}}}
+    else:
+        field = f"field_{os.getpid()}_{turn}"
+        body = {"messages": ask, "max_tokens": 4, "temperature": 0, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "fresh", "schema": {
+                "type": "object", "properties": {field: {"type": "integer"}},
+                "required": [field]}}}}
+    if model is not None:
+        body["model"] = model
+    return json.dumps(body).encode()
+
+
 def envelope_ok(kind: str, status: int, raw: bytes) -> bool:
     """A 4xx in its surface's error format: OpenAI's ``{"error": {"message", "type"}}``,
     Anthropic's ``{"type": "error", "error": {"type", "message"}}``."""
@@ -130,9 +183,10 @@ def envelope_ok(kind: str, status: int, raw: bytes) -> bool:
     return bool(error.get("type") or error.get("code"))
 
 
-def _send_until(base_url: str, bodies: dict[str, bytes], deadline: float,
-                offset: int) -> list[dict[str, Any]]:
-    """One sender: the kinds in turn, back to back, until ``deadline`` (time.time())."""
+def _send_until(base_url: str, bodies: dict[str, bytes | None], deadline: float,
+                offset: int, model: str | None = None) -> list[dict[str, Any]]:
+    """One sender: the kinds in turn, back to back, until ``deadline`` (time.time()). A kind
+    whose body is None is built for each send (``schema_body``)."""
     outcomes = []
     kinds = list(bodies)
     headers = {"Content-Type": "application/json"}
@@ -143,10 +197,13 @@ def _send_until(base_url: str, bodies: dict[str, bytes], deadline: float,
             turn += 1
             started = time.perf_counter()
             try:
-                response = client.post(PATHS[kind], content=bodies[kind], headers=headers)
+                content = bodies[kind] or schema_body(kind, model, turn)
+                response = client.post(PATHS[kind], content=content, headers=headers)
+                # a fresh valid schema may be answered: only errors have an envelope to check
+                ok = (kind == "schema_fresh" and response.status_code == 200) or envelope_ok(
+                    kind, response.status_code, response.content)
                 outcomes.append({"kind": kind, "status": response.status_code,
-                                 "envelope_ok": envelope_ok(kind, response.status_code,
-                                                            response.content),
+                                 "envelope_ok": ok,
                                  "seconds": time.perf_counter() - started,
                                  "message": response.text[:300]})
             except httpx.HTTPError as exc:
@@ -161,16 +218,20 @@ def flood_worker(base_url: str, model: str | None, workload: dict[str, Any],
     """One flood process: ``senders`` threads sending from ``start_at`` (time.time()) for
     ``duration_s``; their outcomes."""
     load = FloodWorkload(**workload)
-    bodies = {kind: flood_body(kind, model, load.num_messages, load.message_chars)
-              for kind in KINDS[:3]}
-    if byte_bound is not None:  # just under the bound: tokenized, then refused
+    kinds = MIXES[load.mix]
+    bodies: dict[str, bytes | None] = {
+        kind: flood_body(kind, model, load.num_messages, load.message_chars)
+        for kind in BODY_KINDS[:3] if kind in kinds}
+    if byte_bound is not None and "chat_tokenized" in kinds:  # tokenized, then refused
         bodies["chat_tokenized"] = flood_body("chat_tokenized", model, 1, max(1, byte_bound - 512))
+    bodies.update({kind: None for kind in kinds if kind in SCHEMA_KINDS})
     results: list[list[dict[str, Any]]] = [[] for _ in range(load.senders)]
     time.sleep(max(0.0, start_at - time.time()))
     deadline = start_at + load.duration_s
 
     def run(slot: int) -> None:
-        results[slot] = _send_until(base_url, bodies, deadline, index * load.senders + slot)
+        results[slot] = _send_until(base_url, bodies, deadline, index * load.senders + slot,
+                                    model)
 
     threads = [threading.Thread(target=run, args=(slot,)) for slot in range(load.senders)]
     for thread in threads:
@@ -325,7 +386,7 @@ def failed(figures: dict[str, Any]) -> bool:
     a probe that failed."""
     flood = figures["flood"]
     return bool(flood["server_errors"] or flood["bad_envelopes"] or flood["transport_errors"]
-                or figures["probe_errors"])
+                or figures["probe_errors"] or figures.get("restarts"))
 
 
 def print_report(figures: dict[str, Any]) -> None:
@@ -351,7 +412,7 @@ def print_report(figures: dict[str, Any]) -> None:
 
 def workload_from_args(args: Any) -> FloodWorkload:
     values = {"duration_s": args.duration, "baseline_s": args.baseline, "flood_processes": args.flood_processes,
-              "senders": args.senders, "body_bytes": args.body_bytes}
+              "senders": args.senders, "body_bytes": args.body_bytes, "mix": args.mix}
     if args.quick:
         defaults = asdict(FloodWorkload())
         values.update({k: v for k, v in QUICK.items() if values[k] == defaults[k]})
@@ -367,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flood-processes", type=int, default=defaults.flood_processes)
     parser.add_argument("--senders", type=int, default=defaults.senders, help="per process")
     parser.add_argument("--body-bytes", type=int, default=defaults.body_bytes)
+    parser.add_argument("--mix", choices=sorted(MIXES), default=defaults.mix,
+                        help="maximal bodies, hostile schemas, or both in turn")
     parser.add_argument("--kv-memory", type=float, default=1.0, metavar="GB")
     parser.add_argument("--prefixgate-args", default="", help="extra `prefixgate serve` flags")
     parser.add_argument("--quick", action="store_true", help="a shorter run (20 s, 1 process)")
@@ -385,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[prefixgate] ready in {startup_s:.1f} s; flooding for {workload.duration_s:g} s "
               f"with {workload.flood_processes * workload.senders} senders ...", flush=True)
         figures = run_flood(server.base_url, ids[0] if ids else None, workload, server.pid)
+        # the same process answered to the end: nothing killed or restarted it
+        figures["restarts"] = int(server.process.poll() is not None)
     finally:
         server.stop()
     figures.update(workload={**asdict(workload), "num_messages": workload.num_messages},

@@ -23,6 +23,18 @@ def test_a_maximal_body_fills_the_body_limit_with_capped_messages():
         bench.FloodWorkload(body_bytes=4096, message_chars=1 << 20)
 
 
+def test_the_hostile_schema_mix_builds_each_surfaces_body():
+    bodies = {kind: json.loads(bench.schema_body(kind, "m", turn=7)) for kind in bench.SCHEMA_KINDS}
+    tools = bodies["schema_tools"]["tools"][0]["function"]["parameters"]
+    assert tools == bodies["schema_messages"]["tools"][0]["input_schema"] == bench.RECURSIVE_SCHEMA
+    assert bodies["schema_responses"]["text"]["format"]["schema"] == bench.RECURSIVE_SCHEMA
+    assert len(bodies["schema_enum"]["response_format"]["json_schema"]["schema"]["enum"]) == 5000
+    assert bench.schema_body("schema_fresh", "m", 8) != bench.schema_body("schema_fresh", "m", 7)
+    assert all(body["model"] == "m" for body in bodies.values())
+    with pytest.raises(ValueError, match="mix"):
+        bench.FloodWorkload(mix="everything")
+
+
 def test_the_envelope_must_be_the_surfaces_own():
     openai = json.dumps({"error": {"message": "too long", "type": "invalid_request_error",
                                    "code": "context_length_exceeded"}}).encode()
@@ -36,7 +48,7 @@ def test_the_envelope_must_be_the_surfaces_own():
 
 def test_a_tiny_flood_against_the_live_gateway(gateway):
     workload = bench.FloodWorkload(duration_s=1.0, baseline_s=0.5, flood_processes=1, senders=2,
-                                   body_bytes=MIB, message_chars=64 * 1024)
+                                   body_bytes=MIB, message_chars=64 * 1024, mix="bodies")
     figures = bench.run_flood(gateway.open_url, gateway.model, workload, os.getpid(),
                              ready_s=1.5, settle_s=0.2)
     flood = figures["flood"]
