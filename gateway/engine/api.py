@@ -145,6 +145,9 @@ class Delta:
     ``text`` is decoded incrementally (never splits a multi-byte character) and never contains
     a matched stop string. ``finish_reason`` is set on the choice's last delta. ``usage`` is
     set only on the very last delta of the whole request (after every choice finished).
+    ``matched_stop`` is set on the choice's last delta when one of ``SamplingParams.stop``
+    ended it: the string that matched (None when it ended otherwise: EOS, a stop token, the
+    end of its grammar, length, an early finish).
     """
 
     index: int
@@ -153,6 +156,7 @@ class Delta:
     finish_reason: FinishReason | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
     usage: Usage | None = None
+    matched_stop: str | None = None
 
 
 class EngineError(Exception):

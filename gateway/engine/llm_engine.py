@@ -785,13 +785,17 @@ class LLMEngine:
             text, matched = st.stops.feed(st.decoder.feed(token_id))
             if matched:
                 finish = "stop"
+        # the surfaces that name the stop string (Anthropic's stop_sequence) read it here
+        matched_stop = st.stops.matched if matched else None
         if finish is None and (seq.num_output_tokens >= sp.max_tokens or len(seq.token_ids) >= self.max_model_len):
             finish = "length"
         if finish == "length":
             text += st.stops.feed(st.decoder.flush())[0] + st.stops.flush()
-        self._emit(seq, (token_id,), text, finish, (logprob,) if logprob is not None else None)
+        self._emit(seq, (token_id,), text, finish, (logprob,) if logprob is not None else None,
+                   matched_stop)
 
-    def _emit(self, seq: Sequence, token_ids, text: str, finish, logprobs) -> None:
+    def _emit(self, seq: Sequence, token_ids, text: str, finish, logprobs,
+              matched_stop: str | None = None) -> None:
         state = self._requests.get(seq.request_id)
         if state is None:
             return
@@ -809,7 +813,8 @@ class LLMEngine:
                     cached_tokens=state.seqs[0].num_cached_tokens or 0,
                 )
                 del self._requests[seq.request_id]
-        state.sink(Delta(seq.choice, tuple(token_ids), text, finish, logprobs, usage))
+        state.sink(Delta(seq.choice, tuple(token_ids), text, finish, logprobs, usage,
+                         matched_stop))
 
     def _fail(self, request_id: str, error: EngineError) -> None:
         state = self._requests.pop(request_id, None)

@@ -10,21 +10,28 @@ class StopStringMatcher:
 
     Any occurrence of a stop string ends inside the newest text, so it starts at most
     ``len(stop) - 1`` characters before it: exactly what is held back.
+
+    ``matched`` is the stop string that ended the output (None until one does): the earliest
+    occurrence; of several starting there (each a prefix of the next), the shortest. The engine
+    hands it on in the final delta (``Delta.matched_stop``), so nobody decodes the output again
+    to find it.
     """
 
     def __init__(self, stop: Sequence[str]):
         self.stop = tuple(s for s in stop if s)
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
         self._pending = ""
+        self.matched: str | None = None
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Add decoded text; return (text safe to emit, whether a stop string matched)."""
         if not self.stop:
             return text, False
         self._pending += text
-        hits = [i for i in (self._pending.find(s) for s in self.stop) if i >= 0]
+        hits = [(at, s) for s in self.stop if (at := self._pending.find(s)) >= 0]
         if hits:
-            out, self._pending = self._pending[: min(hits)], ""
+            at, self.matched = min(hits)
+            out, self._pending = self._pending[:at], ""
             return out, True
         cut = max(0, len(self._pending) - self._holdback)
         out, self._pending = self._pending[:cut], self._pending[cut:]

@@ -43,7 +43,6 @@ from prefixgate.gateway.server.turn_stream import (
     OutputSplitter,
     TurnEnd,
     TurnStream,
-    matched_stop,
 )
 
 logger = logging.getLogger("prefixgate.server")
@@ -226,15 +225,16 @@ def _generations(state: ServerState, turn: ChatTurn, caller: _Caller, prompts: l
 
 def _at_end(request: Request, state: ServerState, turn: ChatTurn, caller: _Caller,
             prompts: list[list[int]]) -> Callable[[TurnEnd], None]:
-    """What the turn does as it ends: find each choice's stop string (when the surface reports
+    """What the turn does as it ends: name each choice's stop string (when the surface reports
     it); a choice ending in tool calls keeps its whole prefix (its agent comes back with the
     results); ``hold_s`` keeps the prompt whatever the end."""
-    tokenizer = state.engine.tokenizer
 
     def on_end(end: TurnEnd) -> None:
         for choice in end.choices:
             if turn.report_stop:
-                choice.matched_stop = matched_stop(tokenizer, turn.stop, choice)
+                # the engine's matcher names it in the final delta: the output is never
+                # decoded again to find it
+                choice.matched_stop = choice.engine_stop
             if choice.ended_in_calls:
                 prompt = prompts[choice.index // turn.n]
                 retain_tool_pause(request, caller.tenant, caller.agent, turn.cache_salt,

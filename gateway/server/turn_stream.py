@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from starlette.requests import Request
 
@@ -62,6 +61,7 @@ class ChoiceOutput:
     token_ids: list[int] = field(default_factory=list)
     engine_finish: str | None = None
     num_chars: int = 0  # characters shown so far (completions' logprob text offsets)
+    engine_stop: str | None = None  # the stop string that ended it, as its final delta says
     matched_stop: str | None = None  # set at the end when the surface reports it
 
     @property
@@ -101,6 +101,7 @@ class ChoiceOutput:
         self.num_chars += len(delta.text)
         if delta.finish_reason is not None:
             self.engine_finish = delta.finish_reason
+            self.engine_stop = delta.matched_stop
         return parsed
 
 
@@ -146,20 +147,6 @@ class TurnEnd:
     def reasoning(self) -> str:
         """The model's reasoning span, apart from ``text``."""
         return "".join(self.choices[0].reasoning)
-
-
-def matched_stop(tokenizer: Any, stop: Sequence[str], choice: ChoiceOutput) -> str | None:
-    """Which stop string ended the choice (the engine hides it; surfaces that report it, like
-    Anthropic's ``stop_sequence``, find it again in the full decoded output)."""
-    if not stop or tokenizer is None or choice.finish_reason != "stop":
-        return None
-    output_ids = choice.token_ids
-    if output_ids and output_ids[-1] in getattr(tokenizer, "eos_token_ids", ()):
-        return None
-    full = tokenizer.decode(output_ids)
-    start = max(0, sum(map(len, choice.shown)) - max(map(len, stop)))
-    found = [(full.find(s, start), s) for s in stop if full.find(s, start) >= 0]
-    return min(found)[1] if found else None
 
 
 class TurnStream:

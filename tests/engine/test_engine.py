@@ -179,6 +179,26 @@ def test_stop_strings_and_text_stream(make_engine, tokenizer):
     assert cut[-1].finish_reason == "stop"
 
 
+def test_the_final_delta_names_the_stop_string_that_matched(make_engine, tokenizer):
+    # the server reads it here (Anthropic's stop_sequence) instead of decoding the output again
+    engine = make_engine()
+    prompt = chat(tokenizer, "Count from 1 to 20, separated by commas.")
+    free = run(engine, [GenerationRequest(prompt, greedy(40), request_id="f")])["f"]
+    text = "".join(d.text for d in free)
+    early, late = text[len(text) // 3: len(text) // 3 + 3], text[2 * len(text) // 3:][:3]
+    absent = "never in a count"
+    out = run(engine, [
+        GenerationRequest(prompt, greedy(40, stop=(absent, late, early)), request_id="s"),
+        GenerationRequest(prompt, greedy(40, stop=(absent,)), request_id="n")])
+    first = min((text.find(s), s) for s in (late, early))[1]  # the earliest occurrence
+    assert [d.matched_stop for d in out["s"]] == [None] * (len(out["s"]) - 1) + [first]
+    assert out["s"][-1].finish_reason == "stop"
+    # ended by length (or EOS) with stop strings that never matched: none named
+    assert out["n"][-1].finish_reason in ("length", "stop")
+    assert all(d.matched_stop is None for d in out["n"])
+    assert all(d.matched_stop is None for d in free)
+
+
 def test_validation_errors_name_the_problem(make_engine):
     engine = make_engine(max_waiting=1)
     with pytest.raises(ContextLengthError, match="8192"):

@@ -33,3 +33,27 @@ def test_earliest_of_several_stops_wins():
 def test_no_stops_passes_through_immediately():
     m = StopStringMatcher([])
     assert m.feed("abc") == ("abc", False)
+
+
+def test_the_matcher_names_the_stop_that_matched():
+    m = StopStringMatcher(["xyz", "b"])
+    assert m.matched is None
+    assert m.feed("aaxy") == ("aa", False) and m.matched is None
+    assert m.feed("zb") == ("", True) and m.matched == "xyz"  # the earliest occurrence wins
+    m = StopStringMatcher(["b", "xyz"])
+    m.feed("aaxyzb")
+    assert m.matched == "xyz"  # whatever the order they are listed in
+
+
+def test_of_stops_starting_at_one_place_the_shortest_is_named():
+    # "ab" completed first (it is a prefix of "abc"); both are found in one piece of text
+    assert run(["abc", "ab"], ["x", "abc"]) == ("x", True)
+    m = StopStringMatcher(["abc", "ab"])
+    m.feed("xabc")
+    assert m.matched == "ab"
+
+
+def test_no_match_names_nothing():
+    m = StopStringMatcher(["END"])
+    assert m.feed("no stop here, EN") == ("no stop here, ", False)
+    assert m.flush() == "EN" and m.matched is None
