@@ -139,6 +139,7 @@ class ModelRunner:
         self.eos_token_ids = tuple(eos_token_ids)
         # the backend is chosen here, once: every step and layer uses this object
         self.kernel_backend = kernels.resolve_backend(self.device, kernel_backend)
+        self.native_kernels_requested = native_kernels  # (kernel_report: off by request?)
         self.native_cpu_kernels = native_kernels and self._native_cpu_kernels_apply()
         self._check_int8_mode(weights, quantized_weights)
         self.model = build_model(

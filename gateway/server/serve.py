@@ -13,6 +13,7 @@ import uvicorn
 
 from prefixgate.gateway.engine.api import EngineLike
 from prefixgate.gateway.engine.config import EngineConfig
+from prefixgate.gateway.engine.kernel_report import engine_kernel_report
 from prefixgate.gateway.server.app import create_app
 from prefixgate.gateway.server.settings import ServerSettings
 from prefixgate.gateway.server.slow_clients import uvicorn_options
@@ -118,6 +119,13 @@ class GatewayServer(BoundServer):
             engine.dtype,
             engine.kv_dtype,
         )
+        kernels = engine_kernel_report(self.engine)
+        if kernels is not None and kernels.degraded:
+            # NOTE: the library's own warning scrolled by during the model load; this is the
+            # last thing a user reads before sending requests
+            logger.warning("native CPU kernels not in use: %s; serving on %s (several times "
+                           "slower; /v1/models reports it)", kernels.fallback_reason,
+                           kernels.backend)
 
 
 def uvicorn_config(app: Any, settings: ServerSettings) -> uvicorn.Config:

@@ -664,6 +664,11 @@ class ModelCard(BaseModel):
     # compute / KV cache precision ("float32", "bfloat16"; docs/precision.md)
     dtype: str | None = None
     kv_dtype: str | None = None
+    # the kernels serving it: "native-cpu", "torch-cpu", "torch-cuda" or "triton", and why
+    # not the native CPU kernels where they could run (a failed build: gateway/engine/
+    # kernel_report.py)
+    kernel_backend: str | None = None
+    kernel_fallback_reason: str | None = None
 
 
 class ModelList(BaseModel):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
+from prefixgate.gateway.engine.kernel_report import engine_kernel_report
 from prefixgate.gateway.server.auth import Principal, authenticate, require_admin
 from prefixgate.gateway.server.openai.protocol import (
     ChatCompletionRequest,
@@ -54,6 +55,7 @@ async def completions(
 @router.get("/v1/models")
 async def list_models(request: Request, _: Principal = Depends(authenticate)) -> ModelList:
     state: ServerState = server_state(request)
+    kernels = engine_kernel_report(state.engine)
     return ModelList(
         data=[
             ModelCard(
@@ -61,6 +63,8 @@ async def list_models(request: Request, _: Principal = Depends(authenticate)) ->
                 # stand-in engines (tests) may not say
                 dtype=getattr(state.engine, "dtype", None),
                 kv_dtype=getattr(state.engine, "kv_dtype", None),
+                kernel_backend=kernels.backend if kernels else None,
+                kernel_fallback_reason=kernels.fallback_reason if kernels else None,
             )
         ]
     )
