@@ -5,7 +5,7 @@ plus ``CompileLimits.memory_bytes``; the caller waits at most ``timeout_s`` and 
 worker. Either way the request gets a 400 naming the limit (``grammar_too_complex``), the
 server's own memory and its other requests are untouched, and the next compile starts a fresh
 worker. Workers start on demand, up to ``max_workers`` at a time, and stay for the next
-compile; a caller finding all of them busy for ``timeout_s`` gets a 429.
+compile; a caller finding all of them busy for ``queue_timeout_s`` gets a 429.
 """
 
 from __future__ import annotations
@@ -41,12 +41,15 @@ class CompileLimits:
         max_workers: worker processes at most; 0 compiles in the calling thread, unbounded
             (tests of grammar logic, never the server).
         threads: xgrammar's threads per compile.
+        queue_timeout_s: how long a caller waits for a free worker before its 429; None =
+            ``timeout_s`` (time for the compile ahead of it to finish or be killed).
     """
 
     timeout_s: float = 10.0
     memory_bytes: int = 2 << 30
     max_workers: int = 2
     threads: int = 1
+    queue_timeout_s: float | None = None
 
 
 class CompileLimitError(InvalidRequestError):
@@ -210,7 +213,8 @@ class CompileWorkerPool:
         return self._num_workers
 
     def _acquire(self) -> _Worker:
-        deadline = time.monotonic() + self.limits.timeout_s
+        wait = self.limits.queue_timeout_s
+        deadline = time.monotonic() + (self.limits.timeout_s if wait is None else wait)
         with self._cond:
             while not self._idle and self._num_workers >= self.limits.max_workers:
                 left = deadline - time.monotonic()
