@@ -18,6 +18,7 @@ by the kernel; the server only ever deserializes a finished result.
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 import time
@@ -111,6 +112,9 @@ def main() -> int:
     hello = read_frame(stdin)
     if hello is None:
         return 0
+    # a compile competes for the cores with the engine's steps and the event loop: at a lower
+    # priority, a compile held to its time limit slows only other compiles
+    os.nice(int(hello.get("nice", 10)))
     import xgrammar as xgr
 
     info = xgr.TokenizerInfo.deserialize_json(hello["tokenizer_info"])

@@ -248,9 +248,17 @@ class CompileWorkerPool:
                 return
             self._num_workers -= 1
             self._cond.notify()
-            if not keep:
+            replace = not keep and worker.generation == self._generation
+            if replace:
                 self.num_restarts += 1
         worker.kill()
+        if replace:  # the next caller should not wait for an interpreter to start
+            threading.Thread(target=self._restart, args=(worker.generation,),
+                             name="prefixgate-grammar-restart", daemon=True).start()
+
+    def _restart(self, generation: int) -> None:
+        if generation == self._generation:  # not after close()
+            self.start()
 
 
 def _size(num_bytes: int) -> str:
