@@ -252,6 +252,7 @@ class Probes:
         self.chat: list[float] = []
         self.errors: list[str] = []
         self.rss_peak_mb = 0.0
+        self.tree_peak_mb = 0.0  # the server with its children (grammar-compile workers)
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=f) for f in (self._poll, self._chat, self._memory)]
 
@@ -287,8 +288,9 @@ class Probes:
 
     def _memory(self) -> None:
         while self.pid is not None and not self._stop.wait(MEMORY_SAMPLE_S):
-            rss = memory_mb(self.pid)["rss_mb"]
-            self.rss_peak_mb = max(self.rss_peak_mb, rss or 0.0)
+            memory = memory_mb(self.pid)
+            self.rss_peak_mb = max(self.rss_peak_mb, memory["rss_mb"] or 0.0)
+            self.tree_peak_mb = max(self.tree_peak_mb, memory["rss_tree_mb"] or 0.0)
 
 
 def latency_figures(samples: list[float]) -> dict[str, Any]:
@@ -372,7 +374,8 @@ def run_flood(base_url: str, model: str | None, workload: FloodWorkload,
             "flood": flood_figures(outcomes), "byte_bound": byte_bound, "calibration": calibration,
             "body_bytes": workload.body_bytes,
             "rss_mb": {"before": before.get("rss_mb"), "peak": probes.rss_peak_mb or None,
-                       "after": after.get("rss_mb"), "high_water": after.get("rss_hwm_mb")},
+                       "after": after.get("rss_mb"), "high_water": after.get("rss_hwm_mb"),
+                       "with_workers_peak": probes.tree_peak_mb or None},
             "loadavg_1min_start": loadavg, "loadavg_1min_end": os.getloadavg()[0]}
 
 
@@ -405,7 +408,8 @@ def print_report(figures: dict[str, Any]) -> None:
           f"transport errors {flood['transport_errors']}, probe errors {figures['probe_errors']}")
     rss = figures["rss_mb"]
     print(f"server RSS   before {s(rss['before'])} MB, peak {s(rss['peak'])} MB, after "
-          f"{s(rss['after'])} MB, high-water {s(rss['high_water'])} MB")
+          f"{s(rss['after'])} MB, high-water {s(rss['high_water'])} MB; with its "
+          f"grammar workers, peak {s(rss.get('with_workers_peak'))} MB")
     print(f"load avg     {figures['loadavg_1min_start']:.2f} -> {figures['loadavg_1min_end']:.2f}; "
           f"target p99 <= {TARGET_P99_S} s met: {figures['target_met']}")
 
