@@ -78,7 +78,10 @@ class AsyncEngine:
 
     async def start(self) -> None:
         self.start_sync()
-        # the first constrained request should not wait for a compile worker's interpreter
+
+    def warm_grammars(self) -> None:
+        """Start a grammar-compile worker in the background, so that the first constrained
+        request does not wait for its interpreter (``prefixgate serve`` does, once ready)."""
         threading.Thread(target=self.core.grammars.start, name="prefixgate-grammar-warmup",
                          daemon=True).start()
 

@@ -147,6 +147,7 @@ def serve(engine_config: EngineConfig, settings: ServerSettings) -> None:
     from prefixgate.gateway.engine.engine import build_engine  # heavy: torch, the model
 
     engine = build_engine(engine_config, tier_store=tier_store(engine_config, settings))
+    engine.warm_grammars()
     app = create_app(engine, settings)
     GatewayServer(uvicorn_config(app, settings), engine, settings).run()
 
