@@ -115,7 +115,10 @@ class Tokenization:
         tools: list[dict[str, Any]] | None,
         add_generation_prompt: bool,
         template_kwargs: dict[str, Any] | None = None,
+        message_param: str = "messages",
     ) -> list[int]:
+        """Token ids of the rendered conversation; errors name ``message_param`` (the surface's
+        own field: ``messages``, or ``input`` on Responses)."""
         tokenizer = self.engine.tokenizer
         bounded = functools.partial(tokenizer.apply_chat_template, max_prompt_tokens=self.capacity,
                                     **(template_kwargs or {}))
@@ -125,17 +128,17 @@ class Tokenization:
         except InvalidRequestError:
             raise
         except PromptTooLongError as exc:
-            raise self._too_long(exc, "messages") from exc
+            raise self._too_long(exc, message_param) from exc
         except (ValueError, TypeError, KeyError) as exc:
             # Chat templates raise on unsupported role orders etc.; that is the client's input.
             raise InvalidRequestError(
-                f"The chat template rejected the messages: {exc}", param="messages"
+                f"The chat template rejected the messages: {exc}", param=message_param
             ) from exc
         except (RecursionError, MemoryError) as exc:
             # a pathologically nested input: the client's, and it must not become a 500
             raise InvalidRequestError(
                 f"The messages are too deeply nested or too large to render ({type(exc).__name__})",
-                param="messages",
+                param=message_param,
             ) from exc
 
     @property
@@ -153,7 +156,8 @@ class Tokenization:
         """Token ids of a conversation whose turns may carry tools, calls and tool results.
         ``template_kwargs``: the request's controls the template reads (``enable_thinking``)."""
         prepared, template_tools = self.dialect.template_inputs(messages, tools, message_param)
-        return await self.chat(prepared, template_tools, add_generation_prompt, template_kwargs)
+        return await self.chat(prepared, template_tools, add_generation_prompt, template_kwargs,
+                               message_param)
 
     def output_parser(self, prompt_ids: Sequence[int], tools: Sequence[FunctionTool] | None,
                       on_repeat: Callable[[], None] | None = None) -> GuardedParser | None:
