@@ -32,7 +32,6 @@ case as a curl command. Exit status 1 when any of those four counts is not 0.
 from __future__ import annotations
 
 import json
-import shlex
 import sys
 import time
 from collections import Counter
@@ -43,9 +42,8 @@ import requests
 from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings
 from hypothesis.errors import Unsatisfiable
 
-from benchmarks.common import base_parser, free_port, write_json
-from benchmarks.server_process import ServerProcess
-from benchmarks.serving import clean_env, prefixgate_command
+from benchmarks.common import base_parser, write_json
+from benchmarks.serving import prefixgate_process
 
 GENERATES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 SKIPPED = ("/v1/cache/pin", "/v1/cache/unpin", "/v1/cache/reset")
@@ -302,11 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                                      max_new_tokens=args.max_new_tokens)
     except ValueError as exc:
         parser.error(str(exc))
-    env, _ = clean_env()
-    port = free_port()
-    command = [*prefixgate_command(port), "--kv-memory", f"{args.kv_memory:g}",
-               *shlex.split(args.prefixgate_args)]
-    server = ServerProcess("prefixgate", command, port, env)
+    server = prefixgate_process(args.kv_memory, args.prefixgate_args)
+    command = server.command
     try:
         startup_s, ids = server.wait_ready(600)
         print(f"[prefixgate] ready in {startup_s:.1f} s; fuzzing ({fuzz_settings.max_examples} "

@@ -51,7 +51,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 import sys
 import threading
 import time
@@ -63,9 +62,9 @@ from typing import Any
 
 import httpx
 
-from benchmarks.common import base_parser, free_port, write_json
-from benchmarks.server_process import ServerProcess, memory_mb
-from benchmarks.serving import clean_env, prefixgate_command
+from benchmarks.common import base_parser, write_json
+from benchmarks.server_process import memory_mb
+from benchmarks.serving import prefixgate_process
 from prefixgate.agents.report import percentile
 from prefixgate.gateway.server.fields import MAX_TEXT_CHARS
 from prefixgate.gateway.server.limits import MIB
@@ -442,11 +441,8 @@ def main(argv: list[str] | None = None) -> int:
         workload = workload_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    env, _ = clean_env()
-    port = free_port()
-    command = [*prefixgate_command(port), "--kv-memory", f"{args.kv_memory:g}",
-               *shlex.split(args.prefixgate_args)]
-    server = ServerProcess("prefixgate", command, port, env)
+    server = prefixgate_process(args.kv_memory, args.prefixgate_args)
+    command = server.command
     try:
         startup_s, ids = server.wait_ready(600)
         print(f"[prefixgate] ready in {startup_s:.1f} s; flooding for {workload.duration_s:g} s "

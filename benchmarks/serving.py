@@ -381,6 +381,16 @@ def clean_env() -> tuple[dict[str, str], list[str]]:
     return {k: v for k, v in os.environ.items() if k not in removed}, removed
 
 
+def prefixgate_process(kv_memory_gb: float, extra_args: str = "") -> ServerProcess:
+    """A `prefixgate serve --kv-memory GB` on a free port with ``extra_args`` (a shell-quoted
+    string), in a clean environment; not started until waited for (``wait_ready``)."""
+    env, _ = clean_env()
+    port = free_port()
+    command = [*prefixgate_command(port), "--kv-memory", f"{kv_memory_gb:g}",
+               *shlex.split(extra_args)]
+    return ServerProcess("prefixgate", command, port, env)
+
+
 def peer_command(peer: str, peers_dir: Path, port: int, slots: int) -> list[str] | None:
     """The command starting an installed peer, or None when it is not installed."""
     folder, _ = PEERS[peer]
