@@ -61,5 +61,5 @@ def test_a_tiny_flood_against_the_live_gateway(gateway):
         assert figures[name]["count"] >= 1 and figures[name]["p99_s"] is not None
         assert figures["baseline"][name]["count"] >= 1
     assert figures["probe_errors"] == 0, figures["first_probe_error"]
-    assert set(figures["rss_mb"]) == {"before", "peak", "after", "high_water"}
+    assert set(figures["rss_mb"]) == {"before", "peak", "after", "high_water", "with_workers_peak"}
     assert not bench.failed(figures) and isinstance(bench.target_met(figures), bool)
