@@ -19,7 +19,6 @@ import json
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +31,7 @@ from prefixgate.gateway.engine.grammar.scoped_cache import ScopedLRUCache
 from prefixgate.gateway.engine.grammar.worker_pool import (
     CompileLimits,
     CompileWorkerPool,
+    shared_pool,
     short_error,
 )
 
@@ -104,8 +104,7 @@ class GrammarCompiler:
         self._pool: CompileWorkerPool | None = None
         self._local: xgr.GrammarCompiler | None = None
         if self.limits.max_workers > 0:
-            self._pool = CompileWorkerPool(self.info.serialize_json(), self.limits)
-            weakref.finalize(self, self._pool.close)
+            self._pool = shared_pool(self.info.serialize_json(), self.limits)
         else:  # xgrammar's own cache is off: ours is keyed by the spec and bounded
             self._local = xgr.GrammarCompiler(self.info, max_threads=self.limits.threads,
                                               cache_enabled=False)
@@ -124,7 +123,8 @@ class GrammarCompiler:
             self._pool.start()
 
     def close(self) -> None:
-        """Stop the compile workers."""
+        """Stop the compile workers (shared with every compiler of the same vocabulary and
+        limits: they start again on the next compile)."""
         if self._pool is not None:
             self._pool.close()
 

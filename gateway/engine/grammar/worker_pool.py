@@ -10,6 +10,7 @@ compile; a caller finding all of them busy for ``queue_timeout_s`` gets a 429.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -270,3 +271,19 @@ def short_error(text: str, limit: int = 300) -> str:
     """xgrammar's message without its C++ ``[file:line]`` prefix, cut to ``limit``."""
     text = text.strip().splitlines()[-1] if text.strip() else "unknown error"
     return _SOURCE_PREFIX.sub("", text)[:limit]
+
+
+_SHARED: dict[tuple[str, CompileLimits], CompileWorkerPool] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_pool(tokenizer_info_json: str, limits: CompileLimits) -> CompileWorkerPool:
+    """The process's pool for one vocabulary and one set of limits: engines over the same model
+    (a test session's, an embedding program's) share its workers instead of each starting its
+    own interpreters."""
+    key = (hashlib.sha256(tokenizer_info_json.encode()).hexdigest(), limits)
+    with _SHARED_LOCK:
+        pool = _SHARED.get(key)
+        if pool is None:
+            pool = _SHARED[key] = CompileWorkerPool(tokenizer_info_json, limits)
+        return pool
