@@ -97,7 +97,7 @@ def test_a_json_schema_no_value_satisfies_never_reaches_a_worker(compiler):
 
 
 def test_callers_past_the_worker_count_wait_for_one_then_get_a_429(tokenizer):
-    compiler = make(tokenizer, timeout_s=5.0, queue_timeout_s=0.2, max_workers=1)
+    compiler = make(tokenizer, timeout_s=2.0, queue_timeout_s=0.2, max_workers=1)
     try:
         compiler.compile(CITY)
         results: list[BaseException | None] = []
