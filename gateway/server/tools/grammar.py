@@ -27,6 +27,7 @@ from prefixgate.gateway.engine.api import GrammarSpec, InvalidRequestError
 from prefixgate.gateway.engine.grammar import json_schema_ebnf
 from prefixgate.gateway.engine.grammar.schema_bounds import check_schema_bounds, has_regex
 from prefixgate.gateway.engine.grammar.scoped_cache import ScopedLRUCache
+from prefixgate.gateway.engine.grammar.worker_pool import short_error
 from prefixgate.gateway.server.tools.prompt import (
     CALL_END,
     CALL_SEPARATOR,
@@ -103,11 +104,10 @@ def schema_grammar(schema: Any, param: str, *, strict: bool = True, object_only:
     try:
         return _ebnf(text, strict, scope, param)
     except (RuntimeError, ValueError, TypeError, RecursionError) as exc:
-        message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        if message.startswith("[") and "] " in message:
-            message = message.split("] ", 1)[1]
-        raise InvalidRequestError(f"the schema cannot be compiled into a grammar: {message[:300]}",
-                                  param=param, code="invalid_grammar") from exc
+        raise InvalidRequestError(
+            f"the schema cannot be compiled into a grammar: "
+            f"{short_error(str(exc) or type(exc).__name__)}",
+            param=param, code="invalid_grammar") from exc
 
 
 def _format_of(spec: GrammarSpec, scope: str) -> dict[str, Any]:
