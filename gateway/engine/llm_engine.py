@@ -233,8 +233,13 @@ class LLMEngine:
         limits = CompileLimits(timeout_s=config.grammar_compile_timeout_s,
                                memory_bytes=int(config.grammar_compile_memory_gb * (1 << 30)),
                                max_workers=config.grammar_workers)
-        return GrammarCompiler(self.tokenizer, self.runner.vocab_size, sorted(self.eos_token_ids),
-                               limits=limits, cache_bytes=int(config.grammar_cache_mb * (1 << 20)))
+        # NOTE: a stop token the output's structure writes as text (harmony's <|call|> and
+        # <|return|>, engine/tokenizer.py) is the grammar's to place, so xgrammar must not
+        # treat it as a stop; the engine still stops on it
+        visible = frozenset(getattr(self.tokenizer, "visible_special_ids", ()))
+        return GrammarCompiler(self.tokenizer, self.runner.vocab_size,
+                               sorted(self.eos_token_ids - visible), limits=limits,
+                               cache_bytes=int(config.grammar_cache_mb * (1 << 20)))
 
     def grammar_stats(self) -> dict[str, float]:
         """Compile-cache figures for EngineStats (zeros before the first grammar)."""

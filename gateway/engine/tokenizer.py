@@ -254,13 +254,32 @@ def _build_sentencepiece(vocab: GGUFVocab) -> BackendTokenizer:
     return backend
 
 
+# Harmony (gpt-oss, o200k_harmony): a turn is several messages, each closed by ``<|end|>``
+# (analysis, then final or a call), so ``<|end|>`` does not end generation there; ``<|return|>``
+# (the answer) and ``<|call|>`` (a tool call) do. The markers stay in decoded text: the output's
+# channels and the call's recipient are only in them (tools/formats/harmony.py reads them).
+HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>",
+                   "<|call|>", "<|return|>")
+HARMONY_END_OF_GENERATION = frozenset({"<|return|>", "<|call|>", "<|endoftext|>"})
+
+
+def _is_harmony(backend: BackendTokenizer) -> bool:
+    specials = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
+    return "<|channel|>" in specials and "<|message|>" in specials and "<|call|>" in specials
+
+
 def _end_of_generation_ids(
     backend: BackendTokenizer, declared: Sequence[int | None]
 ) -> tuple[int, ...]:
     """Declared EOS-like ids first, then every special token spelled like an end marker."""
+    ends = END_OF_GENERATION_TEXTS
     ids: list[int] = [i for i in declared if i is not None]
+    if _is_harmony(backend):
+        ends = HARMONY_END_OF_GENERATION
+        end_id = backend.token_to_id("<|end|>")  # a GGUF may declare it as its EOT
+        ids = [i for i in ids if i != end_id]
     for token_id, added in sorted(backend.get_added_tokens_decoder().items()):
-        if added.special and added.content in END_OF_GENERATION_TEXTS and token_id not in ids:
+        if added.special and added.content in ends and token_id not in ids:
             ids.append(token_id)
     return tuple(dict.fromkeys(ids))
 
@@ -331,6 +350,11 @@ class Tokenizer:
         self.eos_token = eos_token
         self.chat_template = chat_template
         self.parse_special_tokens = False  # --parse-special-tokens: the old, forgeable way
+        # special tokens decoded as text even when the others are skipped (harmony's markers)
+        self.visible_special_ids: frozenset[int] = frozenset()
+        if _is_harmony(backend):
+            self.visible_special_ids = frozenset(
+                i for t in HARMONY_MARKERS if (i := backend.token_to_id(t)) is not None)
 
     # ---- construction -------------------------------------------------------------------
 
@@ -478,8 +502,18 @@ class Tokenizer:
             raise PromptTooLongError(num_bytes, max_tokens, bound)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Text of ``token_ids`` (invalid UTF-8 becomes U+FFFD)."""
-        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        """Text of ``token_ids`` (invalid UTF-8 becomes U+FFFD); ``visible_special_ids`` are
+        text even when ``skip_special_tokens``."""
+        ids = list(token_ids)
+        if skip_special_tokens and self.visible_special_ids:
+            ids = [i for i in ids if i in self.visible_special_ids or i not in self._special_ids]
+            skip_special_tokens = False
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(i for i, t in self.backend.get_added_tokens_decoder().items()
+                         if t.special)
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary entry of ``token_id`` as stored (byte-level spelling for BPE)."""

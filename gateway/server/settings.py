@@ -24,7 +24,7 @@ ENV_PREFIX = "PREFIXGATE_"
 # (gateway/server/tools/formats; a test keeps this list equal to the registry, which the CLI
 # does not import: it pulls the grammar compiler)
 TOOL_CALL_FORMATS = ("auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "mistral_nemo",
-                     "deepseek_r1", "granite")
+                     "deepseek_r1", "granite", "harmony")
 
 # Tenants and keys travel in headers, logs and metric labels: keep them printable and short.
 _TOKEN_RE = re.compile(r"^[A-Za-z0-9._~+/=@-]{1,256}$")

@@ -26,7 +26,6 @@ from prefixgate.gateway.server.tools.formats.reasoning import (
     reasoning_for_template,
     starts_inside,
 )
-from prefixgate.gateway.server.tools.grammar import tool_grammar
 from prefixgate.gateway.server.tools.parser import ToolCallParser
 from prefixgate.gateway.server.tools.prompt import native_messages, prepare_messages, tool_json
 from prefixgate.gateway.server.tools.records import FunctionTool, ToolChoice
@@ -61,12 +60,11 @@ class ToolDialect:
         scope: str = "",
     ) -> GrammarSpec | None:
         """The output grammar: calls in this dialect's format (tools/grammar.py)."""
-        return tool_grammar(tools, choice, response_format, parameters_param, scope,
-                            fmt=self.format)
+        return self.format.grammar(tools, choice, response_format, parameters_param, scope)
 
     def parses(self, tools: Sequence[FunctionTool] | None) -> bool:
         """Whether an output is parsed (it may hold calls or a reasoning span)."""
-        return bool(tools) or self.reasoning is not None
+        return bool(tools) or self.reasoning is not None or self.format.channels
 
     def parser(
         self, tools: Sequence[FunctionTool] | None, on_repeat: Callable[[], None] | None,
@@ -83,7 +81,9 @@ class ToolDialect:
         if not self.parses(tools):
             return None
         inner: Any = _PlainText()
-        if tools:
+        if self.format.channels:  # harmony: one parser splits channels and finds calls
+            inner = self.format.stream_parser(tools)  # type: ignore[attr-defined]
+        elif tools:
             # the Hermes parser streams a call's arguments as they come; the others per call
             inner = ToolCallParser() if self.format is HERMES else FormatStreamParser(
                 self.format, tools)

@@ -8,6 +8,8 @@ here. ``format_for_template`` picks the one a chat template teaches; a flag can 
     mistral_nemo  [TOOL_CALLS][{"name", "arguments", "id"}, …]   Mistral Nemo
     deepseek_r1   <｜tool▁calls▁begin｜>…```json ARGS```…         DeepSeek R1 and its distills
     granite       <|tool_call|>[{"name", "arguments"}]           Granite 3.x
+    harmony       <|start|>assistant to=functions.NAME<|channel|>commentary json<|message|>ARGS<|call|>
+                  (analysis / final channels: reasoning / answer)  gpt-oss
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 from prefixgate.gateway.server.tools.formats import (  # noqa: F401
     deepseek_r1,
     granite,
+    harmony,
     hermes,
     llama3_json,
     mistral,

@@ -49,6 +49,9 @@ class ToolCallFormat:
     # (Mistral Nemo's ``[TOOL_CALLS][…]``); None: each call stands alone
     block: tuple[str, str] | None = None
     priority: int = 0  # detection order: higher first (a format whose markers contain another's)
+    # the output is in channels (harmony): reasoning, answer and calls are split by this
+    # format's own ``stream_parser``, not by a reasoning span and ``FormatStreamParser``
+    channels: bool = False
 
     def detect(self, template: str) -> bool:
         """Whether a chat template teaches this format."""
