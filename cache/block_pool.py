@@ -287,7 +287,8 @@ class BlockPool:
         page.extra_keys = block.extra_keys
         self.cached[block.block_hash] = page
         if self.event_sink is not None:
-            self.event_sink(BlockStored(block.block_hash, block.parent_hash, self.page_size))
+            self.event_sink(BlockStored(block.block_hash, block.parent_hash, self.page_size,
+                                        block.token_bytes, block.extra_keys))
         return True
 
     def pin(self, page: Page) -> bool:

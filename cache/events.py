@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prefixgate.cache.hashing import BlockHash
 
@@ -23,6 +23,10 @@ class BlockStored:
     block_hash: BlockHash
     parent_hash: BlockHash
     num_tokens: int
+    # what an external router needs to recompute the block (vLLM's KV events, see
+    # gateway/scaleout/kv_events): its token ids (uint32 LE) and extra keys (block 0 only)
+    token_bytes: bytes = field(default=b"", compare=False)
+    extra_keys: bytes = field(default=b"", compare=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ import os
 import struct
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -170,6 +171,9 @@ class HostTier:
         self._free = list(range(self.num_slots - 1, -1, -1))
         self.num_evicted = 0
         self._bytes = 0
+        # called with a block hash the store dropped (LRU eviction, discard): KV events
+        # publish it as removed from this medium (gateway/scaleout/kv_events)
+        self.evict_sink: Callable[[BlockHash], None] | None = None
 
     def put(self, key: BlockHash, blob: bytes) -> bool:
         if len(blob) > self.slot_bytes:
@@ -185,9 +189,11 @@ class HostTier:
             elif self._free:
                 slot = self._free.pop()
             else:
-                _, (slot, length) = self._slots.popitem(last=False)
+                victim, (slot, length) = self._slots.popitem(last=False)
                 self._bytes -= length
                 self.num_evicted += 1
+                if self.evict_sink is not None:
+                    self.evict_sink(victim)
             start = slot * self.slot_bytes
             self._arena[start : start + len(blob)] = blob
             self._slots[key] = (slot, len(blob))
@@ -216,6 +222,8 @@ class HostTier:
             if held is not None:
                 self._free.append(held[0])
                 self._bytes -= held[1]
+                if self.evict_sink is not None:
+                    self.evict_sink(key)
 
     def usage(self) -> tuple[int, int, int]:
         return len(self._slots), self._bytes, self.num_slots * self.slot_bytes

@@ -28,6 +28,10 @@ from prefixgate.gateway.engine.config import (
     EngineConfig,
 )
 from prefixgate.gateway.router.cli import ROUTE_DEFAULTS, add_route_parser, route_settings
+from prefixgate.gateway.scaleout.kv_events.config import (
+    KVEventsConfig,
+    parse_kv_events_config,
+)
 from prefixgate.gateway.server.limits import (
     LIMIT_DEFAULTS,
     add_limit_flags,
@@ -97,6 +101,7 @@ DEFAULTS: dict[str, Any] = {
     "replica_id": _SERVER.replica_id,
     "advertise_url": _SERVER.advertise_url,
     "heartbeat_ttl": _SERVER.heartbeat_ttl_s,
+    "kv_events_config": None,
     "response_ttl": _SERVER.response_ttl_s,
     "max_stored_responses": _SERVER.max_stored_responses,
     "retention": _SERVER.retention_s,
@@ -148,6 +153,13 @@ def _on_off(text: str) -> str:
     if value in _OFF:
         return "off"
     raise argparse.ArgumentTypeError(f"must be on or off, got {text!r}")
+
+
+def _kv_events_config(text: str) -> KVEventsConfig:
+    try:
+        return parse_kv_events_config(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive_float(text: str) -> float:
@@ -463,6 +475,14 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         help="routers drop this replica when no heartbeat came for S seconds (default {default})",
     )
     fleet.add_argument(
+        "--kv-events-config",
+        type=_kv_events_config,
+        metavar="JSON",
+        help="publish KV-cache events in vLLM's ZMQ format for llm-d / Dynamo routers; vLLM's "
+        "JSON, e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
+        "\"replay_endpoint\": \"tcp://*:5558\"}' (default off; docs/fleet.md)",
+    )
+    fleet.add_argument(
         "--retention",
         type=float,
         metavar="S",
@@ -646,6 +666,7 @@ def server_settings(values: Mapping[str, Any]) -> ServerSettings:
         replica_id=values["replica_id"],
         advertise_url=values["advertise_url"],
         heartbeat_ttl_s=values["heartbeat_ttl"],
+        kv_events=values["kv_events_config"],
         response_ttl_s=values["response_ttl"],
         max_stored_responses=values["max_stored_responses"],
         retention_s=values["retention"],

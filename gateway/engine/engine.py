@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prefixgate.cache.events import CacheEvent, EventSink
+from prefixgate.cache.hashing import HashedBlock
 from prefixgate.cache.stats import CacheStats
 from prefixgate.gateway.engine.api import (
     Delta,
@@ -371,6 +372,13 @@ class AsyncEngine:
         """Every block hash hittable on this replica right now (a full index resync)."""
         with self._shared():
             return self.core.cache.pool.cached_hashes()
+
+    def cached_blocks(self) -> list[HashedBlock]:
+        """Every hittable block with its parent, token ids and extra keys, parents before
+        children where both are cached (a KV-events snapshot: gateway/scaleout/kv_events)."""
+        with self._shared():
+            return [HashedBlock(h, p.parent_hash, p.token_bytes or b"", p.extra_keys)
+                    for h, p in self.core.cache.pool.cached.items() if p.parent_hash is not None]
 
     def wait_idle(self, timeout: float = 60.0) -> bool:
         """Block until no request is in flight (tests and benchmarks)."""

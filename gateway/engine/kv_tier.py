@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
@@ -118,6 +118,9 @@ class KVTier:
         self._loads: dict[Hashable, tuple[float, int, Future[TierLoad]]] = {}
         # set when a load finishes: an engine with nothing else to do waits on it
         self.load_done = threading.Event()
+        # called on the spill worker with each block the store took (KV events publish it
+        # with the store's medium: gateway/scaleout/kv_events); must not block
+        self.stored_sink: Callable[[HashedBlock], None] | None = None
 
     # ------------------------------------------------------------------ spill (engine thread)
 
@@ -162,6 +165,8 @@ class KVTier:
                 if stored:
                     written += 1
                     nbytes += len(blob)
+                    if self.stored_sink is not None:
+                        self.stored_sink(block)
                 else:
                     dropped += 1
         finally:

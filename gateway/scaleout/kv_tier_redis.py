@@ -39,6 +39,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 import redis
 from redis.exceptions import RedisError
@@ -103,6 +104,9 @@ class RedisTier:
         self._bytes = 0
         self._misses: OrderedDict[bytes, float] = OrderedDict()  # block hash -> when probed
         self._down_until = 0.0
+        # called with a block hash this replica deleted or found gone (KV events publish it
+        # as removed from Redis: gateway/scaleout/kv_events); TTL expiry unnoticed is not seen
+        self.evict_sink: Callable[[bytes], None] | None = None
 
     def _key(self, block_hash: bytes) -> bytes:
         return self._keys.tier_entry(block_hash)
@@ -142,6 +146,8 @@ class RedisTier:
                 victim, (victim_size, _) = self._written.popitem(last=False)
                 self._bytes -= victim_size
                 doomed.append(self._key(victim))
+                if self.evict_sink is not None:
+                    self.evict_sink(victim)
             self._misses.pop(key, None)
         return doomed
 
@@ -195,6 +201,8 @@ class RedisTier:
                 self._remember_miss(keys[run], now)
                 # Redis dropped it (TTL, maxmemory eviction): ours no longer, spill it again
                 self._bytes -= self._written.pop(keys[run], (0, 0.0))[0]
+                if self.evict_sink is not None:
+                    self.evict_sink(keys[run])
         return [*(self._authentic(k, b) for k, b in zip(keys, blobs, strict=False)),
                 *([None] * (len(keys) - run))]
 
@@ -219,6 +227,8 @@ class RedisTier:
 
     def discard(self, key: bytes) -> None:
         self._forget(key)
+        if self.evict_sink is not None:
+            self.evict_sink(key)
         try:
             self._client.delete(self._key(key))
         except (RedisError, OSError):

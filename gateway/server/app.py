@@ -24,7 +24,7 @@ from prefixgate.gateway.server.responses.store import (
     RedisResponseStore,
     ResponseStore,
 )
-from prefixgate.gateway.server.settings import ServerSettings
+from prefixgate.gateway.server.settings import DEFAULT_TENANT, ServerSettings
 from prefixgate.gateway.server.slow_clients import BodyLimitMiddleware, prompt_body_caps
 from prefixgate.gateway.server.state import ServerState
 from prefixgate.gateway.server.tokenization import Tokenization
@@ -55,15 +55,24 @@ def create_app(
 
         publisher = publisher_from_settings(engine, settings, state.model_name,
                                             clients=state.clients.snapshot)
+    kv_events = None
+    if settings.kv_events is not None and settings.kv_events.enabled:
+        from prefixgate.gateway.scaleout.kv_events.publisher import (
+            publisher_from_settings as kv_events_publisher,
+        )
+
+        kv_events = kv_events_publisher(engine, settings.kv_events, state.model_name,
+                                        DEFAULT_TENANT)
     app = FastAPI(
         title="prefixgate",
         description="Prefix-caching OpenAI-compatible gateway",
-        lifespan=_lifespan(state, publisher, manage_engine),
+        lifespan=_lifespan(state, publisher, manage_engine, kv_events),
         docs_url="/docs",
         redoc_url=None,
     )
     app.state.server = state
     app.state.publisher = publisher  # None unless --redis-url
+    app.state.kv_events = kv_events  # None unless --kv-events-config enables them
     app.state.responses = _response_store(settings)
     app.state.keys = state.keys  # read by the auth dependencies
     install_exception_handlers(app)
@@ -95,15 +104,18 @@ def _server_state(engine: EngineLike, settings: ServerSettings) -> ServerState:
     )
 
 
-def _lifespan(state: ServerState, publisher: Any, manage_engine: bool
+def _lifespan(state: ServerState, publisher: Any, manage_engine: bool, kv_events: Any = None
               ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
-    """Start the engine (when the app owns it) and the publisher; stop them in reverse."""
+    """Start the engine (when the app owns it) and the publishers; stop them in reverse."""
     engine = state.engine
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if manage_engine:
             await engine.start()
+        if kv_events is not None:
+            kv_events.attach(engine)  # before any request: its first batch is a snapshot
+            kv_events.start()
         if publisher is not None:
             await publisher.start()
         try:
@@ -111,6 +123,8 @@ def _lifespan(state: ServerState, publisher: Any, manage_engine: bool
         finally:
             if publisher is not None:
                 await publisher.stop()
+            if kv_events is not None:
+                kv_events.stop()
             if manage_engine:
                 await engine.shutdown()
             state.tokenization.close()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
+from prefixgate.gateway.scaleout.kv_events.config import KVEventsConfig
 from prefixgate.gateway.server.fields import MAX_ALIAS_CHARS, MAX_MODEL_ALIASES
 from prefixgate.gateway.server.limits import ConnectionLimits
 
@@ -211,6 +212,9 @@ class ServerSettings:
     replica_id: str | None = None  # None = <hostname>-<port>
     advertise_url: str | None = None  # None = http://<host>:<port>
     heartbeat_ttl_s: float = 3.0  # a router drops this replica when no beat came for this long
+    # vLLM-format KV events over ZMQ for external routers (llm-d, Dynamo); None = off
+    # (gateway/scaleout/kv_events, docs/fleet.md)
+    kv_events: KVEventsConfig | None = None
     # Responses API: stored responses (previous_response_id) expire after this long; at most
     # this many are kept in memory (in Redis, the TTL alone bounds them)
     response_ttl_s: float = 3600.0
