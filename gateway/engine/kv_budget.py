@@ -82,10 +82,24 @@ def resolve_kv_dtype(kv_dtype: str | torch.dtype | None, model_dtype: torch.dtyp
     return resolved
 
 
+def num_paged_layers(config: ModelConfig) -> int:
+    """Layers that keep per-token K/V in the pages (a hybrid model's linear layers keep a
+    state instead)."""
+    linear = config.linear_attention
+    return config.num_layers - (sum(linear.layers) if linear is not None else 0)
+
+
+def state_slot_bytes(config: ModelConfig) -> int:
+    """Bytes of one recurrent-state slot (every linear layer, fp32); 0 for attention-only
+    models."""
+    linear = config.linear_attention
+    return 0 if linear is None else 4 * linear.state_numel * sum(linear.layers)
+
+
 def kv_page_bytes(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one physical page (every layer, K and V)."""
+    """Bytes of one physical page (every paged layer, K and V)."""
     return kernels.page_bytes(
-        config.num_layers, page_size, config.num_kv_heads, config.head_dim, dtype
+        num_paged_layers(config), page_size, config.num_kv_heads, config.head_dim, dtype
     )
 
 

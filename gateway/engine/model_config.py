@@ -103,6 +103,32 @@ def with_rope_override(config: ModelConfig, kind: str, factor: float) -> ModelCo
 
 
 @dataclass(frozen=True, slots=True)
+class LinearAttentionConfig:
+    """A hybrid model's linear-attention (Gated DeltaNet) layers: their shape, and which layers
+    they are. Each keeps a fixed-size recurrent state per sequence instead of per-token K/V:
+    a conv window of ``conv_kernel - 1`` inputs and a ``[value_heads, key_dim, value_dim]``
+    matrix (the state cache, docs/models.md)."""
+
+    layers: tuple[bool, ...]  # per layer: True = linear attention, False = full attention
+    conv_kernel: int
+    num_key_heads: int
+    num_value_heads: int
+    key_dim: int  # per head
+    value_dim: int  # per head
+
+    @property
+    def conv_channels(self) -> int:
+        """Width of the conv's input: q, k and v of every head."""
+        return 2 * self.num_key_heads * self.key_dim + self.num_value_heads * self.value_dim
+
+    @property
+    def state_numel(self) -> int:
+        """fp32 values of one sequence's state in one linear layer (conv window + matrix)."""
+        conv = (self.conv_kernel - 1) * self.conv_channels
+        return conv + self.num_value_heads * self.key_dim * self.value_dim
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Shape and numerics of a decoder of any registered family (models/registry.py); the
     fields after ``rope_freq_factors`` are what the families beyond Llama add."""
@@ -142,6 +168,16 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # MoE: one expert's hidden width
     norm_topk_prob: bool = True  # MoE: renormalise the top-k router weights to sum to 1
     rotary_dim: int | None = None  # partial rotary: RoPE turns only the first dims of a head
+    # hybrid models (Qwen3.5): which layers are linear attention, and their shape
+    linear_attention: LinearAttentionConfig | None = None
+    attn_output_gate: bool = False  # attention output * sigmoid(gate), gate rows in q_proj
+    shared_expert_intermediate_size: int = 0  # MoE: a gated shared expert beside the routed
+    rope_layers: tuple[bool, ...] | None = None  # per layer: RoPE on (SmolLM3's NoPE layers off)
+    pre_norms: bool = True  # False (OLMo 2): no norm before attention / MLP, the post norms only
+    qk_norm_full: bool = False  # OLMo 2: q/k RMSNorm over each token's whole q and whole k
+    attention_multiplier: float | None = None  # Granite: the softmax scale itself
+    residual_scale: float | None = None  # Granite: attention / MLP outputs scaled before the add
+    logits_scaling: float | None = None  # Granite: logits divided by this
 
     def __post_init__(self) -> None:
         # the families register their architectures (models/registry.py)
@@ -162,6 +198,17 @@ class ModelConfig:
                                                 and self.rotary_dim % 2 == 0):
             raise UnsupportedModelError(
                 f"rotary_dim must be even and in 1..{self.head_dim}, got {self.rotary_dim}"
+            )
+        if self.rope_layers is not None and len(self.rope_layers) != self.num_layers:
+            raise UnsupportedModelError(
+                f"rope_layers has {len(self.rope_layers)} entries for {self.num_layers} layers"
+            )
+        if not self.pre_norms and not self.sandwich_norms:
+            raise UnsupportedModelError("a model without pre-norms needs the post norms")
+        if self.residual_scale is not None and (self.attention_out_bias or self.sandwich_norms):
+            # NOTE: the decoder scales the attention output before o_proj, which a bias breaks
+            raise UnsupportedModelError(
+                "residual_scale with an o_proj bias or sandwich norms is not supported"
             )
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise UnsupportedModelError(
@@ -198,6 +245,8 @@ class ModelConfig:
     @property
     def attention_scale(self) -> float:
         """The softmax scale of q.k."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def layer_window(self, layer: int) -> int | None:
@@ -243,8 +292,13 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (config.vocab_size, h)
     for layer in range(config.num_layers):
         prefix = f"model.layers.{layer}."
+        linear = config.linear_attention
+        if linear is not None and linear.layers[layer]:
+            shapes |= _linear_attention_shapes(config, linear, prefix)
+            continue
+        if config.pre_norms:
+            shapes[prefix + "input_layernorm.weight"] = (h,)
         shapes |= {
-            prefix + "input_layernorm.weight": (h,),
             prefix + "post_attention_layernorm.weight": (h,),
             prefix + "self_attn.q_proj.weight": (q, h),
             prefix + "self_attn.k_proj.weight": (kv, h),
@@ -261,6 +315,27 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.attention_out_bias:
             shapes[prefix + "self_attn.o_proj.bias"] = (h,)
     return shapes
+
+
+def _linear_attention_shapes(config: ModelConfig, linear: LinearAttentionConfig,
+                             prefix: str) -> dict[str, tuple[int, ...]]:
+    """A linear-attention layer of a hybrid model (Gated DeltaNet), its norms and MLP."""
+    h, heads = config.hidden_size, linear.num_value_heads
+    values = heads * linear.value_dim
+    attn = prefix + "linear_attn."
+    return {
+        prefix + "input_layernorm.weight": (h,),
+        prefix + "post_attention_layernorm.weight": (h,),
+        attn + "in_proj_qkv.weight": (linear.conv_channels, h),
+        attn + "in_proj_z.weight": (values, h),
+        attn + "in_proj_b.weight": (heads, h),
+        attn + "in_proj_a.weight": (heads, h),
+        attn + "conv1d.weight": (linear.conv_channels, linear.conv_kernel),
+        attn + "dt_bias": (heads,),
+        attn + "A_log": (heads,),
+        attn + "norm.weight": (linear.value_dim,),
+        attn + "out_proj.weight": (h, values),
+    } | _family_layer_shapes(dataclasses.replace(config, qk_norm=False), prefix)
 
 
 def _family_layer_shapes(config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
@@ -282,16 +357,26 @@ def _family_layer_shapes(config: ModelConfig, prefix: str) -> dict[str, tuple[in
             prefix + "mlp.up_proj.weight": (inter, h),
             prefix + "mlp.down_proj.weight": (h, inter),
         }
-    if config.qk_norm:
+    if config.shared_expert_intermediate_size:
+        shared = config.shared_expert_intermediate_size
         shapes |= {
-            prefix + "self_attn.q_norm.weight": (d,),
-            prefix + "self_attn.k_norm.weight": (d,),
+            prefix + "mlp.shared_expert.gate_proj.weight": (shared, h),
+            prefix + "mlp.shared_expert.up_proj.weight": (shared, h),
+            prefix + "mlp.shared_expert.down_proj.weight": (h, shared),
+            prefix + "mlp.shared_expert_gate.weight": (1, h),
+        }
+    if config.attn_output_gate and config.qk_norm:  # (linear layers pass qk_norm=False)
+        shapes[prefix + "self_attn.gate_proj.weight"] = (config.q_size, h)
+    if config.qk_norm:
+        full = config.qk_norm_full  # OLMo 2: one weight over every head of q (of k)
+        shapes |= {
+            prefix + "self_attn.q_norm.weight": (config.q_size,) if full else (d,),
+            prefix + "self_attn.k_norm.weight": (config.kv_size,) if full else (d,),
         }
     if config.sandwich_norms:
-        shapes |= {
-            prefix + "pre_feedforward_layernorm.weight": (h,),
-            prefix + "post_feedforward_layernorm.weight": (h,),
-        }
+        shapes[prefix + "post_feedforward_layernorm.weight"] = (h,)
+        if config.pre_norms:
+            shapes[prefix + "pre_feedforward_layernorm.weight"] = (h,)
     return shapes
 
 

@@ -20,6 +20,7 @@ import torch
 
 from prefixgate import kernels
 from prefixgate.gateway.engine.kv_budget import (
+    num_paged_layers,
     plan_kv_budget,
     resolve_device,
     resolve_dtype,
@@ -28,6 +29,8 @@ from prefixgate.gateway.engine.kv_budget import (
 from prefixgate.gateway.engine.loader.loaded_model import LoadedModel
 from prefixgate.gateway.engine.model_config import ModelConfig
 from prefixgate.gateway.engine.models import ForwardBatch, build_model
+from prefixgate.gateway.engine.models.forward_batch import RecurrentBatch
+from prefixgate.gateway.engine.models.qwen3_5 import RecurrentState
 from prefixgate.gateway.engine.models.moe import StackedExperts
 from prefixgate.gateway.engine.precision import cpu_bf16_isa, cpu_int8_isa, is_q8
 from prefixgate.kernels.cpu.host_memory import huge_pages_status
@@ -56,6 +59,24 @@ class RunnerChunk(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class ChunkState:
+    """A hybrid model's state work for one chunk (cache/state_slots.py decides it).
+
+    ``slot``: the sequence's working state slot (read, then updated by the step);
+    ``restore``: before the forward, the working slot is set from this checkpoint slot
+    (``ZERO_STATE``: zeroed; None: kept); ``saves``: ``(row, slot)``, checkpoint the state after
+    the chunk's row ``row`` (0-based) into ``slot``.
+    """
+
+    slot: int
+    restore: int | None = None
+    saves: tuple[tuple[int, int], ...] = ()
+
+
+ZERO_STATE = -1  # ChunkState.restore: a fresh sequence starts from the zero state
+
+
+@dataclass(frozen=True, slots=True)
 class SeqChunk:
     """Some consecutive tokens of one sequence to run this step.
 
@@ -71,6 +92,7 @@ class SeqChunk:
     need_logits: bool = True
     # logits of the chunk's last ``num_logits`` positions (> 1: a speculative verify chunk)
     num_logits: int = 1
+    state: ChunkState | None = None  # hybrid models only
 
 
 def _configure_cpu_threads() -> None:
@@ -108,6 +130,8 @@ class ModelRunner:
             here; False = torch ops only.
         quantized_weights: with the native kernels, a GGUF's Q4_0/Q4_1/Q8_0 matrices are
             executed in their blocks (kernels/cpu/csrc/linear_quant.c); False = dequantized to fp32.
+        num_state_slots: a hybrid model's recurrent-state slots (working states of live
+            sequences plus checkpoints, cache/state_slots.py); unused by other models.
     """
 
     def __init__(
@@ -128,6 +152,7 @@ class ModelRunner:
         shared_prefix_attention: bool = True,
         native_kernels: bool = True,
         quantized_weights: bool = True,
+        num_state_slots: int = 64,
     ) -> None:
         if max_model_len is not None and max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
@@ -152,7 +177,9 @@ class ModelRunner:
         self.page_size = page_size
         self.kv_pool = self._kv_pool(kv_pool, num_pages, kv_memory_gb)  # [L, 2, P, ps, Hkv, D]
         self.num_pages = int(self.kv_pool.shape[2])
-        self._kv_caches = [(layer[0], layer[1]) for layer in self.kv_pool]  # per layer: K, V
+        # per layer: (K, V) of the paged layers; a hybrid model's linear layers: a state pool
+        self.states = self._state_pools(num_state_slots)
+        self._kv_caches = self._layer_caches()
         self.attention = kernels.create_backend(
             self.kernel_backend, self.kv_pool, native=self.native_cpu_kernels,
             share_prefixes=shared_prefix_attention,
@@ -160,6 +187,33 @@ class ModelRunner:
         # after the pool and the weights were allocated: a refused advice shows here
         self.huge_pages = huge_pages_status() if self.device.type == "cpu" else None
         self._log_start()
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether the model keeps recurrent state (and so needs state slots per chunk)."""
+        return bool(self.states)
+
+    def _state_pools(self, num_slots: int) -> list[RecurrentState]:
+        """One :class:`RecurrentState` per linear layer (none for attention-only models)."""
+        linear = self.config.linear_attention
+        if linear is None:
+            return []
+        if num_slots < 1:
+            raise ValueError(f"num_state_slots must be >= 1, got {num_slots}")
+        conv = (num_slots, linear.conv_kernel - 1, linear.conv_channels)
+        matrix = (num_slots, linear.num_value_heads, linear.key_dim, linear.value_dim)
+        return [
+            RecurrentState(torch.zeros(conv, device=self.device), torch.zeros(matrix, device=self.device))
+            for _ in range(sum(linear.layers))
+        ]
+
+    def _layer_caches(self) -> list[object]:
+        """What each layer of ``forward`` reads: its (K, V) pages or its state pool."""
+        linear = self.config.linear_attention
+        paged = iter([(layer[0], layer[1]) for layer in self.kv_pool])
+        states = iter(self.states)
+        kinds = linear.layers if linear is not None else [False] * self.config.num_layers
+        return [next(states) if is_linear else next(paged) for is_linear in kinds]
 
     def _set_precision(self, device: str | torch.device | None, dtype: str | torch.dtype | None,
                        kv_dtype: str | torch.dtype | None) -> None:
@@ -222,7 +276,7 @@ class ModelRunner:
         config = self.config
         shape_tail = (self.page_size, config.num_kv_heads, config.head_dim)
         if kv_pool is not None:
-            expected = (config.num_layers, 2, kv_pool.shape[2], *shape_tail)
+            expected = (num_paged_layers(config), 2, kv_pool.shape[2], *shape_tail)
             if (
                 tuple(kv_pool.shape) != expected
                 or kv_pool.device != self.device
@@ -242,7 +296,7 @@ class ModelRunner:
             kv_memory_gb=kv_memory_gb,
         )
         return kernels.allocate_kv_pool(
-            config.num_layers,
+            num_paged_layers(config),
             budget.num_pages,
             self.page_size,
             config.num_kv_heads,
@@ -345,6 +399,7 @@ class ModelRunner:
             flat_tables.extend(table)
             # NOTE: entries past a sequence's last page are ignored by the kernels; 0 is in range
             flat_tables.extend([0] * (width - len(table)))
+        recurrent = self._recurrent_batch(chunks, query_start_loc) if self.states else None
         slot_mapping = self._tensor(slots, torch.int64)
         block_tables = self._tensor(flat_tables, torch.int32).view(len(tables), width)
         seq_lens_tensor = self._tensor(seq_lens, torch.int32)
@@ -362,7 +417,49 @@ class ModelRunner:
             max_query_len=max_query_len,
             # every layer reads the same addressing: the backend sorts it out once per step
             attention=self.attention.prepare_metadata(inputs),
+            recurrent=recurrent,
         )
+
+    def _recurrent_batch(self, chunks: Sequence[RunnerChunk], query_start_loc: list[int]) -> RecurrentBatch:
+        """The state slots of a hybrid model's step, checked like the pages are."""
+        num_slots = int(self.states[0].conv.shape[0])
+        slots: list[int] = []
+        save_rows: list[int] = []
+        save_slots: list[int] = []
+        for index, chunk in enumerate(chunks):
+            state = getattr(chunk, "state", None)
+            if state is None:
+                raise ValueError(f"chunk {index}: a hybrid model's chunk needs a state slot")
+            used = [state.slot, *(slot for _, slot in state.saves)]
+            if state.restore not in (None, ZERO_STATE):
+                used.append(state.restore)
+            if min(used) < 0 or max(used) >= num_slots:
+                raise ValueError(f"chunk {index}: state slots must be in [0, {num_slots}), got {used}")
+            for row, slot in state.saves:
+                if not 0 <= row < len(chunk.token_ids):
+                    raise ValueError(f"chunk {index}: save row {row} outside its {len(chunk.token_ids)} rows")
+                save_rows.append(query_start_loc[index] + row)
+                save_slots.append(slot)
+            slots.append(state.slot)
+        targets = slots + save_slots
+        if len(set(targets)) != len(targets):
+            raise ValueError(f"state slots written twice in one step: {targets}")
+        return RecurrentBatch(self._tensor(slots, torch.int64), list(query_start_loc), save_rows,
+                              self._tensor(save_slots, torch.int64))
+
+    def _restore_states(self, chunks: Sequence[RunnerChunk]) -> None:
+        """Set each restoring chunk's working slot from its checkpoint (or zero) before the
+        forward: re-run safely, since the checkpoint is not what the step writes."""
+        for chunk in chunks:
+            state = getattr(chunk, "state", None)
+            if state is None or state.restore is None:
+                continue
+            for pool in self.states:
+                for tensor in (pool.conv, pool.matrix):
+                    if state.restore == ZERO_STATE:
+                        tensor[state.slot].zero_()
+                    else:
+                        tensor[state.slot] = tensor[state.restore]
 
     @torch.inference_mode()
     def execute(
@@ -388,4 +485,6 @@ class ModelRunner:
         batch = self._build_batch(chunks)  # validates everything before any side effect
         if copy_pairs:
             self._copy_pages(copy_pairs)
+        if self.states:
+            self._restore_states(chunks)
         return self.model.forward(batch, self._kv_caches)

@@ -19,6 +19,8 @@ from prefixgate.gateway.engine.models.registry import families, family_for
 # isort: off
 from prefixgate.gateway.engine.models import llama  # noqa: F401, E402
 from prefixgate.gateway.engine.models import qwen3, qwen3_moe, gemma3, phi3  # noqa: F401, E402
+from prefixgate.gateway.engine.models import qwen3_5  # noqa: F401, E402
+from prefixgate.gateway.engine.models import smollm3, granite, olmo2  # noqa: F401, E402
 # isort: on
 
 

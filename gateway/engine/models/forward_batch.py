@@ -10,6 +10,16 @@ import torch
 from prefixgate.kernels import AttentionPlan, StepAttention
 
 
+class RecurrentBatch(NamedTuple):
+    """A hybrid model's state addressing for one step (models/qwen3_5.py): which state slot
+    each sequence reads and updates, and where the checkpoints the cache asked for go."""
+
+    slots: torch.Tensor  # [S] int64, the working slot of each sequence of the step
+    query_start_loc: list[int]  # S + 1 host ints (the recurrence walks each sequence's rows)
+    save_rows: list[int]  # P host ints, sorted: rows after which the state is checkpointed
+    save_slots: torch.Tensor  # [P] int64, the checkpoint slot of each save row
+
+
 class ForwardBatch(NamedTuple):
     """One step's flat batch (prefill chunks and decode tokens mixed), on the model's device.
 
@@ -27,6 +37,8 @@ class ForwardBatch(NamedTuple):
     # the kernel backend bound to this step's addressing (kernels/backend.py): every layer
     # calls attention.forward(q, k, v, k_cache, v_cache, scale)
     attention: StepAttention
+    # hybrid models: the state slots of the step's sequences (None for attention-only models)
+    recurrent: RecurrentBatch | None = None
 
     @property
     def attention_plan(self) -> AttentionPlan | None:

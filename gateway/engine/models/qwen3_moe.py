@@ -51,7 +51,7 @@ def _gguf_config(meta: Callable[..., Any]) -> dict[str, Any]:
     }
 
 
-def _stack_experts(weights: dict[str, Any], config: Any, fmt: str) -> dict[str, Any]:
+def stack_experts(weights: dict[str, Any], config: Any, fmt: str) -> dict[str, Any]:
     if fmt != "hf":  # GGUF experts come stacked; in blocks as one [E * I, H] matrix each
         return {
             name: StackedExperts.from_rows(tensor, config.num_experts)
@@ -92,6 +92,6 @@ QWEN3_MOE = register_family(
             "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
             "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
         },
-        adapt_weights=_stack_experts,
+        adapt_weights=stack_experts,
     )
 )

@@ -20,7 +20,7 @@ from prefixgate.gateway.engine.models import family_for
 from prefixgate.gateway.engine.runner import SeqChunk
 from tests.engine.models.conftest import make_runner
 from tests.engine.test_fidelity import LAYOUT_ATOL, PREFILL_ATOL, Pages
-from tests.family_fixtures import FAMILIES
+from tests.family_fixtures import ATTENTION_FAMILIES as FAMILIES
 
 pytestmark = pytest.mark.slow
 
@@ -77,6 +77,33 @@ def test_greedy_identical_to_transformers_and_prefix_hit(family_case, name):
     hit = runner.execute([SeqChunk(prompt[cached:], cached, table, True)])[0]
     assert (hit - fresh).abs().max().item() < LAYOUT_ATOL
     assert _greedy(runner, prompt, table, hit) == ours
+
+
+@pytest.mark.parametrize("name", ["smollm3", "granite", "olmo2"])
+def test_alone_equals_batched(family_case, name):
+    # the prompt prefilled and decoded alone, then between two others of other lengths
+    case = family_case(name)
+    runner, prompt = case.runner, case.prompt
+    pages = Pages(runner, seed=11)
+    alone_table = pages.take(len(prompt) + NEW_TOKENS)
+    alone_first = runner.execute([SeqChunk(prompt, 0, alone_table, True)])
+    (alone,) = _decode_together(runner, [prompt], [alone_table], alone_first)
+    prompts = [prompt[: len(prompt) // 2], prompt, prompt[3:]]
+    tables = [pages.take(len(p) + NEW_TOKENS) for p in prompts]
+    first = runner.execute([SeqChunk(p, 0, t, True) for p, t in zip(prompts, tables, strict=True)])
+    assert (first[1] - alone_first[0]).abs().max().item() < LAYOUT_ATOL
+    assert _decode_together(runner, prompts, tables, first)[1] == alone
+
+
+def _decode_together(runner, prompts, tables, first) -> list[list[int]]:
+    """Greedy steps of every sequence at once, one decode row each per step."""
+    outputs = [[int(row.argmax())] for row in first]
+    for step in range(NEW_TOKENS - 1):
+        rows = [SeqChunk([out[-1]], len(p) + step, t, True)
+                for p, t, out in zip(prompts, tables, outputs, strict=True)]  # fmt: skip
+        for out, row in zip(outputs, runner.execute(rows), strict=True):
+            out.append(int(row.argmax()))
+    return outputs
 
 
 @pytest.mark.parametrize("name", FAMILIES)

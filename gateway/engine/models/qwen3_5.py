@@ -1,0 +1,316 @@
+"""Qwen3.5 / Qwen3.6 (dense and MoE): a hybrid of Gated DeltaNet linear attention (three layers
+in four) and gated full attention (the fourth).
+
+* **Linear-attention layers** (``linear_attn``): one fused projection to the conv inputs
+  (q | k | v), the output gate z, and the per-head b (write strength) and a (decay); a depthwise
+  causal conv + SiLU over the q/k/v inputs; q and k l2-normalised; the gated delta rule
+  (kernels/torch_cpu/gated_delta.py, natively on CPU where the library builds); an RMSNorm of
+  each head's output gated by ``silu(z)``; the output projection. Each sequence carries a
+  fixed-size state (the conv window and a ``[Hv, Dk, Dv]`` matrix per layer) in the runner's
+  state pool, addressed by ``ForwardBatch.recurrent``; the layer reads it, and the new state
+  (and the checkpoints the cache asked for) are written back only once the whole forward has
+  run, so a step that fails or is re-run for fault isolation never advances a state twice.
+* **Full-attention layers**: q/k RMSNorm (``1 + w``) per head, partial rotary (the first
+  quarter of each head; text positions make Qwen's multimodal RoPE the plain one), and the
+  output multiplied by ``sigmoid(gate)``, whose rows HF stores interleaved with q's per head
+  (split into ``self_attn.gate_proj`` at load). K/V go to the paged pool as for every family.
+* Every other norm is ``1 + w``; the MoE variant adds a shared expert scaled by
+  ``sigmoid(shared_expert_gate)`` beside the routed top-k.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from prefixgate.gateway.engine.model_config import (
+    LinearAttentionConfig,
+    ModelConfig,
+    UnsupportedModelError,
+)
+from prefixgate.gateway.engine.models.decoder import DecoderModel
+from prefixgate.gateway.engine.models.forward_batch import ForwardBatch, RecurrentBatch
+from prefixgate.gateway.engine.models.layers import DenseMLP, rms_norm
+from prefixgate.gateway.engine.models.linear import Linear
+from prefixgate.gateway.engine.models.moe import GroupedMoEMLP, MoEMLP
+from prefixgate.gateway.engine.models.qwen3_moe import stack_experts
+from prefixgate.gateway.engine.models.registry import ModelFamily, register_family
+from prefixgate.gateway.engine.models.weights import WeightPlacer
+from prefixgate.kernels.torch_cpu.gated_delta import causal_conv1d_varlen, gated_delta_rule_varlen
+
+_L2_EPS = 1e-6  # transformers' (and FLA's) l2norm epsilon
+
+
+class _GatedAttention(NamedTuple):
+    input_norm: torch.Tensor  # [H]
+    qkvg: Linear  # H -> Q + 2KV + Q (q, k, v, then the output gate)
+    q_norm: torch.Tensor  # [D]
+    k_norm: torch.Tensor  # [D]
+    o: Linear  # Q -> H
+    mlp_norm: torch.Tensor
+    mlp: Any  # DenseMLP | MoEMLP | SharedExpertMoE
+
+
+class _DeltaNet(NamedTuple):
+    input_norm: torch.Tensor  # [H]
+    proj: Linear  # H -> C + Hv*Dv + 2Hv (conv inputs q|k|v, z, b, a)
+    conv_weight: torch.Tensor  # [C, K]
+    decay_rate: torch.Tensor  # [Hv] fp32, -exp(A_log)
+    dt_bias: torch.Tensor  # [Hv] fp32
+    out_norm: torch.Tensor  # [Dv], plain w (not 1 + w)
+    out: Linear  # Hv*Dv -> H
+    mlp_norm: torch.Tensor
+    mlp: Any
+    state: int  # index of this layer's state in the runner's state pool
+
+
+class SharedExpertMoE(NamedTuple):
+    """Routed experts plus a shared expert scaled by ``sigmoid(gate . x)`` (Qwen3.5-MoE)."""
+
+    routed: MoEMLP | GroupedMoEMLP
+    shared: DenseMLP
+    gate: torch.Tensor  # [1, H]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.shared(x) * torch.sigmoid(x @ self.gate.t())
+        return self.routed(x) + shared
+
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return residual + self(x)
+
+
+class RecurrentState(NamedTuple):
+    """One linear layer's state pool (the runner's): ``conv [N, K - 1, C]``, ``matrix
+    [N, Hv, Dk, Dv]``, fp32, one slot per live sequence and per checkpoint."""
+
+    conv: torch.Tensor
+    matrix: torch.Tensor
+
+
+class HybridModel(DecoderModel):
+    """A Qwen3.5 model: :class:`DecoderModel`'s loading, embeddings, MLPs and head, with the
+    hybrid layers above. ``forward`` takes, per layer, ``(k_cache, v_cache)`` for a full
+    layer and a :class:`RecurrentState` for a linear one (the runner builds that list from
+    :meth:`layer_kinds`)."""
+
+    def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor], **kwargs: Any) -> None:
+        if config.linear_attention is None:
+            raise UnsupportedModelError(f"{config.name}: a hybrid model needs linear_attention")
+        self.linear = config.linear_attention
+        self._num_states = 0
+        super().__init__(config, weights, **kwargs)
+
+    def layer_kinds(self) -> list[str]:
+        """Per layer ``"attention"`` (paged K/V) or ``"recurrent"`` (a state slot)."""
+        return ["recurrent" if is_linear else "attention" for is_linear in self.linear.layers]
+
+    # ---- loading -----------------------------------------------------------------------
+
+    def _layer(self, place: WeightPlacer, index: int) -> Any:  # type: ignore[override]
+        p = f"model.layers.{index}."
+        if not self.linear.layers[index]:
+            attn = p + "self_attn."
+            return _GatedAttention(
+                input_norm=place.norm(p + "input_layernorm.weight"),
+                qkvg=place.named_linear([attn + f"{n}_proj.weight" for n in ("q", "k", "v", "gate")]),
+                q_norm=place.norm(attn + "q_norm.weight"),
+                k_norm=place.norm(attn + "k_norm.weight"),
+                o=place.named_linear([attn + "o_proj.weight"]),
+                mlp_norm=place.norm(p + "post_attention_layernorm.weight"),
+                mlp=self._hybrid_mlp(place, p + "mlp."),
+            )
+        attn = p + "linear_attn."
+        state, self._num_states = self._num_states, self._num_states + 1
+        return _DeltaNet(
+            input_norm=place.norm(p + "input_layernorm.weight"),
+            proj=place.named_linear([attn + f"in_proj_{n}.weight" for n in ("qkv", "z", "b", "a")]),
+            conv_weight=place.place(place.weights[attn + "conv1d.weight"], torch.float32),
+            decay_rate=-place.place(place.weights[attn + "A_log"], torch.float32).exp(),
+            dt_bias=place.place(place.weights[attn + "dt_bias"], torch.float32),
+            out_norm=place.place(place.weights[attn + "norm.weight"]),
+            out=place.named_linear([attn + "out_proj.weight"]),
+            mlp_norm=place.norm(p + "post_attention_layernorm.weight"),
+            mlp=self._hybrid_mlp(place, p + "mlp."),
+            state=state,
+        )
+
+    def _hybrid_mlp(self, place: WeightPlacer, prefix: str) -> Any:
+        mlp = self._mlp(place, prefix)
+        if not self.config.shared_expert_intermediate_size:
+            return mlp
+        shared = prefix + "shared_expert."
+        return SharedExpertMoE(
+            routed=mlp,
+            shared=DenseMLP(
+                place.named_linear([shared + "gate_proj.weight", shared + "up_proj.weight"]),
+                place.named_linear([shared + "down_proj.weight"]),
+                self.config.activation, place.native,
+            ),  # fmt: skip
+            gate=place.tensor(prefix + "shared_expert_gate.weight"),
+        )
+
+    # ---- the forward pass --------------------------------------------------------------
+
+    def _gated_attention(self, layer: _GatedAttention, x: torch.Tensor, batch: ForwardBatch,
+                         kv_cache: tuple[torch.Tensor, torch.Tensor],
+                         cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        cfg = self.config
+        num_tokens, q_size, kv_size, head_dim = x.shape[0], cfg.q_size, cfg.kv_size, cfg.head_dim
+        qkvg = layer.qkvg(x)  # [T, Q + 2KV + Q]
+        q = rms_norm(qkvg[:, :q_size].reshape(num_tokens, -1, head_dim), layer.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(qkvg[:, q_size : q_size + kv_size].reshape(num_tokens, -1, head_dim),
+                     layer.k_norm, cfg.rms_norm_eps)
+        qk = self._rotate(torch.cat([q, k], 1), *cos_sin)  # [T, Hq + Hkv, D]
+        v = qkvg[:, q_size + kv_size : q_size + 2 * kv_size].reshape(num_tokens, -1, head_dim)
+        attn = batch.attention.forward(qk[:, : cfg.num_heads], qk[:, cfg.num_heads :], v,
+                                       *kv_cache, self.scale, window=None)
+        gate = qkvg[:, q_size + 2 * kv_size :]
+        return attn.reshape(num_tokens, q_size) * torch.sigmoid(gate)
+
+    def _delta_net(self, layer: _DeltaNet, x: torch.Tensor, recurrent: RecurrentBatch,
+                   state: RecurrentState, updates: list[tuple[int, tuple[torch.Tensor, ...]]]
+                   ) -> torch.Tensor:
+        lin = self.linear
+        num_tokens, channels = x.shape[0], lin.conv_channels
+        hv, dk, dv = lin.num_value_heads, lin.key_dim, lin.value_dim
+        proj = layer.proj(x)  # [T, C + Hv*Dv + 2Hv]
+        mixed, z = proj[:, :channels], proj[:, channels : channels + hv * dv]
+        b, a = proj[:, channels + hv * dv : channels + hv * dv + hv], proj[:, channels + hv * dv + hv :]
+        slots, qsl, saves = recurrent.slots, recurrent.query_start_loc, recurrent.save_rows
+        conv_out, conv_state, conv_saved = causal_conv1d_varlen(
+            mixed.float(), layer.conv_weight, state.conv[slots], qsl, saves)
+        key_width = lin.num_key_heads * dk
+        q = conv_out[:, :key_width].reshape(num_tokens, lin.num_key_heads, dk)
+        k = conv_out[:, key_width : 2 * key_width].reshape(num_tokens, lin.num_key_heads, dk)
+        v = conv_out[:, 2 * key_width :].reshape(num_tokens, hv, dv)
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + _L2_EPS) * dk**-0.5
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + _L2_EPS)
+        if hv != lin.num_key_heads:  # each q/k head serves consecutive value heads
+            q = q.repeat_interleave(hv // lin.num_key_heads, dim=1)
+            k = k.repeat_interleave(hv // lin.num_key_heads, dim=1)
+        beta = torch.sigmoid(b.float())
+        g = layer.decay_rate * F.softplus(a.float() + layer.dt_bias)
+        out, matrix, matrix_saved = gated_delta_rule_varlen(
+            q, k, v, g, beta, state.matrix[slots], qsl, saves)
+        updates.append((layer.state, (conv_state, matrix, conv_saved, matrix_saved)))
+        # RMSNorm of each head's output, gated by silu(z) (the norm weight is plain w)
+        normed = rms_norm(out.to(x.dtype), layer.out_norm, self.config.rms_norm_eps)
+        gated = normed * F.silu(z.float().reshape(num_tokens, hv, dv)).to(x.dtype)
+        return gated.reshape(num_tokens, hv * dv)
+
+    @staticmethod
+    def _write_states(recurrent: RecurrentBatch, states: Sequence[RecurrentState],
+                      updates: list[tuple[int, tuple[torch.Tensor, ...]]]) -> None:
+        """The step's new states and checkpoints, once the whole forward ran (see the module
+        docstring)."""
+        for index, (conv, matrix, conv_saved, matrix_saved) in updates:
+            state = states[index]
+            state.conv[recurrent.slots] = conv.to(state.conv.dtype)
+            state.matrix[recurrent.slots] = matrix
+            if recurrent.save_rows:
+                state.conv[recurrent.save_slots] = conv_saved.to(state.conv.dtype)
+                state.matrix[recurrent.save_slots] = matrix_saved
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_caches: Sequence[Any]) -> torch.Tensor:  # type: ignore[override]
+        """Run one step (``DecoderModel.forward``'s contract); ``kv_caches[i]`` is layer i's
+        ``(k_cache, v_cache)`` or :class:`RecurrentState`."""
+        recurrent = batch.recurrent
+        if recurrent is None:
+            raise ValueError("a hybrid model's step needs ForwardBatch.recurrent (state slots)")
+        hidden = self._embed(batch.input_ids)  # [T, H]
+        cos_sin = self.ropes[0].lookup(batch.positions)
+        updates: list[tuple[int, tuple[torch.Tensor, ...]]] = []
+        states = [c for c, kind in zip(kv_caches, self.layer_kinds(), strict=True) if kind == "recurrent"]
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            x = self._norm(hidden, layer.input_norm)
+            if isinstance(layer, _DeltaNet):
+                mixed = self._delta_net(layer, x, recurrent, cache, updates)
+                hidden = layer.out.add_to(mixed, hidden)
+            else:
+                hidden = layer.o.add_to(self._gated_attention(layer, x, batch, cache, cos_sin), hidden)
+            hidden = layer.mlp.add_to(self._norm(hidden, layer.mlp_norm), hidden)
+        last = self._norm(hidden.index_select(0, batch.logits_indices), self.final_norm)
+        logits = self.lm_head(last).float()
+        self._write_states(recurrent, states, updates)
+        return logits
+
+
+# ---- the family ----------------------------------------------------------------------
+
+
+def _hf_config(raw: dict[str, Any]) -> dict[str, Any]:
+    layers = int(raw["num_hidden_layers"])
+    types = raw.get("layer_types") or [
+        "full_attention" if (i + 1) % int(raw.get("full_attention_interval", 4)) == 0
+        else "linear_attention" for i in range(layers)
+    ]
+    unknown = sorted(set(types) - {"linear_attention", "full_attention"})
+    if unknown:
+        raise UnsupportedModelError(f"Qwen3.5 layer types {unknown} are not supported")
+    rope = raw.get("rope_parameters") or {}
+    head_dim = int(raw.get("head_dim") or int(raw["hidden_size"]) // int(raw["num_attention_heads"]))
+    factor = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25)))
+    extras: dict[str, Any] = {
+        "norm_weight_offset": 1.0,
+        "qk_norm": True,
+        "attn_output_gate": True,
+        "rotary_dim": int(head_dim * factor),
+        "linear_attention": LinearAttentionConfig(
+            layers=tuple(t == "linear_attention" for t in types),
+            conv_kernel=int(raw.get("linear_conv_kernel_dim", 4)),
+            num_key_heads=int(raw["linear_num_key_heads"]),
+            num_value_heads=int(raw["linear_num_value_heads"]),
+            key_dim=int(raw["linear_key_head_dim"]),
+            value_dim=int(raw["linear_value_head_dim"]),
+        ),
+    }
+    if raw.get("num_experts"):
+        extras |= {
+            "num_experts": int(raw["num_experts"]),
+            "num_experts_per_tok": int(raw["num_experts_per_tok"]),
+            "moe_intermediate_size": int(raw["moe_intermediate_size"]),
+            "norm_topk_prob": True,  # Qwen3.5-MoE's router always renormalises the top-k
+            "shared_expert_intermediate_size": int(raw.get("shared_expert_intermediate_size") or 0),
+        }
+    return extras
+
+
+def _split_weights(weights: dict[str, Any], config: Any, fmt: str) -> dict[str, Any]:
+    """HF's per-head interleaved q|gate rows split into q_proj and gate_proj; the conv weight
+    squeezed to ``[C, K]``; MoE experts stacked (per-expert tensors as Qwen3-MoE's, or
+    transformers 5's fused ``gate_up_proj``)."""
+    out: dict[str, Any] = {}
+    heads, head_dim = config.num_heads, config.head_dim
+    for name, tensor in weights.items():
+        if name.endswith("self_attn.q_proj.weight") and tensor.shape[0] == 2 * config.q_size:
+            rows = tensor.reshape(heads, 2, head_dim, -1)
+            out[name] = rows[:, 0].reshape(config.q_size, -1)
+            out[name.replace("q_proj", "gate_proj")] = rows[:, 1].reshape(config.q_size, -1)
+        elif name.endswith("linear_attn.conv1d.weight") and tensor.dim() == 3:
+            out[name] = tensor[:, 0]
+        elif name.endswith("mlp.experts.gate_up_proj"):
+            inter = tensor.shape[1] // 2
+            base = name.removesuffix("gate_up_proj")
+            out[base + "gate_proj.weight"] = tensor[:, :inter]
+            out[base + "up_proj.weight"] = tensor[:, inter:]
+        elif name.endswith("mlp.experts.down_proj"):
+            out[name + ".weight"] = tensor
+        else:
+            out[name] = tensor
+    return stack_experts(out, config, fmt) if config.num_experts else out
+
+
+QWEN3_5 = register_family(
+    ModelFamily(
+        name="qwen3_5",
+        model_class=HybridModel,
+        hf_model_types=("qwen3_5_text", "qwen3_5_moe_text"),
+        gguf_architectures=("qwen35", "qwen35moe"),
+        hf_config=_hf_config,
+        adapt_weights=_split_weights,
+    )
+)
