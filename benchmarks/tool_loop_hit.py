@@ -11,7 +11,10 @@ turn of every agent. Outputs are tokenized canonically (what a trained model wri
 
 Tokenizers: the real ones of the family fixtures (tests/family_fixtures.py). The sdist has no
 Mistral or Granite tokenizer: Llama 3's stands in, with their control tokens added as special
-tokens (as they are in their own); Qwen's stands in for Hermes 2 Pro (it has ``<|im_end|>``). Nothing is timed; every row's
+tokens (as they are in their own); Qwen's stands in for Hermes 2 Pro (it has ``<|im_end|>``).
+gpt-oss runs on its real o200k_harmony (tests/harmony_fixture.py): with the reasoning sent
+back, without it (the gateway puts the analysis it wrote back), and with a final answer and
+a follow-up question as the last turn (the template drops the chain's analysis). Nothing is timed; every row's
 ratio is deterministic. Where a row is under 0.98, ``diverges`` shows the text at the first
 differing token: what the template re-renders differently from what was generated.
 
@@ -33,10 +36,12 @@ from prefixgate.gateway.server.tools.formats.reasoning import thinking_kwargs
 from prefixgate.gateway.server.tools.prompt import call_begin, canonical_json
 from prefixgate.gateway.server.tools.records import FunctionTool
 from tests.family_fixtures import family_fixture, template
+from tests.harmony_fixture import HARMONY_TEMPLATE, harmony_tokenizer
 
 AGENTS = 8
 TURNS = 4
 TARGET = 0.98
+HARMONY = "o200k_harmony"
 EOS = "eos"  # the end of turn is the tokenizer's eos token (the Mistral templates write it)
 GRANITE_SPECIALS = ("<|start_of_role|>", "<|end_of_role|>", "<|tool_call|>")
 # Mistral's control tokens (single tokens in its own tokenizer, so nothing merges across them)
@@ -55,6 +60,8 @@ class Case:
     think: bool = False  # the model reasons before its call
     system: bool = True  # the template takes a system turn (Gemma 2's refuses one)
     specials: tuple[str, ...] = ()  # control tokens the real tokenizer has and the stand-in lacks
+    sends_reasoning: bool = True  # the client sends the reasoning back (reasoning_content)
+    answers: bool = False  # after the calls the model answers and the user asks again
 
 
 CASES = {
@@ -84,10 +91,18 @@ CASES = {
                         specials=GRANITE_SPECIALS),
     "phi-3.5": Case("microsoft-Phi-3.5-mini-instruct.jinja", "phi3", "<|end|>"),
     "gemma-2": Case("google-gemma-2-2b-it.jinja", "gemma3", "<end_of_turn>", system=False),
+    # gpt-oss: o200k_harmony (tests/harmony_fixture.py); the call ends with <|call|>, analysis
+    # first. Its template keeps a call turn's analysis until a final answer follows.
+    "gpt-oss": Case(HARMONY_TEMPLATE, HARMONY, "", think=True),
+    "gpt-oss-no-reasoning-back": Case(HARMONY_TEMPLATE, HARMONY, "", think=True,
+                                      sends_reasoning=False),
+    "gpt-oss-answer-then-ask": Case(HARMONY_TEMPLATE, HARMONY, "", think=True, answers=True),
 }  # fmt: skip
 
 
 def case_tokenizer(case: Case) -> Tokenizer:
+    if case.tokenizer == HARMONY:
+        return harmony_tokenizer()
     hf_dir = family_fixture(case.tokenizer).hf_dir
     config = json.loads((hf_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
     tokenizer = Tokenizer.from_hf_files(str(hf_dir / "tokenizer.json"), tokenizer_config=config,
@@ -117,9 +132,11 @@ def call_text(dialect: ToolDialect, arguments: dict[str, Any], call_id: str) -> 
     return fmt.begin(READ_FILE.name) + canonical_json(arguments) + fmt.end
 
 
-def client_turn(dialect: ToolDialect, output: str, result: str) -> list[dict[str, Any]]:
+def client_turn(dialect: ToolDialect, output: str, result: str, sends_reasoning: bool = True
+                ) -> list[dict[str, Any]]:
     """What an OpenAI client sends back: the call the gateway parsed (its id, its arguments
-    text), the reasoning as ``reasoning_content``, then the tool's result."""
+    text), the reasoning as ``reasoning_content`` (unless the client drops it), then the
+    tool's result."""
     parser = dialect.parser([READ_FILE], None)
     assert parser is not None
     parser.feed(output, True)
@@ -127,7 +144,7 @@ def client_turn(dialect: ToolDialect, output: str, result: str) -> list[dict[str
     message: dict[str, Any] = {"role": "assistant", "content": "", "tool_calls": [
         {"id": call.id, "type": "function",
          "function": {"name": call.name, "arguments": call.arguments}}]}
-    if parser.reasoning:
+    if parser.reasoning and sends_reasoning:
         message["reasoning_content"] = "".join(parser.reasoning).strip("\n")
     return [message, {"role": "tool", "tool_call_id": call.id, "content": result}]
 
@@ -170,12 +187,23 @@ def agent_loop(tokenizer: Tokenizer, dialect: ToolDialect, case: Case, agent: in
         arguments = {"path": f"src/agent{agent}/file_{turn}.py"}
         reasoning = f"I need to read file {turn}."
         text = call_text(dialect, arguments, f"{agent:04d}x{turn:04d}")
-        if case.think:  # DeepSeek R1's prompt opens the span itself
+        if case.think and dialect.format.channels:  # harmony: an analysis message first
+            text = f"<|channel|>analysis<|message|>{reasoning}<|end|><|start|>assistant{text}"
+        elif case.think:  # DeepSeek R1's prompt opens the span itself
             opened = prompt_text.rstrip().endswith("<think>")
             text = ("" if opened else "<think>\n") + f"{reasoning}\n</think>\n\n" + text
         end = tokenizer.eos_token if case.end_of_turn == EOS else case.end_of_turn
         generated = prompt + written(tokenizer, prompt, prompt_text, text + (end or ""))
-        history = [*history, *client_turn(dialect, text, f"contents {turn}")]
+        history = [*history, *client_turn(dialect, text, f"contents {turn}",
+                                          case.sends_reasoning)]
+        if case.answers and turn == TURNS - 1:  # the answer, then the user's next question
+            prompt, prompt_text = render(history)
+            answer = ("<|channel|>analysis<|message|>I have read them all.<|end|><|start|>"
+                      "assistant<|channel|>final<|message|>Fixed.<|return|>")
+            generated = prompt + written(tokenizer, prompt, prompt_text, answer)
+            history = [*history, {"role": "assistant", "content": "Fixed.",
+                                  "reasoning_content": "I have read them all."},
+                       {"role": "user", "content": "Now run the tests."}]
         following, _ = render(history)
         common = _common(generated, following)
         if common < len(generated) and not diverges:

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -67,6 +69,39 @@ def _const(text: str) -> dict[str, Any]:
     return {"type": "const_string", "value": text}
 
 
+class AnalysisStore:
+    """The analysis each call was written after, by the call's id, so that a call turn sent
+    back without its reasoning (an OpenAI chat client drops ``reasoning_content``) is
+    re-rendered with it, as generated: the template keeps a call turn's analysis until a final
+    answer follows, so the turn's tokens stay a prefix of the next prompt (docs/tool-formats.md
+    "Harmony and the cache"). NOTE: keyed by the gateway's call ids (96 random bits, seen only
+    by the client that got the call); bounded, least recently used first out; in-process (on
+    another replica the turn renders as the client sent it: a cache miss, never a wrong
+    prompt)."""
+
+    def __init__(self, max_entries: int = 65536) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, call_id: str, analysis: str) -> None:
+        with self._lock:
+            self._entries[call_id] = analysis
+            self._entries.move_to_end(call_id)
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+
+    def get(self, call_id: str) -> str | None:
+        with self._lock:
+            analysis = self._entries.get(call_id)
+            if analysis is not None:
+                self._entries.move_to_end(call_id)
+            return analysis
+
+
+ANALYSES = AnalysisStore()
+
+
 class HarmonyFormat(ToolCallFormat):
     name = "harmony"
     trigger = " to=functions."
@@ -86,7 +121,7 @@ class HarmonyFormat(ToolCallFormat):
         turn with both ``content`` and ``thinking``: a preamble joins the reasoning)."""
         out = []
         for message in messages:
-            reasoning = message.get("reasoning_content")
+            reasoning = message.get("reasoning_content") or _generated_analysis(message)
             if message.get("role") == "assistant" and reasoning:
                 message = {k: v for k, v in message.items() if k != "reasoning_content"}
                 if message.get("tool_calls") and message.get("content"):
@@ -97,6 +132,7 @@ class HarmonyFormat(ToolCallFormat):
         return out
 
     def parse_call(self, call_text: str, tools: Sequence[FunctionTool] = ()) -> ParsedCall | None:
+        """One call message (header, ``<|message|>``, arguments)."""
         header, _, body = call_text.partition(MESSAGE)
         recipient = _RECIPIENT.search(header)
         if recipient is None:
@@ -145,6 +181,16 @@ class HarmonyFormat(ToolCallFormat):
         events = parser.feed(text) + parser.finish()
         content = "".join(e.text for e in events if isinstance(e, TextPiece))
         return content, [e.call for e in events if isinstance(e, CallEnd)]
+
+
+def _generated_analysis(message: dict[str, Any]) -> str | None:
+    """The analysis this gateway generated before an assistant turn's call, when the client
+    sent the turn back without it (and without a preamble, which would take its place)."""
+    calls = message.get("tool_calls")
+    if message.get("role") != "assistant" or not calls or message.get("content"):
+        return None
+    call_id = calls[0].get("id") if isinstance(calls[0], dict) else None
+    return ANALYSES.get(call_id) if isinstance(call_id, str) else None
 
 
 _ANALYSIS_TEXT = {"type": "any_text", "excludes": [m for m in MARKERS if m != END]}
@@ -218,6 +264,7 @@ class HarmonyParser:
         self._channel = ""
         self._recipient: str | None = None
         self._calls: list[ToolCallOutput] = []
+        self._analysis: list[str] = []  # this output's analysis so far
 
     def feed(self, text: str) -> list[Event]:
         self._buffer += text
@@ -279,6 +326,7 @@ class HarmonyParser:
         if not text:
             return
         if self._channel == "analysis":
+            self._analysis.append(text)
             events.append(ReasoningPiece(text))
         else:
             events.append(TextPiece(text))
@@ -291,6 +339,8 @@ class HarmonyParser:
         call = ToolCallOutput(len(self._calls), new_call_id(), name, body.strip(),
                               complete=complete and _is_object(body))
         self._calls.append(call)
+        if self._analysis and call.complete:
+            ANALYSES.put(call.id, "".join(self._analysis))
         events += [CallStart(call.index, call.id, call.name),
                    CallArguments(call.index, call.arguments), CallEnd(call)]  # fmt: skip
         self._recipient = None

@@ -113,9 +113,11 @@ def test_unstructured_text_is_content():
     assert content == "Just an answer, no channels." and calls == []
 
 
-def test_the_history_keeps_the_call_turn_s_analysis(tokenizer):
-    """A call turn's analysis, sent back as reasoning_content, is re-rendered in place (the
-    template keeps it until a final answer follows): the turn's output stays a prefix."""
+@pytest.mark.parametrize("sends_reasoning", [True, False])
+def test_the_history_keeps_the_call_turn_s_analysis(tokenizer, sends_reasoning):
+    """A call turn's analysis is re-rendered in place (the template keeps it until a final
+    answer follows), sent back as reasoning_content or, by a client that drops it, from what
+    the gateway generated before that call: the turn's output stays a prefix."""
     dialect = choose_dialect(tokenizer.chat_template)
     history = [{"role": "user", "content": "Weather in Paris?"}]
     prompt = tokenizer.apply_chat_template(*dialect.template_inputs(history, [WEATHER]))
@@ -124,7 +126,8 @@ def test_the_history_keeps_the_call_turn_s_analysis(tokenizer):
     parser.feed(output.removesuffix("<|call|>"), final=True)
     (call,) = parser.calls
     history += [
-        {"role": "assistant", "content": "", "reasoning_content": "".join(parser.reasoning),
+        {"role": "assistant", "content": "",
+         "reasoning_content": "".join(parser.reasoning) if sends_reasoning else None,
          "tool_calls": [{"id": call.id, "type": "function",
                          "function": {"name": call.name, "arguments": call.arguments}}]},
         {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
@@ -132,3 +135,16 @@ def test_the_history_keeps_the_call_turn_s_analysis(tokenizer):
     following = tokenizer.apply_chat_template(*dialect.template_inputs(history, [WEATHER]))
     generated = prompt + tokenizer.encode(output)
     assert following[: len(generated)] == generated
+
+
+def test_a_call_the_gateway_did_not_write_renders_as_sent(tokenizer):
+    dialect = choose_dialect(tokenizer.chat_template)
+    turn = {"role": "assistant", "content": "", "tool_calls": [{
+        "id": "call_unknown", "type": "function",
+        "function": {"name": "get_weather", "arguments": ARGS}}]}  # fmt: skip
+    (rendered,) = HARMONY.history_messages([turn])
+    assert "thinking" not in rendered
+    history = [{"role": "user", "content": "Weather?"}, turn,
+               {"role": "tool", "tool_call_id": "call_unknown", "content": "sunny"}]
+    text = tokenizer.render_chat(*dialect.template_inputs(history, [WEATHER]))
+    assert "<|start|>user<|message|>Weather?<|end|><|start|>assistant to=functions" in text
