@@ -46,6 +46,8 @@ _GEMMA_LAYER = {
     "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
 }
+# llama.cpp converts these with its LlamaModel, which permutes Q/K rows
+_PERMUTED_ARCHS = frozenset({"llama", "smollm3", "granite"})
 _NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj$")
 
@@ -83,6 +85,11 @@ def _write_metadata(writer: GGUFWriter, cfg: Any, arch: str) -> None:
         writer.add_expert_count(cfg.num_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "granite":  # llama.cpp's GraniteModel: the multipliers as *_scale keys
+        writer.add_attention_scale(cfg.attention_multiplier)
+        writer.add_embedding_scale(cfg.embedding_multiplier)
+        writer.add_residual_scale(cfg.residual_multiplier)
+        writer.add_logit_scale(cfg.logits_scaling)
     if arch == "gemma3":
         writer.add_sliding_window(cfg.sliding_window)
         if cfg.final_logit_softcapping:
@@ -101,7 +108,8 @@ def _permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 def _layer_tensors(arch: str, cfg: Any, state: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}
-    names = {**_LAYER, **_GEMMA_LAYER} if arch == "gemma3" else _LAYER
+    # OLMo 2 names its post norms as Gemma 3 does (post_attention_norm, post_ffw_norm)
+    names = {**_LAYER, **_GEMMA_LAYER} if arch in ("gemma3", "olmo2") else _LAYER
     for hf_name, tensor in state.items():
         array = tensor.float().numpy()
         if hf_name in _GLOBAL:
@@ -115,9 +123,9 @@ def _layer_tensors(arch: str, cfg: Any, state: dict[str, torch.Tensor]) -> dict[
             experts.setdefault((layer, expert.group(2)), {})[int(expert.group(1))] = array
             continue
         name = f"blk.{layer}.{names[module]}.{kind}"
-        if arch == "llama" and module == "self_attn.q_proj":
+        if arch in _PERMUTED_ARCHS and module == "self_attn.q_proj":
             array = _permute(array, cfg.num_attention_heads)
-        elif arch == "llama" and module == "self_attn.k_proj":
+        elif arch in _PERMUTED_ARCHS and module == "self_attn.k_proj":
             array = _permute(array, cfg.num_key_value_heads)
         if arch == "gemma3" and module.endswith("norm"):
             array = array + 1.0  # llama.cpp's Gemma converter stores 1 + w

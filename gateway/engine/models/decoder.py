@@ -4,7 +4,9 @@ Qwen3-MoE, Gemma 3 and Phi-3/Phi-4-mini are configurations of this one model cla
 What a family changes is read from :class:`ModelConfig` once, at load: attention biases, q/k
 RMSNorm per head, Gemma's ``1 + w`` norms, sandwich norms (after attention and after the MLP),
 GeGLU, the embedding scale, final logit softcapping, partial rotary, sliding-window layers with
-their own RoPE base, and a mixture-of-experts MLP. Every layer writes its K/V into the same
+their own RoPE base, a mixture-of-experts MLP, layers without RoPE (SmolLM3's NoPE), post-norm
+blocks with q/k norms over whole projections (OLMo 2), and Granite's attention, residual and
+logit multipliers. Every layer writes its K/V into the same
 paged pool through the step's kernel backend (``batch.attention``, bound once at runner start);
 a sliding layer passes its window to that same call, so prefix hits, copy-on-write and shared
 pages behave as for full layers.
@@ -20,7 +22,8 @@ native ops where the library builds (kernels/cpu/ops.py).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -38,16 +41,16 @@ from prefixgate.kernels.cpu.ops import rope_native
 
 
 class _Layer(NamedTuple):
-    input_norm: torch.Tensor  # [H]
+    input_norm: torch.Tensor | None  # [H]; None: no pre-norm (OLMo 2)
     qkv: Linear  # H -> Q + 2KV (+ bias for qwen2)
-    qk_norm: torch.Tensor | None  # [Hq + Hkv, D]: q_norm on the q heads, k_norm on the k heads
+    qk_norm: Callable[[torch.Tensor], torch.Tensor] | None  # [T, Hq + Hkv, D] -> same
     o: Linear  # Q -> H
     attn_out_norm: torch.Tensor | None  # [H], sandwich norm on the attention output
-    mlp_norm: torch.Tensor  # [H]
+    mlp_norm: torch.Tensor | None  # [H]; None: no pre-norm (OLMo 2)
     mlp: DenseMLP | MoEMLP
     mlp_out_norm: torch.Tensor | None  # [H], sandwich norm on the MLP output
     window: int | None  # sliding layers: tokens visible (itself included)
-    rope: int  # index into DecoderModel.ropes
+    rope: int | None  # index into DecoderModel.ropes; None: no RoPE (a NoPE layer)
 
 
 class DecoderModel:
@@ -96,6 +99,7 @@ class DecoderModel:
         self.kernel_backend = kernel_backend
         self.native_ops = native_ops
         self.scale = config.attention_scale
+        self.residual_scale = config.residual_scale  # Granite; None: 1
         self.max_positions = max_positions or config.max_position_embeddings
         place = WeightPlacer(
             weights, device=self.device, dtype=dtype, act_dtype=self.act_dtype,
@@ -137,29 +141,38 @@ class DecoderModel:
         attn = p + "self_attn."
         qkv_bias = [attn + f"{n}_proj.bias" for n in "qkv"] if cfg.attention_bias else []
         o_bias = [attn + "o_proj.bias"] if cfg.attention_out_bias else []
-        sandwich = cfg.sandwich_norms
+        sandwich, pre = cfg.sandwich_norms, cfg.pre_norms
         window = cfg.layer_window(index)
+        rope: int | None = 1 if window is not None and len(self.ropes) > 1 else 0
+        if cfg.rope_layers is not None and not cfg.rope_layers[index]:
+            rope = None
+        mlp_norm = None
+        if pre:
+            mlp_norm = place.norm(
+                p + ("pre_feedforward_layernorm.weight" if sandwich
+                     else "post_attention_layernorm.weight")
+            )  # fmt: skip
         return _Layer(
-            input_norm=place.norm(p + "input_layernorm.weight"),
+            input_norm=place.norm(p + "input_layernorm.weight") if pre else None,
             qkv=place.named_linear([attn + f"{n}_proj.weight" for n in "qkv"], qkv_bias),
             qk_norm=self._qk_norm(place, attn) if cfg.qk_norm else None,
             o=place.named_linear([attn + "o_proj.weight"], o_bias),
             attn_out_norm=place.norm(p + "post_attention_layernorm.weight") if sandwich else None,
-            mlp_norm=place.norm(
-                p + ("pre_feedforward_layernorm.weight" if sandwich
-                     else "post_attention_layernorm.weight")
-            ),  # fmt: skip
+            mlp_norm=mlp_norm,
             mlp=self._mlp(place, p + "mlp."),
             mlp_out_norm=place.norm(p + "post_feedforward_layernorm.weight") if sandwich else None,
             window=window,
-            rope=1 if window is not None and len(self.ropes) > 1 else 0,
+            rope=rope,
         )
 
-    def _qk_norm(self, place: WeightPlacer, attn: str) -> torch.Tensor:
-        # one [Hq + Hkv, D] weight: q and k are normed (and rotated) together as one tensor
+    def _qk_norm(self, place: WeightPlacer, attn: str) -> Callable[[torch.Tensor], torch.Tensor]:
         cfg = self.config
         q_norm, k_norm = place.norm(attn + "q_norm.weight"), place.norm(attn + "k_norm.weight")
-        return torch.cat([q_norm.expand(cfg.num_heads, -1), k_norm.expand(cfg.num_kv_heads, -1)])
+        if cfg.qk_norm_full:  # OLMo 2: one RMS over each token's whole q, another over its k
+            return partial(_norm_q_and_k, q_norm=q_norm, k_norm=k_norm, eps=cfg.rms_norm_eps)
+        # one [Hq + Hkv, D] weight: q and k are normed (and rotated) together as one tensor
+        weight = torch.cat([q_norm.expand(cfg.num_heads, -1), k_norm.expand(cfg.num_kv_heads, -1)])
+        return partial(rms_norm, weight=weight, eps=cfg.rms_norm_eps)
 
     def _mlp(self, place: WeightPlacer, prefix: str) -> DenseMLP | MoEMLP:
         cfg = self.config
@@ -217,7 +230,7 @@ class DecoderModel:
         x: torch.Tensor,  # [T, H]
         batch: ForwardBatch,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,  # None: a NoPE layer
     ) -> torch.Tensor:  # [T, Q]
         cfg = self.config
         num_tokens = x.shape[0]
@@ -226,8 +239,9 @@ class DecoderModel:
         # q and k are normed and rotated together: one set of elementwise ops for both
         qk = qkv[:, : q_size + kv_size].view(num_tokens, -1, head_dim)  # [T, Hq + Hkv, D]
         if layer.qk_norm is not None:
-            qk = rms_norm(qk, layer.qk_norm, cfg.rms_norm_eps)
-        qk = self._rotate(qk, *cos_sin)
+            qk = layer.qk_norm(qk)
+        if cos_sin is not None:
+            qk = self._rotate(qk, *cos_sin)
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]  # [T, Hq, D], [T, Hkv, D]
         v = qkv[:, q_size + kv_size :].view(num_tokens, cfg.num_kv_heads, head_dim)
         # K/V into the pages, then attention over them (the step's backend, bound once)
@@ -249,16 +263,21 @@ class DecoderModel:
         """
         hidden = self._embed(batch.input_ids)  # [T, H]
         rope_tables = [rope.lookup(batch.positions) for rope in self.ropes]  # [T, 1, D/2] each
+        scale = self.residual_scale
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = self._norm(hidden, layer.input_norm)
-            attn = self._attention(layer, x, batch, kv_cache, rope_tables[layer.rope])
+            x = hidden if layer.input_norm is None else self._norm(hidden, layer.input_norm)
+            cos_sin = None if layer.rope is None else rope_tables[layer.rope]
+            attn = self._attention(layer, x, batch, kv_cache, cos_sin)
             if layer.attn_out_norm is None:
-                hidden = layer.o.add_to(attn, hidden)  # residual add fused into the GEMM
+                # residual add fused into the GEMM; Granite's scale on its input (no o bias)
+                hidden = layer.o.add_to(attn if scale is None else attn * scale, hidden)
             else:
                 hidden = hidden + self._norm(layer.o(attn), layer.attn_out_norm)
-            x = self._norm(hidden, layer.mlp_norm)
-            if layer.mlp_out_norm is None:
+            x = hidden if layer.mlp_norm is None else self._norm(hidden, layer.mlp_norm)
+            if layer.mlp_out_norm is None and scale is None:
                 hidden = layer.mlp.add_to(x, hidden)
+            elif layer.mlp_out_norm is None:
+                hidden = torch.add(hidden, layer.mlp(x), alpha=scale)
             else:
                 hidden = hidden + self._norm(layer.mlp(x), layer.mlp_out_norm)
         # only the rows that sample pay for the final norm and the vocab projection
@@ -267,7 +286,22 @@ class DecoderModel:
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
+        if self.config.logits_scaling is not None:  # Granite
+            logits = logits / self.config.logits_scaling
         return logits
+
+
+def _norm_q_and_k(
+    qk: torch.Tensor, *, q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float
+) -> torch.Tensor:  # [T, Hq + Hkv, D] -> same
+    """OLMo 2's q/k norms: RMS over all of a token's q (weight ``[Hq * D]``), and over all of
+    its k (``[Hkv * D]``), not per head."""
+    num_tokens, _, head_dim = qk.shape
+    q_size = q_norm.shape[0]
+    flat = qk.reshape(num_tokens, -1)  # [T, Q + KV]
+    normed = torch.cat([rms_norm(flat[:, :q_size], q_norm, eps),
+                        rms_norm(flat[:, q_size:], k_norm, eps)], dim=-1)  # fmt: skip
+    return normed.view(num_tokens, -1, head_dim)
 
 
 __all__ = ["DecoderModel", "DenseMLP"]
