@@ -32,7 +32,11 @@ from prefixgate.gateway.engine.model_config import (
     UnsupportedModelError,
     check_weights,
 )
-from prefixgate.gateway.engine.models.registry import family_for, supported_architectures
+from prefixgate.gateway.engine.models.registry import (
+    family_for,
+    not_supported,
+    supported_architectures,
+)
 from prefixgate.gateway.engine.tokenizer import GGUFVocab, Tokenizer
 from prefixgate.kernels.quant import QuantizedTensor
 
@@ -90,10 +94,7 @@ def _read_config(
 ) -> ModelConfig:
     arch = _field_value(reader, "general.architecture")
     if arch not in supported_architectures():
-        raise UnsupportedModelError(
-            f"{path.name}: GGUF architecture {arch!r} is not supported; supported: "
-            f"{', '.join(supported_architectures())}"
-        )
+        raise UnsupportedModelError(f"{path.name}: GGUF architecture {arch!r} {not_supported(arch)}")
 
     def meta(suffix: str, default: Any = None) -> Any:
         value = _field_value(reader, f"{arch}.{suffix}")

@@ -26,7 +26,11 @@ from prefixgate.gateway.engine.model_config import (
     check_weights,
     expected_weight_shapes,
 )
-from prefixgate.gateway.engine.models.registry import family_for, supported_architectures
+from prefixgate.gateway.engine.models.registry import (
+    family_for,
+    not_supported,
+    supported_architectures,
+)
 from prefixgate.gateway.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -121,10 +125,7 @@ def config_from_hf(raw: dict[str, Any], name: str) -> ModelConfig:
     """Translate a HF ``config.json`` dict to a :class:`ModelConfig` (any registered family)."""
     arch = raw.get("model_type")
     if arch not in supported_architectures():
-        raise UnsupportedModelError(
-            f"{name}: model_type {arch!r} is not supported; supported: "
-            f"{', '.join(supported_architectures())}"
-        )
+        raise UnsupportedModelError(f"{name}: model_type {arch!r} {not_supported(arch)}")
     family = family_for(arch)
     activation = raw.get("hidden_act") or raw.get("hidden_activation") or "silu"
     if activation not in family.activations:

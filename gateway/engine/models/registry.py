@@ -62,6 +62,19 @@ class ModelFamily:
 _FAMILIES: dict[str, ModelFamily] = {}
 _BY_ARCHITECTURE: dict[str, ModelFamily] = {}
 
+# Architectures no family runs whose nearest registered family differs by a named part (what
+# the "not supported" message tells a user); only those that are close: a name that merely
+# looks alike (llama4: MoE with chunked attention) is not listed.
+_CLOSEST: dict[str, tuple[str, str]] = {
+    "olmo3": ("olmo2", "OLMo 2 with sliding-window layers"),
+    "granitemoe": ("granite", "Granite 3.x's multipliers with a mixture-of-experts MLP"),
+    "granitemoeshared": ("granite", "Granite 3.x with routed and shared experts"),
+    "gemma2": ("gemma3", "no q/k norms, attention logit softcapping"),
+    "gemma": ("gemma3", "no sandwich or q/k norms, no sliding layers"),
+    "mixtral": ("qwen3_moe", "a top-2 MoE with Llama attention, no q/k norms"),
+    "qwen2_moe": ("qwen3_moe", "plus a shared expert and q/k/v biases, no q/k norms"),
+}
+
 
 def register_family(family: ModelFamily) -> ModelFamily:
     """Add ``family``; an architecture name claimed twice is a programming error."""
@@ -101,11 +114,22 @@ def family_for(architecture: str | None) -> ModelFamily:
     _ensure_registered()
     family = _BY_ARCHITECTURE.get(architecture or "")
     if family is None:
-        raise UnsupportedModelError(
-            f"architecture {architecture!r} is not supported; supported: "
-            f"{', '.join(supported_architectures())}"
-        )
+        raise UnsupportedModelError(f"architecture {architecture!r} {not_supported(architecture)}")
     return family
+
+
+def not_supported(architecture: str | None) -> str:
+    """``is not supported; supported: …`` and, when one is close, the nearest family and how
+    ``architecture`` differs from it (or the registered spelling of a mistyped name)."""
+    _ensure_registered()
+    message = f"is not supported; supported: {', '.join(supported_architectures())}"
+    name = (architecture or "").lower().replace("-", "_")
+    if name in _BY_ARCHITECTURE:  # a spelling away: Qwen3, qwen3-moe
+        return f"{message}; did you mean {name!r}?"
+    closest = _CLOSEST.get(name)
+    if closest is not None and closest[0] in _FAMILIES:
+        return f"{message}; the closest supported family is {closest[0]!r} ({closest[1]})"
+    return message
 
 
 def require_architecture(architecture: str) -> None:

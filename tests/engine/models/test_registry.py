@@ -25,6 +25,28 @@ def test_unsupported_architecture_names_what_is_supported():
         assert name in message
 
 
+def test_unsupported_architecture_names_the_closest_family_when_one_is_close():
+    for arch, family in (("olmo3", "olmo2"), ("granitemoe", "granite"), ("gemma2", "gemma3")):
+        with pytest.raises(UnsupportedModelError) as info:
+            config_from_hf({"model_type": arch}, "m")
+        message = str(info.value)
+        assert f"'{arch}' is not supported; supported: llama," in message
+        assert f"the closest supported family is '{family}' (" in message
+    with pytest.raises(UnsupportedModelError, match="did you mean 'qwen3'"):
+        family_for("Qwen3")
+    # nothing is close to these: no family is named
+    for arch in ("falcon_h1", "llama4"):
+        with pytest.raises(UnsupportedModelError) as info:
+            family_for(arch)
+        assert "closest" not in str(info.value) and "did you mean" not in str(info.value)
+
+
+def test_the_dense_families_of_issue_41_are_configurations():
+    for arch in ("smollm3", "granite", "olmo2"):
+        assert family_for(arch).name == arch
+        assert family_for(arch).model_class.__name__ == "DecoderModel"
+
+
 def test_an_architecture_cannot_be_claimed_twice():
     with pytest.raises(ValueError, match="registered twice"):
         register_family(ModelFamily("other", object, ("qwen3",), ()))
