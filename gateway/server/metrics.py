@@ -26,6 +26,7 @@ from prefixgate.cache.ttl_policy import RecomputeCost
 from prefixgate.gateway.engine.api import Delta, EngineLike, EngineStats, Usage
 
 PREFIX = "prefixgate:"
+VLLM_PREFIX = "vllm:"  # the few series named as vLLM names them, for external routers
 OTHER_LABEL = "__other__"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -156,6 +157,23 @@ class EngineCollector(Collector):
         yield from self._per_key("tenant", self.tenants, cache.per_tenant)
         yield from self._per_key("agent", self.agents, cache.per_agent)
         yield self._retained_per_tenant(cache)
+        yield from self._vllm_names(cache, engine)
+
+    def _vllm_names(self, cache: CacheStats, engine: EngineStats) -> Iterator[Metric]:
+        """The vLLM-named series external routers read (llm-d's Endpoint Picker, Dynamo):
+        the same values as ours, under ``vllm:`` (docs/fleet.md)."""
+        for name, doc, value in (
+                ("num_requests_waiting", "Requests waiting to be scheduled.", engine.num_waiting),
+                ("num_requests_running", "Requests in the running batch.", engine.num_running),
+                ("kv_cache_usage_perc", "KV-cache usage (1 = 100 percent).", cache.usage)):
+            family = GaugeMetricFamily(VLLM_PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+        info = GaugeMetricFamily(VLLM_PREFIX + "cache_config_info", "Information of the cache "
+                                 "configuration (vLLM's names).",
+                                 labels=["block_size", "num_gpu_blocks"])
+        info.add_metric([str(cache.page_size), str(cache.num_pages)], 1)
+        yield info
 
     def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
         family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -199,6 +199,12 @@ async def _render(state: ServerState, turn: ChatTurn) -> list[list[int]]:
     return rendered
 
 
+def render_prompts(state: ServerState, turn: ChatTurn) -> Awaitable[list[list[int]]]:
+    """``turn``'s prompt token ids, rendered as :func:`open_turn` renders them (the render
+    endpoints: gateway/server/openai/render.py)."""
+    return _render(state, turn)
+
+
 async def _grammar(state: ServerState, turn: ChatTurn, caller: _Caller) -> GrammarSpec | None:
     """The turn's output grammar. Built in a worker thread when there is one to build: a cold
     schema is bounded and converted there (tools/grammar.py), never on the event loop."""
@@ -285,4 +291,4 @@ async def open_turn(request: Request, principal: Principal, turn: ChatTurn,
 
 
 __all__ = ["ChatTurn", "ChoiceDelta", "ChoiceOutput", "ClientDisconnected", "TurnEnd",
-           "TurnStream", "open_turn", "sampling_params"]
+           "TurnStream", "open_turn", "render_prompts", "sampling_params"]

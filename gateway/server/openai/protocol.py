@@ -660,6 +660,10 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "prefixgate"
+    # vLLM's fields, read by routers (llm-d, the Inference Extension): ``root`` the model it
+    # was loaded from; ``parent`` the base model of an adapter, null for a base model
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int
     # compute / KV cache precision ("float32", "bfloat16"; docs/precision.md)
     dtype: str | None = None

@@ -25,6 +25,7 @@ from prefixgate.gateway.server.openai.protocol import (
     TokenizeResponse,
     template_tools,
 )
+from prefixgate.gateway.server.openai.render import RenderedPrompt, render
 from prefixgate.gateway.server.openai.serving import ChatWriter, CompletionWriter
 from prefixgate.gateway.server.routes_cache import PinResponse, pin_prefix
 from prefixgate.gateway.server.serving import respond
@@ -52,6 +53,26 @@ async def completions(
     return await respond(request, turn, writer, body.stream)
 
 
+@router.post("/v1/chat/completions/render")
+async def render_chat_completion(
+    body: ChatCompletionRequest, request: Request, _: Principal = Depends(authenticate)
+) -> RenderedPrompt:
+    """The prompt token ids /v1/chat/completions would run, without running it (vLLM's)."""
+    state = server_state(request)
+    state.check_model(body.model)
+    return (await render(state, body.turn(), request.state.request_id))[0]
+
+
+@router.post("/v1/completions/render")
+async def render_completion(
+    body: CompletionRequest, request: Request, _: Principal = Depends(authenticate)
+) -> list[RenderedPrompt]:
+    """The prompt token ids /v1/completions would run, one entry per prompt (vLLM's)."""
+    state = server_state(request)
+    state.check_model(body.model)
+    return await render(state, body.turn(), request.state.request_id)
+
+
 @router.get("/v1/models")
 async def list_models(request: Request, _: Principal = Depends(authenticate)) -> ModelList:
     state: ServerState = server_state(request)
@@ -60,6 +81,7 @@ async def list_models(request: Request, _: Principal = Depends(authenticate)) ->
         data=[
             ModelCard(
                 id=state.model_name, created=state.created, max_model_len=state.engine.max_model_len,
+                root=state.engine.model_name, parent=None,  # no adapters: every card a base model
                 # stand-in engines (tests) may not say
                 dtype=getattr(state.engine, "dtype", None),
                 kv_dtype=getattr(state.engine, "kv_dtype", None),
