@@ -169,7 +169,8 @@ class DecoderModel:
         cfg = self.config
         q_norm, k_norm = place.norm(attn + "q_norm.weight"), place.norm(attn + "k_norm.weight")
         if cfg.qk_norm_full:  # OLMo 2: one RMS over each token's whole q, another over its k
-            return partial(_norm_q_and_k, q_norm=q_norm, k_norm=k_norm, eps=cfg.rms_norm_eps)
+            return partial(_norm_q_and_k, q_norm=q_norm, k_norm=k_norm, eps=cfg.rms_norm_eps,
+                           native=self.native_ops)
         # one [Hq + Hkv, D] weight: q and k are normed (and rotated) together as one tensor
         weight = torch.cat([q_norm.expand(cfg.num_heads, -1), k_norm.expand(cfg.num_kv_heads, -1)])
         return partial(rms_norm, weight=weight, eps=cfg.rms_norm_eps)
@@ -292,15 +293,15 @@ class DecoderModel:
 
 
 def _norm_q_and_k(
-    qk: torch.Tensor, *, q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float
+    qk: torch.Tensor, *, q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float, native: bool
 ) -> torch.Tensor:  # [T, Hq + Hkv, D] -> same
     """OLMo 2's q/k norms: RMS over all of a token's q (weight ``[Hq * D]``), and over all of
     its k (``[Hkv * D]``), not per head."""
     num_tokens, _, head_dim = qk.shape
     q_size = q_norm.shape[0]
     flat = qk.reshape(num_tokens, -1)  # [T, Q + KV]
-    normed = torch.cat([rms_norm(flat[:, :q_size], q_norm, eps),
-                        rms_norm(flat[:, q_size:], k_norm, eps)], dim=-1)  # fmt: skip
+    normed = torch.cat([rms_norm(flat[:, :q_size], q_norm, eps, native),
+                        rms_norm(flat[:, q_size:], k_norm, eps, native)], dim=-1)  # fmt: skip
     return normed.view(num_tokens, -1, head_dim)
 
 
