@@ -190,3 +190,45 @@ def test_a_full_queue_resyncs_and_a_late_subscriber_replays(publisher):
         index.apply(decode_message([b"kv@pod-1@m", seq, payload]))
     assert index.held() == {wire.u64(b.block_hash) for b in blocks}
     assert index.next_seq == pub.status.batches  # contiguous from 0, nothing missing
+
+
+@pytest.mark.parametrize("tier", ["host", "redis"])
+def test_second_tiers_publish_with_their_medium(publisher, tier, request):
+    """A KVTier over each store, attached as a server attaches it: a spilled block is stored in
+    the tier's medium; one the store drops (its LRU) is removed from it."""
+    import types
+
+    import torch
+
+    from prefixgate.cache.tier import HostTier, TierEntry, entry_slot_bytes
+    from prefixgate.gateway.engine.kv_tier import KVTier, pool_layout
+
+    chain = _chain(list(range(1, 13)))
+    kv_pool = torch.zeros(1, 2, 4, PS, 1, 2)  # [L, 2, pages, ps, Hkv, D]
+    page_bytes = kv_pool[:, :, 0].numel() * kv_pool.element_size()
+    slot = entry_slot_bytes(page_bytes, 512)
+    if tier == "host":
+        store, medium = HostTier(2 * slot, slot), "CPU"  # room for two entries
+    else:
+        from prefixgate.gateway.scaleout.kv_tier_redis import MAC_BYTES, RedisTier
+
+        redis_server = request.getfixturevalue("redis_server")
+        entry = len(TierEntry(chain[1], pool_layout(kv_pool), bytes(page_bytes)).encode())
+        store, medium = RedisTier(redis_server.url, entry * 5 // 2 + 2 * MAC_BYTES,
+                                  namespace="kvevents-tier", secret="s" * 16), "REDIS"
+    kv_tier = KVTier(store, kv_pool)
+    pub = publisher()
+    engine = types.SimpleNamespace(core=types.SimpleNamespace(tier=kv_tier),
+                                   add_event_sink=lambda sink: None)
+    pub.attach(engine)
+    wait_for(lambda: pub.status.batches == 1, 10, "the first batch")
+    sub = _sub(pub)
+    for block in chain:  # evicted from the pool, in chain order
+        pub.pool_sink(_stored(block))
+    kv_tier.spill([(i, block) for i, block in enumerate(chain)])
+    kv_tier.flush()
+    _settle(pub, sub, 2)
+    # the store keeps two: the first block was dropped again, as its LRU says
+    assert sub.index.held(medium) == {wire.u64(b.block_hash) for b in chain[1:]}
+    assert sub.index.held("GPU") == {wire.u64(b.block_hash) for b in chain}
+    kv_tier.close()
