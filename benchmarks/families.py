@@ -6,12 +6,17 @@ Workload (every size is a flag):
     what the family adds: Qwen3's q/k norms; Gemma 3's sandwich and ``1 + w`` norms, GeGLU,
     embedding scale, softcapping and 5 sliding (``--window``) layers to 1 global; Phi-4-mini's
     partial rotary (0.75); Qwen3-MoE with 16 experts of width 384, top-4 (the active MLP is
-    SmolLM2's width; total parameters 2.4x). Random fp32 weights (speed does not depend on
+    SmolLM2's width; total parameters 2.4x); SmolLM3's NoPE layers (every 4th without RoPE);
+    Granite 3.x's four multipliers (3.3-2B's values); OLMo 2's post-norm blocks and q/k norms
+    over whole projections. Random fp32 weights (speed does not depend on
     the values; no download), CPU, fp32, the runner's defaults (native CPU kernels where the
     library builds). ``smollm2`` is the Llama family at that shape: the reference row.
   * prefill: one sequence of ``--prefill`` random token ids into an empty cache (one
     ``ModelRunner.execute``); decode: ``--batch`` sequences, each with a private copy of a
     ``--context``-token context, ``--steps`` greedy steps per sample.
+  * paths: the native CPU kernels (the runner's default); with ``--torch-reference`` every
+    family again on the torch reference path (``native_kernels=False``: torch norms, RoPE and
+    attention, oneDNN GEMMs), each path's ratios against SmolLM2 on the same path.
   * timing: ``--threads`` torch threads (default 1), medians of ``--repeats`` samples after a
     warm-up, in CPU time of the process (``time.process_time``) as well as wall time: families
     run one after another (one model in memory at a time), and on a shared machine the wall
@@ -26,6 +31,7 @@ the parameters a token reads (an MoE's chosen experts only).
 
     python -m benchmarks.families --json out/families.json
     python -m benchmarks.families --families smollm2 gemma3 --prefill 256 --steps 4
+    python -m benchmarks.families --families smollm3 granite olmo2 --torch-reference
 """
 
 from __future__ import annotations
@@ -76,6 +82,18 @@ def family_configs(window: int) -> dict[str, ModelConfig]:
         "gemma3": _gemma3(window),
         "phi3": {"architecture": "phi3"},
         "phi4_mini": {"architecture": "phi3", "rotary_dim": 48},
+        "smollm3": {
+            "architecture": "smollm3",
+            "rope_layers": tuple((i + 1) % 4 != 0 for i in range(SMOLLM2.num_layers)),
+        },
+        "granite": {
+            "architecture": "granite", "embedding_scale": 12.0, "residual_scale": 0.22,
+            "attention_multiplier": 0.015625, "logits_scaling": 8.0,
+        },
+        "olmo2": {
+            "architecture": "olmo2", "qk_norm": True, "qk_norm_full": True, "pre_norms": False,
+            "sandwich_norms": True,
+        },
     }  # fmt: skip
     return {name: dataclasses.replace(SMOLLM2, name=name, **o) for name, o in options.items()}
 
@@ -115,12 +133,14 @@ def _medians(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
     return statistics.median(cpu), statistics.median(wall)
 
 
-def measure(config: ModelConfig, args: Any) -> dict[str, float]:
-    """Prefill and decode tokens/s of one family (the runner built, measured, released)."""
+def measure(config: ModelConfig, args: Any, native: bool = True) -> dict[str, float]:
+    """Prefill and decode tokens/s of one family (the runner built, measured, released);
+    ``native``: the native CPU kernels, else the torch reference path."""
     capacity = args.context + args.steps * (args.repeats + 1) + 1
     pages_per_seq = -(-max(capacity, args.prefill) // 16)
     runner = ModelRunner(config, random_weights(config), num_pages=pages_per_seq * args.batch,
-                         page_size=16, device="cpu", dtype=torch.float32)
+                         page_size=16, device="cpu", dtype=torch.float32,
+                         native_kernels=native)  # fmt: skip
     gen = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(FIRST_ORDINARY_TOKEN, config.vocab_size, (args.prefill,),
                            generator=gen).tolist()
@@ -156,6 +176,8 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=512, help="Gemma 3's sliding window")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--torch-reference", action="store_true",
+                        help="every family again on the torch reference path")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     configs = family_configs(args.window)
@@ -163,6 +185,24 @@ def main() -> None:
     if "smollm2" not in names:
         names = ["smollm2", *names]
     results = {name: measure(configs[name], args) for name in names}
+    rows = _rows(results, "")
+    reference = None
+    if args.torch_reference:
+        reference = {name: measure(configs[name], args, native=False) for name in names}
+        rows += _rows(reference, "torch ")
+        rows += [(f"{name:<10} native / torch, prefill | decode tok/CPU-s",
+                  f"{results[name]['prefill_tok_s'] / reference[name]['prefill_tok_s']:.2f} | "
+                  f"{results[name]['decode_tok_s'] / reference[name]['decode_tok_s']:.2f}")
+                 for name in names]  # fmt: skip
+    print_table(f"families at SmolLM2-135M's shape, CPU fp32, {torch.get_num_threads()} threads "
+                f"(prefill {args.prefill}; decode b={args.batch} at {args.context})", rows)
+    write_json(args.json, {"args": {k: v for k, v in vars(args).items() if k != "json"},
+                           "threads": torch.get_num_threads(), "families": results,
+                           "torch_reference": reference})
+
+
+def _rows(results: dict[str, dict[str, float]], path: str) -> list[tuple[str, Any]]:
+    """Adds the ratios against the same path's SmolLM2 to ``results``; the table's rows."""
     smol = results["smollm2"]
     rows: list[tuple[str, Any]] = []
     for name, r in results.items():
@@ -178,10 +218,7 @@ def main() -> None:
                          f"({r[f'{phase}_per_active_param_vs_smollm2']:.2f})"))
         rows.append((f"{name:<10} params (active)",
                      f"{r['params'] / 1e6:.1f}M ({r['active_params'] / 1e6:.1f}M)"))
-    print_table(f"families at SmolLM2-135M's shape, CPU fp32, {torch.get_num_threads()} threads "
-                f"(prefill {args.prefill}; decode b={args.batch} at {args.context})", rows)
-    write_json(args.json, {"args": {k: v for k, v in vars(args).items() if k != "json"},
-                           "threads": torch.get_num_threads(), "families": results})
+    return [(path + label, value) for label, value in rows]
 
 
 if __name__ == "__main__":

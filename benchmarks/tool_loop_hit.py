@@ -43,6 +43,7 @@ TURNS = 4
 TARGET = 0.98
 HARMONY = "o200k_harmony"
 EOS = "eos"  # the end of turn is the tokenizer's eos token (the Mistral templates write it)
+SMOLLM3_SPECIALS = ("<|im_start|>", "<|im_end|>")
 GRANITE_SPECIALS = ("<|start_of_role|>", "<|end_of_role|>", "<|tool_call|>")
 # Mistral's control tokens (single tokens in its own tokenizer, so nothing merges across them)
 MISTRAL_SPECIALS = ("[INST]", "[/INST]", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "[TOOL_RESULTS]",
@@ -62,6 +63,7 @@ class Case:
     specials: tuple[str, ...] = ()  # control tokens the real tokenizer has and the stand-in lacks
     sends_reasoning: bool = True  # the client sends the reasoning back (reasoning_content)
     answers: bool = False  # after the calls the model answers and the user asks again
+    no_think: bool = False  # the request turns thinking off (SmolLM3's template thinks unasked)
 
 
 CASES = {
@@ -90,6 +92,12 @@ CASES = {
     "granite-3.3": Case("ibm-granite-granite-3.3-2B-Instruct.jinja", "llama3", "<|end_of_text|>",
                         specials=GRANITE_SPECIALS),
     "phi-3.5": Case("microsoft-Phi-3.5-mini-instruct.jinja", "phi3", "<|end|>"),
+    # SmolLM3's template renders no tools (the gateway's Hermes prompt); Llama 3's vocabulary
+    # with SmolLM3's <|im_start|> / <|im_end|> added as the special tokens they are in its own
+    "smollm3-no-think": Case("HuggingFaceTB-SmolLM3-3B.jinja", "smollm3", "<|im_end|>",
+                             specials=SMOLLM3_SPECIALS, no_think=True),
+    "smollm3-thinking": Case("HuggingFaceTB-SmolLM3-3B.jinja", "smollm3", "<|im_end|>",
+                             think=True, specials=SMOLLM3_SPECIALS),
     "gemma-2": Case("google-gemma-2-2b-it.jinja", "gemma3", "<end_of_turn>", system=False),
     # gpt-oss: o200k_harmony (tests/harmony_fixture.py); the call ends with <|call|>, analysis
     # first. Its template keeps a call turn's analysis until a final answer follows.
@@ -176,6 +184,8 @@ def agent_loop(tokenizer: Tokenizer, dialect: ToolDialect, case: Case, agent: in
 
     # the thinking rows ask for it (DeepSeek R1's template closes the span unless asked)
     controls = thinking_kwargs(True) if case.think else {}
+    if case.no_think:
+        controls = thinking_kwargs(False)
 
     def render(messages: list[dict[str, Any]]) -> tuple[list[int], str]:
         prepared, tools = dialect.template_inputs(messages, [READ_FILE])

@@ -60,6 +60,7 @@ TEMPLATES = {
     "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja": "deepseek_r1",
     "microsoft-Phi-3.5-mini-instruct.jinja": None,
     "google-gemma-2-2b-it.jinja": None,
+    "HuggingFaceTB-SmolLM3-3B.jinja": None,  # renders no tools: the gateway's Hermes prompt
     "ibm-granite-granite-3.3-2B-Instruct.jinja": "granite",
     "ibm-granite-granite-4.0.jinja": "hermes",
 }
