@@ -47,6 +47,7 @@ DIALECTS = {
     "microsoft-Phi-3.5-mini-instruct.jinja": ("hermes", False, None),
     "google-gemma-2-2b-it.jinja": ("hermes", False, None),
     "ibm-granite-granite-3.3-2B-Instruct.jinja": ("granite", True, "think"),
+    "HuggingFaceTB-SmolLM3-3B.jinja": ("hermes", False, "think"),
 }
 
 
