@@ -25,17 +25,19 @@ def paged_attention_windowed(
     seq_lens: torch.Tensor,  # [S] int32, context length after this step
     query_start_loc: torch.Tensor,  # [S + 1] int32
     scale: float,
-    window: int,
+    window: int | None,
     *,
     check: bool = True,
+    sinks: torch.Tensor | None = None,  # [Hq] attention-sink logits (gpt-oss)
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Causal attention of each sequence's new rows over the last ``window`` positions.
+    """Causal attention of each sequence's new rows over the last ``window`` positions (None:
+    all of them; the sink layers of gpt-oss take this path too).
 
     Computed in fp32 whatever the pages hold; returns ``query``'s dtype.
     """
     if check:
         check_attention_inputs(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
-    if window <= 0:
+    if window is not None and window <= 0:
         raise ValueError(f"window must be positive, got {window}")
     starts = query_start_loc.tolist()
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -43,7 +45,7 @@ def paged_attention_windowed(
         rows = slice(starts[seq], starts[seq + 1])
         if starts[seq + 1] > starts[seq]:
             out[rows] = attend_window(query[rows], k_cache, v_cache, block_tables[seq], ctx_len,
-                                      scale, window)
+                                      scale, window, sinks)
     return out
 
 
@@ -54,10 +56,13 @@ def attend_window(
     block_table: torch.Tensor,  # [>= ceil(ctx_len / page_size)] page ids from the first token
     ctx_len: int,
     scale: float,
-    window: int,
+    window: int | None,
+    sinks: torch.Tensor | None = None,  # [Hq]: one more logit in each head's softmax
 ) -> torch.Tensor:  # [N, Hq, D]
-    """One sequence's rows over its last ``window`` positions each (fp32 inside)."""
+    """One sequence's rows over its last ``window`` positions each (None: all; fp32 inside).
+    A head's sink takes its share of the softmax and attends nothing (gpt-oss)."""
     num_rows = query.shape[0]
+    window = window or ctx_len
     page_size = k_cache.shape[1]
     num_heads, num_kv_heads, head_dim = query.shape[1], k_cache.shape[2], k_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -74,7 +79,11 @@ def attend_window(
     k_pos = torch.arange(first_kv, ctx_len, device=query.device)[None, :]
     visible = (k_pos <= q_pos) & (q_pos - k_pos < window)  # [N, M]
     scores = scores.masked_fill(~visible, float("-inf"))
-    probs = scores.softmax(-1)
+    if sinks is not None:
+        sink = sinks.float().view(num_kv_heads, group, 1, 1).expand(-1, -1, num_rows, 1)
+        probs = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
+    else:
+        probs = scores.softmax(-1)
     attended = torch.einsum("hgnm,mhd->nhgd", probs, values)  # [N, Hkv, G, D]
     return attended.reshape(num_rows, num_heads, head_dim).to(query.dtype)
 

@@ -178,6 +178,11 @@ class ModelConfig:
     attention_multiplier: float | None = None  # Granite: the softmax scale itself
     residual_scale: float | None = None  # Granite: attention / MLP outputs scaled before the add
     logits_scaling: float | None = None  # Granite: logits divided by this
+    attention_sinks: bool = False  # gpt-oss: a learned logit per q head in every softmax
+    # gpt-oss's experts: a biased router (softmax over the top-k logits), biased experts with
+    # a clamped SwiGLU ``(clamp(up) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         # the families register their architectures (models/registry.py)
@@ -357,6 +362,16 @@ def _family_layer_shapes(config: ModelConfig, prefix: str) -> dict[str, tuple[in
             prefix + "mlp.up_proj.weight": (inter, h),
             prefix + "mlp.down_proj.weight": (h, inter),
         }
+    if config.swiglu_limit is not None and config.num_experts:  # gpt-oss: biases everywhere
+        experts, moe = config.num_experts, config.moe_intermediate_size
+        shapes |= {
+            prefix + "mlp.gate.bias": (experts,),
+            prefix + "mlp.experts.gate_proj.bias": (experts, moe),
+            prefix + "mlp.experts.up_proj.bias": (experts, moe),
+            prefix + "mlp.experts.down_proj.bias": (experts, h),
+        }
+    if config.attention_sinks:
+        shapes[prefix + "self_attn.sinks"] = (config.num_heads,)
     if config.shared_expert_intermediate_size:
         shared = config.shared_expert_intermediate_size
         shapes |= {

@@ -43,6 +43,7 @@ def paged_decode_native(
     lse: torch.Tensor | None = None,  # [B, Hq] fp32, filled when given
     num_threads: int | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq] fp32 attention-sink logits (gpt-oss)
 ) -> bool:
     """Decode attention of one query row per sequence, reading pages in place.
 
@@ -72,7 +73,8 @@ def paged_decode_native(
     _check_shapes(out, query, k_cache, v_cache, rows, pages, lengths, lse)
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    if _declines(lib, out, query, k_cache, v_cache, rows, pages, lengths, lse):
+    if (_declines(lib, out, query, k_cache, v_cache, rows, pages, lengths, lse)
+            or not sinks_accepted(sinks, query)):
         return False
     rc = lib.pg_paged_decode_f32(
         query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
@@ -81,6 +83,7 @@ def paged_decode_native(
         rows.shape[0], num_q_heads, num_kv_heads, head_dim, page_size, scale,
         num_threads or torch.get_num_threads(), k_cache.shape[0], query.shape[0],
         int(k_cache.dtype == torch.bfloat16), window,
+        sinks.data_ptr() if sinks is not None else None,
     )
     if rc == -2:
         raise ValueError(
@@ -90,6 +93,12 @@ def paged_decode_native(
     if rc != 0:
         raise MemoryError("native decode kernel could not allocate its score buffer")
     return True
+
+
+def sinks_accepted(sinks: torch.Tensor | None, query: torch.Tensor) -> bool:
+    """Whether the kernels read ``sinks`` as they are: none, or ``[Hq]`` contiguous fp32."""
+    return sinks is None or (sinks.dtype == torch.float32 and sinks.is_contiguous()
+                             and sinks.shape == (query.shape[1],) and sinks.device.type == "cpu")
 
 
 def _check_shapes(
@@ -139,4 +148,5 @@ def _declines(
     )
 
 
-__all__ = ["KV_DTYPES", "native_decode_available", "native_status", "paged_decode_native"]
+__all__ = ["KV_DTYPES", "native_decode_available", "native_status", "paged_decode_native",
+           "sinks_accepted"]

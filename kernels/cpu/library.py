@@ -245,6 +245,7 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
         _i64,  # num_rows
         _i32,  # kv_bf16
         _i32,  # window (0: none)
+        _p,  # sinks [Hq] fp32 (NULL: none)
     ], _i32),
     # cpu_ops.c
     "pg_rms_norm_f32": ([_p, _i64, _p, _p, _i64, _i64, _i32, _f32, _i32], None),
@@ -284,6 +285,7 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
         # threads, pool
         _i32,  # kv_bf16
         _i32,  # window (0: none)
+        _p,  # sinks [Hq] fp32 (NULL: none)
     ], _i32),
     # paged_cascade.c
     "pg_cascade_decode_f32": ([

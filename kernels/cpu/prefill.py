@@ -18,6 +18,7 @@ from prefixgate.kernels.cpu.attention_inputs import (
     takes_dtypes,
     window_arg,
 )
+from prefixgate.kernels.cpu.decode import sinks_accepted
 from prefixgate.kernels.cpu.library import library
 
 
@@ -31,6 +32,7 @@ def paged_prefill_native(
     scale: float,
     num_threads: int | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq] fp32 attention-sink logits (gpt-oss)
 ) -> bool:
     """Causal attention of ``n`` new rows, row ``i`` at position ``ctx_len - n + i``;
     ``window``: a sliding layer, row ``i`` sees only its last ``window`` positions (the pages
@@ -64,7 +66,7 @@ def paged_prefill_native(
         raise ValueError(f"paged prefill: context {ctx_len} shorter than its {n_rows} new rows")
     if pages.shape[0] * page_size < ctx_len:
         raise ValueError(f"paged prefill: {pages.shape[0]} pages of {page_size} cannot hold {ctx_len} tokens")
-    if _declines(lib, out, query, k_cache, v_cache, pages):
+    if _declines(lib, out, query, k_cache, v_cache, pages) or not sinks_accepted(sinks, query):
         return False
     if n_rows == 0:
         return True
@@ -74,6 +76,7 @@ def paged_prefill_native(
         num_q_heads, num_kv_heads, head_dim, page_size, scale,
         num_threads or torch.get_num_threads(), k_cache.shape[0],
         int(k_cache.dtype == torch.bfloat16), window,
+        sinks.data_ptr() if sinks is not None else None,
     )
     if rc == -2:  # the sizes were checked above: a page id is out of range
         raise ValueError(f"paged prefill: a page id outside the pool [0, {k_cache.shape[0]})")

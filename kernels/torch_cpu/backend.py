@@ -48,7 +48,7 @@ class TorchStep:
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         if not self._checked:
             self._check(query, key, value, k_cache, v_cache)
         inputs = self._inputs
@@ -58,14 +58,16 @@ class TorchStep:
             write_kv_torch(key, value, k_cache, v_cache, inputs.slot_mapping, check=False)
         addressing = (inputs.block_tables_tensor, inputs.seq_lens_tensor,
                       inputs.query_start_loc_tensor)
-        if window is not None and self.plan.use_native:
+        # a sliding layer, or a layer with attention sinks (gpt-oss: sliding or full), reads
+        # each row's own pages: the sinks join the softmax inside the native kernels
+        if (window is not None or sinks is not None) and self.plan.use_native:
             return paged_attention_windowed_native(
                 query, k_cache, v_cache, inputs.block_tables_tensor, self.plan,
-                self._unshared_decode(k_cache.shape[1]), scale, window,
+                self._unshared_decode(k_cache.shape[1]), scale, window, sinks,
             )
-        if window is not None:
+        if window is not None or sinks is not None:
             return paged_attention_windowed(query, k_cache, v_cache, *addressing, scale, window,
-                                            check=False)
+                                            check=False, sinks=sinks)
         return paged_attention_torch(query, k_cache, v_cache, *addressing, scale, self.plan,
                                      check=False)
 

@@ -25,10 +25,13 @@ def paged_attention_windowed_native(
     plan: AttentionPlan,
     decode: list[PaddedDecode],  # every decode row, unshared (attention_plan.unshared_decode)
     scale: float,
-    window: int,
+    window: int | None,
+    sinks: torch.Tensor | None = None,  # [Hq] fp32 attention-sink logits (gpt-oss)
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Each sequence's new rows over their last ``window`` positions, as
-    :func:`~prefixgate.kernels.sliding_window.paged_attention_windowed` computes them.
+    """Each sequence's new rows over their last ``window`` positions (None: all), as
+    :func:`~prefixgate.kernels.sliding_window.paged_attention_windowed` computes them; the
+    kernels take gpt-oss's ``sinks`` into each softmax (a full sink layer comes here too: its
+    decode rows are not split into shared runs).
 
     Raises:
         ValueError: a plan that does not fit ``query``, or a window < 1.
@@ -37,7 +40,7 @@ def paged_attention_windowed_native(
     if starts[-1] > query.shape[0]:
         raise ValueError(f"attention plan for {starts[-1]} query rows does not fit "
                          f"{query.shape[0]} rows")
-    if window < 1:
+    if window is not None and window < 1:
         raise ValueError(f"window must be positive, got {window}")
     page_size = k_cache.shape[1]
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -45,17 +48,17 @@ def paged_attention_windowed_native(
         rows = slice(starts[s], starts[s + 1])
         pages = block_tables[s, : -(-lens[s] // page_size)].long()
         if not paged_prefill_native(out[rows], query[rows], k_cache, v_cache, pages, lens[s],
-                                    scale, window=window):
+                                    scale, window=window, sinks=sinks):
             out[rows] = attend_window(query[rows], k_cache, v_cache, pages, lens[s], scale,
-                                      window)
+                                      window, sinks)
     for chunk in decode:
         if paged_decode_native(out, query, k_cache, v_cache, chunk.rows, chunk.pages,
-                               chunk.lengths, scale, window=window):
+                               chunk.lengths, scale, window=window, sinks=sinks):
             continue
         for row, pages, length in zip(chunk.rows.tolist(), chunk.pages, chunk.lengths.tolist(),
                                       strict=True):
             out[row : row + 1] = attend_window(query[row : row + 1], k_cache, v_cache, pages,
-                                               length, scale, window)
+                                               length, scale, window, sinks)
     return out
 
 

@@ -31,11 +31,13 @@ def naive_copy_pages(kv_pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
         kv_pool[:, :, d] = kv_pool[:, :, s]
 
 
-def naive_paged_attention(batch: PagedBatch, window: int | None = None) -> torch.Tensor:
+def naive_paged_attention(batch: PagedBatch, window: int | None = None,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Per query token, per head: gather its visible keys slot by slot, softmax in float64.
 
     ``window``: a sliding layer, each token sees only the last ``window`` positions (itself
-    included). Returns ``[T, Hq, D]`` float64.
+    included). ``sinks``: ``[Hq]`` attention-sink logits (gpt-oss), one more softmax term per
+    head that attends nothing. Returns ``[T, Hq, D]`` float64.
     """
     q_all = batch.query.double().cpu()
     k_flat = batch.k_cache.double().cpu().flatten(0, 1)  # [num_slots, Hkv, D]
@@ -56,7 +58,10 @@ def naive_paged_attention(batch: PagedBatch, window: int | None = None) -> torch
             k = k_flat[slots].repeat_interleave(group, dim=1)  # [pos + 1, Hq, D]
             v = v_flat[slots].repeat_interleave(group, dim=1)
             q = q_all[starts[s] + j]  # [Hq, D]
-            probs = torch.softmax(torch.einsum("hd,chd->hc", q, k) * batch.scale, dim=-1)
+            scores = torch.einsum("hd,chd->hc", q, k) * batch.scale  # [Hq, C]
+            if sinks is not None:
+                scores = torch.cat([scores, sinks.double().cpu()[:, None]], -1)
+            probs = torch.softmax(scores, dim=-1)[:, : len(slots)]
             out[starts[s] + j] = torch.einsum("hc,chd->hd", probs, v)
     return out
 

@@ -21,6 +21,7 @@ from prefixgate.gateway.engine.models import llama  # noqa: F401, E402
 from prefixgate.gateway.engine.models import qwen3, qwen3_moe, gemma3, phi3  # noqa: F401, E402
 from prefixgate.gateway.engine.models import qwen3_5  # noqa: F401, E402
 from prefixgate.gateway.engine.models import smollm3, granite, olmo2  # noqa: F401, E402
+from prefixgate.gateway.engine.models import gpt_oss  # noqa: F401, E402
 # isort: on
 
 

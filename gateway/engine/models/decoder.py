@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from prefixgate import kernels
 from prefixgate.gateway.engine.model_config import ModelConfig, check_weights
 from prefixgate.gateway.engine.models.forward_batch import ForwardBatch
+from prefixgate.gateway.engine.models.gpt_oss_moe import GptOssMoE, load_gpt_oss_moe
 from prefixgate.gateway.engine.models.layers import DenseMLP, activation_dtype, rms_norm
 from prefixgate.gateway.engine.models.linear import Linear
 from prefixgate.gateway.engine.models.moe import GroupedMoEMLP, MoEMLP
@@ -47,10 +48,11 @@ class _Layer(NamedTuple):
     o: Linear  # Q -> H
     attn_out_norm: torch.Tensor | None  # [H], sandwich norm on the attention output
     mlp_norm: torch.Tensor | None  # [H]; None: no pre-norm (OLMo 2)
-    mlp: DenseMLP | MoEMLP
+    mlp: DenseMLP | MoEMLP | GptOssMoE
     mlp_out_norm: torch.Tensor | None  # [H], sandwich norm on the MLP output
     window: int | None  # sliding layers: tokens visible (itself included)
     rope: int | None  # index into DecoderModel.ropes; None: no RoPE (a NoPE layer)
+    sinks: torch.Tensor | None = None  # [Hq] fp32 attention-sink logits (gpt-oss)
 
 
 class DecoderModel:
@@ -163,6 +165,8 @@ class DecoderModel:
             mlp_out_norm=place.norm(p + "post_feedforward_layernorm.weight") if sandwich else None,
             window=window,
             rope=rope,
+            sinks=place.place(place.weights[attn + "sinks"], torch.float32)
+            if cfg.attention_sinks else None,
         )
 
     def _qk_norm(self, place: WeightPlacer, attn: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -175,8 +179,11 @@ class DecoderModel:
         weight = torch.cat([q_norm.expand(cfg.num_heads, -1), k_norm.expand(cfg.num_kv_heads, -1)])
         return partial(rms_norm, weight=weight, eps=cfg.rms_norm_eps)
 
-    def _mlp(self, place: WeightPlacer, prefix: str) -> DenseMLP | MoEMLP:
+    def _mlp(self, place: WeightPlacer, prefix: str) -> DenseMLP | MoEMLP | GptOssMoE:
         cfg = self.config
+        if cfg.swiglu_limit is not None:  # gpt-oss's biased, clamped experts
+            return load_gpt_oss_moe(place.tensor, prefix, top_k=cfg.num_experts_per_tok,
+                                    alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
         if not cfg.num_experts:
             return DenseMLP(
                 place.named_linear([prefix + "gate_proj.weight", prefix + "up_proj.weight"]),
@@ -246,7 +253,9 @@ class DecoderModel:
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]  # [T, Hq, D], [T, Hkv, D]
         v = qkv[:, q_size + kv_size :].view(num_tokens, cfg.num_kv_heads, head_dim)
         # K/V into the pages, then attention over them (the step's backend, bound once)
-        attn = batch.attention.forward(q, k, v, *kv_cache, self.scale, window=layer.window)
+        sinks = {} if layer.sinks is None else {"sinks": layer.sinks}  # gpt-oss
+        attn = batch.attention.forward(q, k, v, *kv_cache, self.scale, window=layer.window,
+                                       **sinks)
         return attn.reshape(num_tokens, q_size)
 
     @torch.inference_mode()

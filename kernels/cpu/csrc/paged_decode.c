@@ -116,7 +116,7 @@ static inline __attribute__((always_inline)) int attend_item(
     const int group, const int head_dim, const int bf16, const float *query, int64_t q_row_stride,
     const void *k_cache, const void *v_cache, const int64_t *seq_pages, int len, int64_t row,
     float *out, int64_t out_row_stride, float *lse_row, int h, int num_kv_heads,
-    int page_size, float scale, int window) {
+    int page_size, float scale, int window, const float *sinks) {
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
     const int first = window > 0 && len > window ? len - window : 0;
     const int n = len - first; /* tokens attended */
@@ -160,9 +160,12 @@ static inline __attribute__((always_inline)) int attend_item(
     }
     for (int g = 0; g < group; ++g) {
         float *dst = out + row * out_row_stride + (int64_t)(h * group + g) * head_dim;
-        const float inv = 1.0f / denom[g];
+        /* a sink takes its share of the softmax's mass and attends nothing */
+        const float total =
+            sinks != NULL ? denom[g] + expf(sinks[h * group + g] - row_max[g]) : denom[g];
+        const float inv = 1.0f / total;
         for (int d = 0; d < head_dim; ++d) dst[d] = acc[g][d] * inv;
-        if (lse_row != NULL) lse_row[h * group + g] = row_max[g] + logf(denom[g]);
+        if (lse_row != NULL) lse_row[h * group + g] = row_max[g] + logf(total);
     }
     free(scores);
     return 0;
@@ -175,7 +178,7 @@ static inline __attribute__((always_inline)) int attend_sequence(
     const float *query, int64_t q_row_stride, const void *k_cache, const void *v_cache,
     const int64_t *seq_pages,
     int len, int64_t row, float *out, int64_t out_row_stride, float *lse_row, int page_size,
-    float scale, int window) {
+    float scale, int window, const float *sinks) {
     const int num_q_heads = group * num_kv_heads;
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
     const size_t qd = (size_t)num_q_heads * head_dim;
@@ -223,9 +226,10 @@ static inline __attribute__((always_inline)) int attend_sequence(
     }
     float *dst = out + row * out_row_stride;
     for (int r = 0; r < num_q_heads; ++r) {
-        const float inv = 1.0f / denom[r];
+        const float total = sinks != NULL ? denom[r] + expf(sinks[r] - row_max[r]) : denom[r];
+        const float inv = 1.0f / total;
         for (int d = 0; d < head_dim; ++d) dst[r * head_dim + d] = acc[r * head_dim + d] * inv;
-        if (lse_row != NULL) lse_row[r] = row_max[r] + logf(denom[r]);
+        if (lse_row != NULL) lse_row[r] = row_max[r] + logf(total);
     }
     free(q);
     return 0;
@@ -240,6 +244,8 @@ static inline __attribute__((always_inline)) int attend_sequence(
  * out:     row r, head h at out + r * out_row_stride + h * head_dim
  * lse:     NULL, or [num_seqs, Hq] log-sum-exp of the scaled scores
  * window:  0, or a sliding layer's window: each row attends its last `window` positions only
+ * sinks:   NULL, or [Hq] attention-sink logits (gpt-oss): each head's softmax also spreads
+ *          exp(sink) over nothing, so the output is scaled by sum / (sum + exp(sink))
  * num_pages: pool size; every page id read must be in [0, num_pages)
  * num_rows: rows of query and out; every rows[s] must be in [0, num_rows)
  * num_threads: OpenMP threads to use (torch's intra-op count: the calling thread's own
@@ -253,7 +259,7 @@ int pg_paged_decode_f32(const float *query, int64_t q_row_stride, const void *k_
                         int64_t out_row_stride, float *lse, int num_seqs, int num_q_heads,
                         int num_kv_heads, int head_dim, int page_size, float scale,
                         int num_threads, int64_t num_pages, int64_t num_rows, int kv_bf16,
-                        int window) {
+                        int window, const float *sinks) {
     const int group = num_q_heads / num_kv_heads;
     int failed = 0;
     if (num_threads < 1) num_threads = 1;
@@ -304,7 +310,7 @@ int pg_paged_decode_f32(const float *query, int64_t q_row_stride, const void *k_
 #define PG_SEQ(G, D, B)                                                                      \
     attend_sequence(G, D, B, num_kv_heads, query, q_row_stride, k_cache, v_cache, seq_pages, \
                     lengths[s], rows[s], out, out_row_stride, lse_row, page_size, scale,   \
-                    window)
+                    window, sinks)
             PG_DISPATCH(PG_SEQ)
 #undef PG_SEQ
         }
@@ -322,7 +328,7 @@ int pg_paged_decode_f32(const float *query, int64_t q_row_stride, const void *k_
 #define PG_ITEM(G, D, B)                                                                   \
     attend_item(G, D, B, query, q_row_stride, k_cache, v_cache, seq_pages, lengths[s],      \
                 rows[s], out, out_row_stride, lse_row, h, num_kv_heads, page_size, scale,   \
-                window)
+                window, sinks)
         PG_DISPATCH(PG_ITEM)
 #undef PG_ITEM
     }

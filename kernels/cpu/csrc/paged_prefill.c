@@ -364,13 +364,17 @@ static inline __attribute__((always_inline)) int span_partial(
     return 0;
 }
 
-/* Out rows of item (g, h) from its running state. */
+/* Out rows of item (g, h) from its running state; a head's sink (NULL: none) takes its share
+ * of the softmax's mass and attends nothing. */
 static inline void write_rows(float *out, int64_t out_row_stride, const item_rows *g, int group,
-                              int head_dim, int h, const float *o, const float *l) {
+                              int head_dim, int h, const float *o, const float *m,
+                              const float *l, const float *sinks) {
     for (int r = 0; r < g->rows; ++r) {
         float *dst = out + (int64_t)(g->i0 + r / group) * out_row_stride +
                      (int64_t)(h * group + r % group) * head_dim;
-        const float inv = 1.0f / l[r];
+        const float total = sinks != NULL ? l[r] + expf(sinks[h * group + r % group] - m[r])
+                                          : l[r];
+        const float inv = 1.0f / total;
         for (int d = 0; d < head_dim; ++d) dst[d] = o[(size_t)r * head_dim + d] * inv;
     }
 }
@@ -380,7 +384,7 @@ static inline void write_rows(float *out, int64_t out_row_stride, const item_row
 static inline __attribute__((always_inline)) int prefill_item(
     const int group, const int head_dim, const int bf16, const paged_kv *kv, const float *query,
     int64_t q_row_stride, float *out, int64_t out_row_stride, const item_rows *g, int h,
-    float scale, int window) {
+    float scale, int window, const float *sinks) {
     const size_t rd = (size_t)g->padded_rows * head_dim;
     /* running o, m, l, then a span's po, pm, pl */
     float *o = (float *)aligned_alloc(64, sizeof(float) * ((2 * rd + 4 * g->padded_rows + 15) / 16 * 16));
@@ -400,7 +404,7 @@ static inline __attribute__((always_inline)) int prefill_item(
             merge_partial(head_dim, o + (size_t)r * head_dim, m + r, l + r,
                           po + (size_t)r * head_dim, pm[r], pl[r]);
     }
-    if (!failed) write_rows(out, out_row_stride, g, group, head_dim, h, o, l);
+    if (!failed) write_rows(out, out_row_stride, g, group, head_dim, h, o, m, l, sinks);
     free(o);
     return failed;
 }
@@ -411,6 +415,7 @@ static inline __attribute__((always_inline)) int prefill_item(
  * pages:   the sequence's page ids from its first token (at least ceil(ctx_len / page_size))
  * out:     row i, head g at out + i * out_row_stride + g * head_dim (rows dense per head)
  * window:  0, or a sliding layer's window: row i sees its last `window` positions only
+ * sinks:   NULL, or [Hq] attention-sink logits (gpt-oss), one more term in each softmax
  * head_dim must be a multiple of 16 (<= 256), group = Hq / Hkv <= 16.
  * returns 0; -1 when scratch could not be allocated (out partly written); -2 when the sizes or
  *          a page id are out of range (nothing written)
@@ -420,7 +425,7 @@ int pg_paged_prefill_f32(const float *query, int64_t q_row_stride, const void *k
                          int ctx_len, int n_rows, float *out, int64_t out_row_stride,
                          int num_q_heads, int num_kv_heads, int head_dim, int page_size,
                          float scale, int num_threads, int64_t num_pages, int kv_bf16,
-                         int window) {
+                         int window, const float *sinks) {
     if (n_rows < 1 || ctx_len < n_rows || page_size < 1 || num_kv_heads < 1 || window < 0 ||
         num_q_heads % num_kv_heads || head_dim % KEYS || head_dim > PREFILL_MAX_HEAD_DIM ||
         num_q_heads / num_kv_heads > PREFILL_MAX_GROUP)
@@ -464,7 +469,8 @@ int pg_paged_prefill_f32(const float *query, int64_t q_row_stride, const void *k
                                               n_rows, window);
             const int h = item % num_kv_heads;
 #define PG_ITEM(G, D, B) \
-    prefill_item(G, D, B, &kv, query, q_row_stride, out, out_row_stride, &g, h, scale, window)
+    prefill_item(G, D, B, &kv, query, q_row_stride, out, out_row_stride, &g, h, scale, window, \
+                 sinks)
             PG_DISPATCH(PG_ITEM)
 #undef PG_ITEM
         }
@@ -521,7 +527,8 @@ int pg_paged_prefill_f32(const float *query, int64_t q_row_stride, const void *k
                     merge_partial(head_dim, state + (size_t)r * head_dim, m + r, l + r,
                                   po + (size_t)r * head_dim, pm[r], pl[r]);
             }
-            write_rows(out, out_row_stride, &g, group, head_dim, item % num_kv_heads, state, l);
+            write_rows(out, out_row_stride, &g, group, head_dim, item % num_kv_heads, state, m, l,
+                       sinks);
             free(state);
         }
     }

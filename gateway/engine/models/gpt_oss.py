@@ -1,0 +1,91 @@
+"""gpt-oss (20b, 120b): attention with sinks, sliding (128) and full layers alternating, YaRN
+RoPE, biased q/k/v/o projections, and a mixture of experts with a biased router and clamped
+SwiGLU experts (models/gpt_oss_moe.py).
+
+Attention sinks are one learned logit per query head that joins every row's softmax and takes
+its share of the probability mass, attending nothing: the decoder hands each layer's
+``self_attn.sinks`` to the step's attention backend with the layer's window (kernels/backend.py).
+
+HF checkpoints (bf16, as transformers saves the random fixtures) store the experts as
+``mlp.experts.gate_up_proj [E, H, 2I]`` (gate and up interleaved column by column),
+``down_proj [E, I, H]`` and their biases, the router as ``mlp.router``; they are rewritten at
+load into the stacked ``mlp.experts.{gate,up,down}_proj.weight`` (+ ``.bias``) and
+``mlp.gate.weight`` / ``.bias`` the MoE families share. Not yet: the MXFP4 expert blocks of
+the released checkpoints (``*_blocks`` / ``*_scales``) and the GGUF architecture ``gpt-oss``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from prefixgate.gateway.engine.model_config import UnsupportedModelError
+from prefixgate.gateway.engine.models.decoder import DecoderModel
+from prefixgate.gateway.engine.models.registry import ModelFamily, register_family
+from prefixgate.kernels.quant import QuantizedTensor
+
+_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
+
+
+def _hf_config(raw: dict[str, Any]) -> dict[str, Any]:
+    layers = int(raw["num_hidden_layers"])
+    types = raw.get("layer_types") or [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    unknown = sorted(set(types) - set(_LAYER_TYPES))
+    if unknown:
+        raise UnsupportedModelError(f"gpt-oss layer types {unknown} are not supported")
+    if (raw.get("quantization_config") or {}).get("quant_method") == "mxfp4":
+        raise UnsupportedModelError(
+            "gpt-oss's MXFP4 expert blocks are not supported yet; a bf16 checkpoint is")
+    return {
+        "layer_types": tuple(_LAYER_TYPES[t] for t in types),
+        "sliding_window": int(raw.get("sliding_window") or 128),
+        "num_experts": int(raw["num_local_experts"]),
+        "num_experts_per_tok": int(raw["num_experts_per_tok"]),
+        "moe_intermediate_size": int(raw["intermediate_size"]),
+        "attention_sinks": True,
+        "swiglu_alpha": float(raw.get("swiglu_alpha", 1.702)),
+        "swiglu_limit": float(raw.get("swiglu_limit", 7.0)),
+    }
+
+
+def _plain(tensor: Any) -> torch.Tensor:
+    return tensor.dequantize() if isinstance(tensor, QuantizedTensor) else tensor
+
+
+def _adapt_hf(weights: dict[str, Any], _config: Any, fmt: str) -> dict[str, Any]:
+    if fmt != "hf":
+        return weights
+    out: dict[str, Any] = {}
+    for name, tensor in weights.items():
+        if ".mlp.router." in name:
+            out[name.replace(".mlp.router.", ".mlp.gate.")] = tensor
+        elif name.endswith(".mlp.experts.gate_up_proj"):  # [E, H, 2I], gate|up interleaved
+            stem = name.removesuffix("gate_up_proj")
+            gate_up = _plain(tensor)
+            out[stem + "gate_proj.weight"] = gate_up[..., 0::2].transpose(1, 2).contiguous()
+            out[stem + "up_proj.weight"] = gate_up[..., 1::2].transpose(1, 2).contiguous()
+        elif name.endswith(".mlp.experts.gate_up_proj_bias"):  # [E, 2I]
+            stem = name.removesuffix("gate_up_proj_bias")
+            out[stem + "gate_proj.bias"] = tensor[..., 0::2].contiguous()
+            out[stem + "up_proj.bias"] = tensor[..., 1::2].contiguous()
+        elif name.endswith(".mlp.experts.down_proj"):  # [E, I, H]
+            out[name + ".weight"] = _plain(tensor).transpose(1, 2).contiguous()
+        elif name.endswith(".mlp.experts.down_proj_bias"):
+            out[name.removesuffix("_bias") + ".bias"] = tensor
+        else:
+            out[name] = tensor
+    return out
+
+
+GPT_OSS = register_family(
+    ModelFamily(
+        name="gpt_oss",
+        model_class=DecoderModel,
+        hf_model_types=("gpt_oss",),
+        gguf_architectures=(),
+        hf_config=_hf_config,
+        adapt_weights=_adapt_hf,
+    )
+)

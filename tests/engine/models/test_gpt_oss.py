@@ -1,0 +1,146 @@
+"""gpt-oss against transformers on the same tiny random weights (fp32, CPU).
+
+The fixture: transformers' GptOssForCausalLM from a config (2 layers: one sliding with an
+8-token window, one full; 4 experts, top-2; YaRN; attention sinks set to visible values),
+saved as safetensors with the real o200k_harmony tokenizer and gpt-oss's template
+(tests/harmony_fixture.py). Bounds as tests/engine/models/test_families.py. The runner's
+native CPU kernels take the sinks and the window in the decode and prefill kernels; the torch
+path (native off) is checked against the same reference.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from prefixgate.gateway.engine.loader import load_model
+from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
+from tests.engine.test_fidelity import LAYOUT_ATOL, PREFILL_ATOL, Pages
+from tests.family_fixtures import _build_once, fixture_root, template
+from tests.harmony_fixture import HARMONY_TEMPLATE, HARMONY_VOCAB_SIZE, harmony_tokenizer_dir
+
+NEW_TOKENS = 10
+CONFIG = {
+    "vocab_size": HARMONY_VOCAB_SIZE, "hidden_size": 64, "intermediate_size": 48,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
+    "layer_types": ["sliding_attention", "full_attention"], "initializer_range": 0.08,
+    "max_position_embeddings": 4096, "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                        "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                        "original_max_position_embeddings": 4096},
+}  # fmt: skip
+
+
+def _build(tmp: Path) -> None:
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(GptOssConfig(**CONFIG)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 1.5)  # big enough to move the logits
+    model.save_pretrained(str(tmp))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(harmony_tokenizer_dir() / name, tmp / name)
+    (tmp / "chat_template.jinja").write_text(template(HARMONY_TEMPLATE), encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def case():
+    folder = _build_once(fixture_root() / "gpt-oss-tiny-v1", _build)
+    from transformers import AutoModelForCausalLM
+
+    oracle = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    loaded = load_model(folder)
+    prompt = loaded.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write a haiku about paged caches and sliding windows."}])
+    return loaded, oracle, prompt
+
+
+def _runner(loaded, native: bool = True) -> ModelRunner:
+    runner = ModelRunner.from_loaded(loaded, num_pages=64, page_size=16, device="cpu",
+                                     dtype=torch.float32)
+    assert runner.native_cpu_kernels or not native
+    return runner
+
+
+def _oracle(oracle, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return oracle(torch.tensor([ids])).logits[0].float()
+
+
+def _greedy(runner, prompt, table, first) -> list[int]:
+    tokens = [int(first.argmax())]
+    for step in range(NEW_TOKENS - 1):
+        chunk = SeqChunk([tokens[-1]], len(prompt) + step, table, True)
+        tokens.append(int(runner.execute([chunk])[0].argmax()))
+    return tokens
+
+
+def test_the_config_reads_sinks_window_yarn_and_the_experts(case):
+    loaded, _, prompt = case
+    config = loaded.config
+    assert config.layer_types == ("sliding", "full") and config.sliding_window == 8
+    assert config.attention_sinks and config.attention_bias and config.attention_out_bias
+    assert config.rope_scaling.kind == "yarn" and not config.rope_scaling.truncate
+    assert (config.num_experts, config.num_experts_per_tok, config.swiglu_limit) == (4, 2, 7.0)
+    assert len(prompt) > 3 * 16  # the prompt runs over pages and past the window
+
+
+def test_chunked_prefill_matches_transformers(case):
+    loaded, oracle, prompt = case
+    runner = _runner(loaded)
+    reference = _oracle(oracle, prompt)
+    table = Pages(runner, seed=2).take(len(prompt))
+    bounds = [0, 5, 16, 17, 31, len(prompt)]  # page-aligned and not, a 1-token chunk
+    for start, end in zip(bounds, bounds[1:], strict=False):
+        ours = runner.execute([SeqChunk(prompt[start:end], start, table, True)])[0]
+        diff = (ours - reference[end - 1]).abs().max().item()
+        assert diff < PREFILL_ATOL, f"chunk {start}:{end} logits differ by {diff}"
+
+
+def test_greedy_identical_and_a_prefix_hit_equals_a_fresh_prefill(case):
+    loaded, oracle, prompt = case
+    runner = _runner(loaded)
+    pages = Pages(runner, seed=5)
+    fresh_table = pages.take(len(prompt) + NEW_TOKENS)
+    fresh = runner.execute([SeqChunk(prompt, 0, fresh_table, True)])[0]
+    ours = _greedy(runner, prompt, fresh_table, fresh)
+    reference = _oracle(oracle, prompt + ours[:-1])[len(prompt) - 1:]
+    assert reference.argmax(-1).tolist() == ours
+    cached = (len(prompt) - 1) // 16 * 16
+    prefix_table = pages.take(cached)
+    runner.execute([SeqChunk(prompt[:cached], 0, prefix_table, False)])
+    table = prefix_table + pages.take(len(prompt) + NEW_TOKENS - cached)
+    hit = runner.execute([SeqChunk(prompt[cached:], cached, table, True)])[0]
+    assert (hit - fresh).abs().max().item() < LAYOUT_ATOL
+    assert _greedy(runner, prompt, table, hit) == ours
+
+
+def test_alone_equals_batched_and_the_torch_path_agrees(case):
+    loaded, _, prompt = case
+    runner = _runner(loaded)
+    pages = Pages(runner, seed=11)
+    alone_table = pages.take(len(prompt) + NEW_TOKENS)
+    alone = _greedy(runner, prompt, alone_table,
+                    runner.execute([SeqChunk(prompt, 0, alone_table, True)])[0])
+    prompts = [prompt[: len(prompt) // 2], prompt, prompt[3:]]
+    tables = [pages.take(len(p) + NEW_TOKENS) for p in prompts]
+    first = runner.execute([SeqChunk(p, 0, t, True) for p, t in zip(prompts, tables, strict=True)])
+    outputs = [[int(row.argmax())] for row in first]
+    for step in range(NEW_TOKENS - 1):
+        rows = [SeqChunk([out[-1]], len(p) + step, t, True)
+                for p, t, out in zip(prompts, tables, outputs, strict=True)]  # fmt: skip
+        for out, row in zip(outputs, runner.execute(rows), strict=True):
+            out.append(int(row.argmax()))
+    assert outputs[1] == alone
+    torch_runner = ModelRunner.from_loaded(loaded, num_pages=64, page_size=16, device="cpu",
+                                           dtype=torch.float32, native_kernels=False)
+    table = Pages(torch_runner).take(len(prompt) + NEW_TOKENS)
+    first = torch_runner.execute([SeqChunk(prompt, 0, table, True)])[0]
+    assert _greedy(torch_runner, prompt, table, first) == alone
+
