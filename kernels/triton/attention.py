@@ -28,6 +28,7 @@ def paged_attention_triton(
     max_query_len: int | None = None,
     pages_per_split: int | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of each sequence's new query rows over its paged context (Triton).
 
@@ -38,6 +39,8 @@ def paged_attention_triton(
             the batch shape and the device's SM count.
         window: a sliding layer: each row sees only the last ``window`` positions, itself
             included (None: the whole context).
+        sinks: ``[Hq]`` fp32 attention-sink logits (gpt-oss): one more term in each head's
+            softmax, attending nothing.
     Returns:
         ``[T, Hq, D]`` in the query's dtype. Rows of sequences with n_s == 0 do not exist.
     """
@@ -54,12 +57,15 @@ def paged_attention_triton(
         f"max_query_len must be >= 0, got {max_query_len}",
     )
     require(window is None or window > 0, f"window must be positive, got {window}")
+    require(sinks is None or (sinks.shape == (query.shape[1],) and sinks.dtype == torch.float32
+                              and sinks.is_contiguous() and sinks.device == query.device),
+            f"sinks must be a contiguous float32 [{query.shape[1]}] tensor on the query's device")
     # dense rows even when query is a strided view (q sliced out of a fused qkv)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if shapes.num_tokens == 0:
         return out
     args = (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, shapes)
-    paged_decode_triton(*args, pages_per_split=pages_per_split, window=window)
+    paged_decode_triton(*args, pages_per_split=pages_per_split, window=window, sinks=sinks)
     if max_query_len is None or max_query_len > 1:
-        paged_prefill_triton(*args, window=window)
+        paged_prefill_triton(*args, window=window, sinks=sinks)
     return out

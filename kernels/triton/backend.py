@@ -26,7 +26,7 @@ class TritonStep:
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         inputs = self._inputs
         write_kv_triton(key, value, k_cache, v_cache, inputs.slot_mapping)
         return paged_attention_triton(
@@ -34,6 +34,7 @@ class TritonStep:
             inputs.query_start_loc_tensor, scale,
             max_query_len=inputs.max_query_len,  # host int: no device sync to learn it
             window=window,
+            sinks=sinks,
         )
 
 

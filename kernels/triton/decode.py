@@ -99,6 +99,7 @@ def _paged_decode_kernel(
     partial_out_ptr,  # [S, Hq, num_splits, D] fp32  (SPLIT_K)
     partial_max_ptr,  # [S, Hq, num_splits] fp32
     partial_sum_ptr,  # [S, Hq, num_splits] fp32
+    sinks_ptr,  # [Hq] fp32 attention-sink logits (HAS_SINKS)
     scale_log2,  # softmax scale * log2(e): scores live in the log2 domain (exp2 is cheaper)
     pages_per_split,
     num_splits,
@@ -120,6 +121,7 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT_K: tl.constexpr,
     WINDOWED: tl.constexpr,
+    HAS_SINKS: tl.constexpr,  # each head's softmax has one more term, attending nothing
     COMPUTE_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -183,6 +185,9 @@ def _paged_decode_kernel(
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     if not SPLIT_K:
+        if HAS_SINKS:  # (the split-K reduce adds the sink once, after the merge)
+            sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0) * 1.4426950408889634
+            l_i = l_i + tl.exp2(sink - m_i)
         tl.store(
             out_ptr + q_row * stride_o_t + heads[:, None] * stride_o_h + offs_d[None, :],
             (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
@@ -207,6 +212,7 @@ def paged_decode_triton(
     shapes: AttentionShapes,
     pages_per_split: int | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq] fp32 attention-sink logits (gpt-oss)
 ) -> DecodeSplitPlan:
     """Decode attention for every sequence with exactly one query row; returns the split plan.
 
@@ -223,7 +229,7 @@ def paged_decode_triton(
     grid = (shapes.num_seqs, shapes.num_kv_heads, plan.num_splits)
     _paged_decode_kernel[grid](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        out, partial_out, partial_max, partial_sum,
+        out, partial_out, partial_max, partial_sum, sinks if sinks is not None else out,
         scale * math.log2(math.e), plan.pages_per_split, plan.num_splits, window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -236,6 +242,7 @@ def paged_decode_triton(
         BLOCK_N=block_n,
         SPLIT_K=plan.num_splits > 1,
         WINDOWED=window is not None,
+        HAS_SINKS=sinks is not None,
         COMPUTE_DTYPE=compute_dtype(k_cache.dtype),
         DOT_PRECISION=dot_precision(k_cache.dtype),
         num_warps=4,
@@ -243,7 +250,7 @@ def paged_decode_triton(
     )
     if plan.num_splits > 1:
         decode_reduce_triton(partial_out, partial_max, partial_sum, seq_lens, query_start_loc,
-                             out, plan.pages_per_split, shapes.page_size, window)
+                             out, plan.pages_per_split, shapes.page_size, window, sinks)
     return plan
 
 

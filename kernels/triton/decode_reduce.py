@@ -30,6 +30,7 @@ def _decode_reduce_kernel(
     seq_lens_ptr,  # [S] int32
     query_start_loc_ptr,  # [S + 1] int32
     out_ptr,  # [T, Hq, D]
+    sinks_ptr,  # [Hq] fp32 attention-sink logits (HAS_SINKS)
     tokens_per_split,
     num_splits,
     window,  # WINDOWED: splits wholly before the last `window` positions were skipped
@@ -40,6 +41,7 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     WINDOWED: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -64,6 +66,8 @@ def _decode_reduce_kernel(
     m_max = tl.max(split_max, 0)
     weight = tl.where(s_mask, tl.exp2(split_max - m_max), 0.0)  # [BLOCK_SPLITS]
     denom = tl.sum(weight * split_sum, 0)
+    if HAS_SINKS:  # one more softmax term, attending nothing (scores are in the log2 domain)
+        denom += tl.exp2(tl.load(sinks_ptr + head) * 1.4426950408889634 - m_max)
     acc = tl.load(
         partial_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
         mask=s_mask[:, None] & d_mask[None, :],
@@ -87,6 +91,7 @@ def decode_reduce_triton(
     pages_per_split: int,
     page_size: int,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Merge decode partials into the decode sequences' ``out`` rows (``window``: as the decode
     kernel was given it)."""
@@ -116,6 +121,7 @@ def decode_reduce_triton(
         seq_lens,
         query_start_loc,
         out,
+        sinks if sinks is not None else out,
         pages_per_split * page_size,
         num_splits,
         window or 0,
@@ -126,5 +132,6 @@ def decode_reduce_triton(
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         WINDOWED=window is not None,
+        HAS_SINKS=sinks is not None,
         num_warps=4,
     )

@@ -57,6 +57,7 @@ def _paged_prefill_kernel(
     seq_lens_ptr,  # [S] int32
     query_start_loc_ptr,  # [S + 1] int32
     out_ptr,  # [T, Hq, D]
+    sinks_ptr,  # [Hq] fp32 attention-sink logits (HAS_SINKS)
     scale_log2,  # softmax scale * log2(e)
     num_seqs,
     window,  # WINDOWED: a row sees only the last `window` positions, itself included
@@ -76,6 +77,7 @@ def _paged_prefill_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WINDOWED: tl.constexpr,
+    HAS_SINKS: tl.constexpr,  # each head's softmax has one more term, attending nothing
     COMPUTE_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -157,6 +159,9 @@ def _paged_prefill_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0) * 1.4426950408889634
+        l_i = l_i + tl.exp2(sink - m_i)
     tl.store(
         out_ptr + rows[:, None] * stride_o_t + heads[:, None] * stride_o_h + offs_d[None, :],
         (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
@@ -175,6 +180,7 @@ def paged_prefill_triton(
     out: torch.Tensor,  # [T, Hq, D], rows of prefill sequences are written
     shapes: AttentionShapes,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq] fp32 attention-sink logits (gpt-oss)
 ) -> None:
     """Attention for every sequence with n_s > 1 new rows (prefix from pages + causal new part).
 
@@ -199,6 +205,7 @@ def paged_prefill_triton(
         seq_lens,
         query_start_loc,
         out,
+        sinks if sinks is not None else out,
         scale * math.log2(math.e),
         shapes.num_seqs,
         window or 0,
@@ -218,6 +225,7 @@ def paged_prefill_triton(
         PAGE_SIZE=shapes.page_size,
         BLOCK_N=PREFILL_BLOCK_N,
         WINDOWED=window is not None,
+        HAS_SINKS=sinks is not None,
         COMPUTE_DTYPE=compute_dtype(k_cache.dtype),
         DOT_PRECISION=dot_precision(k_cache.dtype),
         num_warps=8 if block_m >= 128 else 4,
