@@ -16,9 +16,12 @@ from prefixgate.cache.events import BlockRemoved, BlockStored, CacheEvent, Event
 from prefixgate.cache.hashing import BlockHasher, HashedBlock, make_extra_keys, xxh3_128_hash_fn
 from prefixgate.cache.manager import Allocation, KVCacheManager, PrefixMatch
 from prefixgate.cache.sequence import CacheSequence, TokenSequence
+from prefixgate.cache.state_slots import StateOps, StateSlots
 from prefixgate.cache.stats import CacheStats, HitStats, SharedPrefix
 
 __all__ = [
+    "StateOps",
+    "StateSlots",
     "Allocation",
     "BlockHasher",
     "BlockPool",

@@ -32,6 +32,7 @@ from prefixgate.cache.hashing import BlockHash, BlockHasher, HashedBlock, HashFn
 from prefixgate.cache.page import Page
 from prefixgate.cache.retention import TenantShareRetention
 from prefixgate.cache.sequence import CacheSequence, SequenceBlocks
+from prefixgate.cache.state_slots import StateOps, StateSlots
 from prefixgate.cache.stats import CacheStats, CacheStatsCollector, fragmentation, top_prefixes
 
 
@@ -60,6 +61,9 @@ class KVCacheManager:
         event_sink: receives BlockStored / BlockRemoved.
         max_tracked_agents: distinct (tenant, agent) labels kept in stats before folding
             into the tenant's "other".
+        state_slots: a hybrid model's recurrent-state group (cache/state_slots.py): a hit
+            then needs the state checkpoint of its last block, and every sequence owns a
+            working slot. None: an attention-only model.
     """
 
     def __init__(
@@ -73,6 +77,7 @@ class KVCacheManager:
         hash_fn: HashFn | None = None,
         event_sink: EventSink | None = None,
         max_tracked_agents: int = 1024,
+        state_slots: StateSlots | None = None,
     ):
         if not 0 <= watermark < 1:
             raise InvalidArgumentError(f"watermark must be in [0, 1), got {watermark}")
@@ -93,6 +98,11 @@ class KVCacheManager:
         self._unwritten: set[int] = set()  # installed from the tier, load not written yet
         self._holds: dict[Hashable, tuple[BlockHash, ...]] = {}  # waiting request -> its hashes
         self.retention = TenantShareRetention()  # which pages retain() may keep (the policy)
+        self.state = state_slots
+        self._diverged: dict[Hashable, int] = {}  # seq -> last pool-hit block past its state hit
+        if state_slots is not None:
+            # pinned and retained prefixes keep their checkpoints longest too
+            state_slots.protected = self._protects_checkpoint
 
     # ------------------------------------------------------------------ queries
 
@@ -208,6 +218,8 @@ class KVCacheManager:
         entry = SequenceBlocks(seq, [p.page_id for p in pages], match.num_cached_tokens // self.page_size)
         seq.num_computed = match.num_cached_tokens
         self._seqs[seq_id] = entry
+        if self.state is not None:
+            self._start_state(seq, blocks, len(pages))
         if self.enable_caching:
             for block in blocks[len(pages) :]:
                 self._pending.setdefault(block.block_hash, seq_id)
@@ -270,6 +282,8 @@ class KVCacheManager:
             self.collector.record(PageCopied(old.page_id, new.page_id))
         for page in self.pool.allocate(num_new_pages):
             entry.block_table.append(page.page_id)
+        if self.state is not None:
+            self._plan_state_saves(seq, num_new_tokens)
         return pairs
 
     def commit_computed(self, seq_id: Hashable, num_new_tokens: int) -> None:
@@ -293,6 +307,8 @@ class KVCacheManager:
                 if self._pending.get(block.block_hash) == seq_id:
                     del self._pending[block.block_hash]
             entry.num_registered = full
+        if self.state is not None:
+            self.state.commit(seq_id, full)
 
     def fork(self, parent_id: Hashable, child: CacheSequence) -> None:
         """Start ``child`` sharing every page of ``parent_id`` (partial tail included).
@@ -314,6 +330,8 @@ class KVCacheManager:
         child.block_hashes[:] = parent.seq.block_hashes
         child.num_computed = parent.seq.num_computed
         self._seqs[child.seq_id] = SequenceBlocks(child, list(parent.block_table), parent.num_registered)
+        if self.state is not None:
+            self.state.fork(parent_id, child.seq_id)
 
     def free(self, seq_id: Hashable) -> None:
         """Release every page of the sequence, tail first (so tails are evicted before heads)."""
@@ -324,6 +342,9 @@ class KVCacheManager:
         for block in entry.seq.block_hashes[entry.num_registered :]:
             if self._pending.get(block.block_hash) == seq_id:
                 del self._pending[block.block_hash]
+        if self.state is not None:
+            self.state.release(seq_id)
+            self._diverged.pop(seq_id, None)
 
     def pin(self, token_ids: Sequence[int], extra_keys: bytes = b"") -> int:
         """Pin the cached full blocks of ``token_ids``'s prefix; returns how many pages are pinned.
@@ -390,8 +411,69 @@ class KVCacheManager:
         return sum(1 for p in self._cached_prefix_pages(token_ids, extra_keys) if p.pinned)
 
     def reset_cache(self) -> int:
-        """Drop every unreferenced cached page's hash (pinned and in-use pages stay)."""
+        """Drop every unreferenced cached page's hash (pinned and in-use pages stay) and every
+        state checkpoint."""
+        if self.state is not None:
+            self.state.clear_checkpoints()
         return self.pool.reset()
+
+    # ------------------------------------------------------------------ recurrent state
+
+    def can_start_sequence(self, blocks: Sequence[HashedBlock], match: PrefixMatch) -> bool:
+        """Whether a new sequence with this prefix ``match`` (over its ``blocks``) can get its
+        working state slot; always without a state group."""
+        if self.state is None:
+            return True
+        hit = len(match.page_ids)
+        return self.state.can_start(blocks[hit - 1].block_hash if hit else None)
+
+    def state_ops(self, seq_id: Hashable) -> StateOps | None:
+        """The state work of ``seq_id``'s chunk this step (None without a state group)."""
+        return None if self.state is None else self.state.ops(seq_id)
+
+    def _protects_checkpoint(self, block_hash: BlockHash) -> bool:
+        page = self.pool.cached.get(block_hash)
+        return page is not None and (page.pinned or page.retain_until > self.pool.clock())
+
+    def _state_hit_blocks(self, blocks: Sequence[HashedBlock], num_pages: int, num_tokens: int) -> int:
+        """Of ``num_pages`` leading pool-hit blocks, how many a hybrid model can use: up to the
+        last one with a state checkpoint, ending at or before the last prompt token."""
+        assert self.state is not None
+        usable = min(num_pages, (num_tokens - 1) // self.page_size)
+        while usable > 0 and self.state.checkpoint(blocks[usable - 1].block_hash) is None:
+            usable -= 1
+        return usable
+
+    def _start_state(self, seq: CacheSequence, blocks: Sequence[HashedBlock], hit_blocks: int) -> None:
+        """The new sequence's working slot, restored from its hit's checkpoint; and the block
+        where its prefix leaves the pool (checkpointed on the way: the next request with the
+        same prefix then hits it whole)."""
+        assert self.state is not None
+        self.state.start(seq.seq_id, blocks[hit_blocks - 1].block_hash if hit_blocks else None)
+        in_pool = self.count_cached_blocks(blocks, hit_blocks) if self.enable_caching else 0
+        if in_pool > hit_blocks:
+            self._diverged[seq.seq_id] = in_pool - 1
+
+    def _plan_state_saves(self, seq: CacheSequence, num_new_tokens: int) -> None:
+        """Checkpoint the block ends ``num_new_tokens`` from ``num_computed`` cross, at the
+        cadence, at the last full block they reach, and where the prefix left the pool."""
+        assert self.state is not None
+        if not self.enable_caching:
+            self.state.plan_saves(seq.seq_id, ())
+            return
+        ps, start = self.page_size, seq.num_computed
+        end = start + num_new_tokens
+        last_block = end // ps - 1
+        diverged = self._diverged.get(seq.seq_id)
+        hashes = self.block_hashes(seq)
+        boundaries = []
+        for block in range(start // ps, last_block + 1):
+            block_end = (block + 1) * ps
+            if block_end <= start:
+                continue
+            if (block + 1) % self.state.every_blocks == 0 or block in (last_block, diverged):
+                boundaries.append((block, block_end - 1 - start, hashes[block].block_hash))
+        self.state.plan_saves(seq.seq_id, boundaries)
 
     # ------------------------------------------------------------------ waiting requests
 
@@ -565,6 +647,8 @@ class KVCacheManager:
         if any(p.retain_until <= 0 or p.block_hash is None for p in pool.retained):
             raise IntegrityError("a retained free page without a deadline or a hash")
         self._check_holds()
+        if self.state is not None:
+            self.state.check(self._seqs)
         for page in pool.pages:
             # a retention always names whose budget pays for it, and only a retention does
             if (page.retain_until > 0) != (page.retain_tenant is not None):
@@ -662,9 +746,17 @@ class KVCacheManager:
             if page is None:
                 break
             pages.append(page)
+        in_pool = len(pages)
+        if self.state is not None:
+            # NOTE: a hybrid model resumes only where a state checkpoint is: pages past the
+            # last one are recomputed (and re-checkpointed), not shared
+            pages = pages[: self._state_hit_blocks(blocks, len(pages), num_tokens)]
         num_cached = min(len(pages) * self.page_size, num_tokens - 1)
         pending = 0
-        for block in blocks[len(pages) :]:
+        # in-flight dedup waits for blocks another sequence computes; a hybrid model can use
+        # them only if its own hit reaches them and they get checkpointed (every block)
+        dedup = self.state is None or (len(pages) == in_pool and self.state.every_blocks == 1)
+        for block in blocks[len(pages) :] if dedup else ():
             owner = self._pending.get(block.block_hash)
             if owner is None:
                 break

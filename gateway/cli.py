@@ -106,6 +106,8 @@ DEFAULTS: dict[str, Any] = {
     "max_stored_responses": _SERVER.max_stored_responses,
     "retention": _SERVER.retention_s,
     "speculative_tokens": _ENGINE.num_speculative_tokens,
+    "state_slots": _ENGINE.num_state_slots,
+    "state_checkpoint_every": _ENGINE.state_checkpoint_every,
     "grammar_compile_timeout": _ENGINE.grammar_compile_timeout_s,
     "grammar_compile_memory": _ENGINE.grammar_compile_memory_gb,
     "grammar_workers": _ENGINE.grammar_workers,
@@ -318,6 +320,22 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         type=_on_off,
         metavar="on|off",
         help="share cached prefix pages between requests (default {default}; off = baseline)",
+    )
+    model.add_argument(
+        "--state-slots",
+        type=int,
+        metavar="N",
+        help="hybrid models (Qwen3.5): recurrent-state slots, each one sequence's state of "
+        "every linear layer: the live sequences' working states plus the prefix checkpoints "
+        "(default: as many as --kv-memory holds again, 8 to 16 x --max-num-seqs)",
+    )
+    model.add_argument(
+        "--state-checkpoint-every",
+        type=int,
+        metavar="BLOCKS",
+        help="hybrid models: checkpoint the recurrent state every BLOCKS blocks of a prefill "
+        "(besides each chunk's last full block and where a prompt leaves the cache); "
+        "default {default}",
     )
     model.add_argument(
         "--speculative-tokens",
@@ -632,6 +650,8 @@ def engine_config(values: Mapping[str, Any]) -> EngineConfig:
         native_kernels=values["native_kernels"] == "on",
         quantized_weights=values["quantized_weights"] == "on",
         num_speculative_tokens=values["speculative_tokens"],
+        num_state_slots=values["state_slots"],
+        state_checkpoint_every=values["state_checkpoint_every"],
         grammar_compile_timeout_s=values["grammar_compile_timeout"],
         grammar_compile_memory_gb=values["grammar_compile_memory"],
         grammar_workers=values["grammar_workers"],

@@ -102,6 +102,11 @@ class EngineConfig:
     # CPU decode step streams the weights and extra rows are nearly free, above it the FMAs
     # bind and verify rows cost what they save (benchmarks.speculative; docs/benchmarks.md)
     speculative_max_rows: int = 8
+    # hybrid models (Qwen3.5): recurrent-state slots (each live sequence's working state plus
+    # checkpoints; None = kv_budget.default_state_slots), and the prefill checkpoint cadence
+    # (cache/state_slots.py; docs/models.md measures the choices)
+    num_state_slots: int | None = None
+    state_checkpoint_every: int = 1
     kernel_backend: str | None = None  # None = triton on CUDA, torch on CPU
     native_kernels: bool = True  # CPU fp32: the native C kernels (kernels/cpu/csrc) when they build here
     # with the native kernels: run a GGUF's Q4_0/Q4_1/Q8_0 matrices in their blocks (a decode
@@ -163,6 +168,10 @@ class EngineConfig:
             raise ValueError("max_waiting must be >= 0")
         if not 0 <= self.watermark < 1:
             raise ValueError("watermark must be in [0, 1)")
+        if self.num_state_slots is not None and self.num_state_slots < 2:
+            raise ValueError(f"num_state_slots must be >= 2, got {self.num_state_slots}")
+        if self.state_checkpoint_every < 1:
+            raise ValueError(f"state_checkpoint_every must be >= 1, got {self.state_checkpoint_every}")
         if not 0 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [0, 16], got {self.num_speculative_tokens}")
         if not self.grammar_compile_timeout_s > 0 or not self.grammar_compile_memory_gb > 0:

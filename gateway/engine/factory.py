@@ -10,6 +10,7 @@ from typing import Any
 from prefixgate.cache.events import EventSink
 from prefixgate.cache.tier import HostTier, TierStore, entry_slot_bytes
 from prefixgate.gateway.engine.config import AUTO_TIER_RAM_FRACTION, EngineConfig, auto_tier_bytes
+from prefixgate.gateway.engine.kv_budget import default_state_slots
 from prefixgate.gateway.engine.llm_engine import LLMEngine
 from prefixgate.gateway.engine.loader import LoadedModel, load_model
 from prefixgate.gateway.engine.model_config import parse_rope_override, with_rope_override
@@ -64,6 +65,8 @@ def _build_runner(config: EngineConfig, loaded: LoadedModel) -> ModelRunner:
         kernel_backend=config.kernel_backend,
         native_kernels=config.native_kernels,
         quantized_weights=config.quantized_weights,
+        num_state_slots=config.num_state_slots or default_state_slots(
+            loaded.config, config.max_num_seqs, config.kv_memory_gb),
     )
 
 

@@ -96,6 +96,18 @@ def state_slot_bytes(config: ModelConfig) -> int:
     return 0 if linear is None else 4 * linear.state_numel * sum(linear.layers)
 
 
+def default_state_slots(config: ModelConfig, max_num_seqs: int, kv_memory_gb: float | None) -> int:
+    """A hybrid model's state slots when ``--state-slots`` is not given: as many as the KV
+    budget's size holds again (1 GiB when unset), at least 8 and at most 16 per running
+    sequence. Admission waits for a working slot when they run out, so a large model's few
+    slots bound concurrency instead of over-committing memory."""
+    slot = state_slot_bytes(config)
+    if not slot:
+        return 2
+    budget = (kv_memory_gb or 1.0) * GIB
+    return int(max(8, min(budget // slot, 16 * max_num_seqs)))
+
+
 def kv_page_bytes(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
     """Bytes of one physical page (every paged layer, K and V)."""
     return kernels.page_bytes(

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from prefixgate.cache import KVCacheManager, make_extra_keys
+from prefixgate.cache import KVCacheManager, StateSlots, make_extra_keys
 from prefixgate.cache.events import EventSink
 from prefixgate.cache.tier import TierStore
 from prefixgate.gateway.engine.api import (
@@ -166,6 +166,7 @@ class LLMEngine:
             watermark=config.watermark,
             hash_seed=config.hash_seed,
             event_sink=event_sink,
+            state_slots=self._state_slots(runner, config),
         )
         # the second tier: evicted cached pages are spilled there and loaded back on a hit
         self.tier = KVTier(tier_store, runner.kv_pool) if tier_store is not None else None  # type: ignore[attr-defined]
@@ -177,6 +178,13 @@ class LLMEngine:
         self.counters = StepCounters()
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
         self._masker: TokenMasker | None = None
+
+    @staticmethod
+    def _state_slots(runner: Any, config: EngineConfig) -> StateSlots | None:
+        """A hybrid model's state group over the runner's slots (None for other models)."""
+        if not getattr(runner, "is_hybrid", False):
+            return None
+        return StateSlots(runner.num_state_slots, config.state_checkpoint_every)
 
     def _build_scheduler(self) -> Scheduler:
         config, runner = self.config, self.runner
@@ -194,8 +202,10 @@ class LLMEngine:
                 getattr(runner, "attention_context_scale", None) if device_type == "cpu" else None
             ),
             tier=self.tier,
+            # NOTE: not for hybrid models: a rejected draft would have advanced their
+            # recurrent state, which (unlike K/V past num_computed) cannot be rolled back
             drafter=(NgramDrafter(config.num_speculative_tokens, self.max_model_len)
-                     if config.num_speculative_tokens else None),
+                     if config.num_speculative_tokens and self.cache.state is None else None),
             max_spec_rows=config.speculative_max_rows,
             decode_step_budget=decode_token_budget(config, device_type),
             short_prefill_budget=short_prefill_budget(config, device_type),

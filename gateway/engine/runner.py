@@ -30,8 +30,8 @@ from prefixgate.gateway.engine.loader.loaded_model import LoadedModel
 from prefixgate.gateway.engine.model_config import ModelConfig
 from prefixgate.gateway.engine.models import ForwardBatch, build_model
 from prefixgate.gateway.engine.models.forward_batch import RecurrentBatch
-from prefixgate.gateway.engine.models.qwen3_5 import RecurrentState
 from prefixgate.gateway.engine.models.moe import StackedExperts
+from prefixgate.gateway.engine.models.qwen3_5 import RecurrentState
 from prefixgate.gateway.engine.precision import cpu_bf16_isa, cpu_int8_isa, is_q8
 from prefixgate.kernels.cpu.host_memory import huge_pages_status
 from prefixgate.kernels.quant import QuantizedTensor
@@ -178,6 +178,7 @@ class ModelRunner:
         self.kv_pool = self._kv_pool(kv_pool, num_pages, kv_memory_gb)  # [L, 2, P, ps, Hkv, D]
         self.num_pages = int(self.kv_pool.shape[2])
         # per layer: (K, V) of the paged layers; a hybrid model's linear layers: a state pool
+        self.num_state_slots = num_state_slots
         self.states = self._state_pools(num_state_slots)
         self._kv_caches = self._layer_caches()
         self.attention = kernels.create_backend(

@@ -16,7 +16,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from prefixgate.cache import HashedBlock, KVCacheManager
+from prefixgate.cache import HashedBlock, KVCacheManager, StateOps
 from prefixgate.cache.manager import PrefixMatch
 from prefixgate.gateway.engine.config import ADMISSION_ORDERS
 from prefixgate.gateway.engine.drafter import NgramDrafter
@@ -41,6 +41,8 @@ class ScheduledChunk:
     # speculative decoding: draft tokens after the decode token, verified by this forward
     # (``num_tokens`` counts them; the sequence does not hold them until accepted)
     draft_ids: tuple[int, ...] = ()
+    # a hybrid model's state work (cache.state_slots.StateOps: slot, restore, checkpoints)
+    state: StateOps | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -510,6 +512,11 @@ class Scheduler:
                 # counted. The load is installed (and written this step); the next look counts it.
                 self.waiting.appendleft(seq)
                 return False
+        if not self.cache.can_start_sequence(blocks, match):
+            # NOTE: every state slot is a live sequence's or a checkpoint another request is
+            # about to restore: wait for one to end (the pages would fit, the state would not)
+            self.waiting.appendleft(seq)
+            return False
         self._start(plan, seq)
         return True
 
@@ -673,6 +680,7 @@ class Scheduler:
             need_logits=start + n == len(seq.token_ids),
             block_table=self.cache.block_table(seq.seq_id),
             draft_ids=tuple(drafts or ()),
+            state=self.cache.state_ops(seq.seq_id),
         )
 
     def _draft(self, seq: Sequence, spare_budget: float) -> list[int]:
