@@ -239,7 +239,8 @@ def gated_delta_rule_fused_native(
     final_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """:func:`prepare_inputs_torch` then the rule, in one pass (value head h reads q/k head
-    ``h // (Hv / Hk)``, as transformers' ``repeat_interleave``).
+    ``h // (Hv / Hk)``, as transformers' ``repeat_interleave``); ``final_state`` as in
+    :func:`gated_delta_rule_varlen_native`.
 
     Returns:
         as :func:`gated_delta_rule_varlen_native`, or None.

@@ -199,7 +199,7 @@ def _check_rows(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
         dense *= size
 
 
-def _rule(q, k, v, g, beta, state, query_start_loc, save_rows, fused):
+def _rule(q, k, v, g, beta, state, query_start_loc, save_rows, fused, final_state):
     total, num_q_heads, dk = q.shape
     num_heads, dv = v.shape[1:]
     num_seqs = len(query_start_loc) - 1
@@ -221,7 +221,13 @@ def _rule(q, k, v, g, beta, state, query_start_loc, save_rows, fused):
             "all inputs must be on one device")
     qsl, save_index = _host_index(query_start_loc, save_rows, total, q.device)
     out = torch.empty((total, num_heads, dv), dtype=torch.float32, device=q.device)
-    final = torch.empty_like(state)
+    if final_state is None:
+        final = torch.empty_like(state)
+    else:  # NOTE: in place is safe: each program reads its block of the state before writing it
+        require(final_state.shape == state.shape and final_state.is_contiguous()
+                and final_state.dtype == torch.float32 and final_state.device == state.device,
+                "final_state must be like state (fp32, contiguous, same shape and device)")
+        final = final_state
     saved = torch.empty((len(save_rows), num_heads, dk, dv), dtype=torch.float32, device=q.device)
     if fused is not None:
         a_log, dt_bias, eps, scale = fused
@@ -250,13 +256,16 @@ def gated_delta_rule_varlen_triton(
     state: torch.Tensor,  # [S, Hv, Dk, Dv] fp32, read only
     query_start_loc: Sequence[int],
     save_rows: Sequence[int] = (),
+    *,
+    final_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The recurrence (Triton; same contract as ``gated_delta_rule_varlen``).
+    """The recurrence (Triton; same contract as ``gated_delta_rule_varlen``). ``final_state``
+    (keyword only, not in the reference): where the final states go, e.g. ``state`` itself.
 
     Returns:
         ``(out [T, Hv, Dv] fp32, final_state [S, Hv, Dk, Dv], saved [P, Hv, Dk, Dv])``.
     """
-    return _rule(q, k, v, g, beta, state, query_start_loc, save_rows, None)
+    return _rule(q, k, v, g, beta, state, query_start_loc, save_rows, None, final_state)
 
 
 def gated_delta_rule_fused_triton(
@@ -273,10 +282,12 @@ def gated_delta_rule_fused_triton(
     *,
     scale: float | None = None,  # default Dk ** -0.5
     eps: float = 1e-6,
+    final_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``prepare_inputs_torch`` (kernels/cpu/gated_delta.py) and the rule in one kernel."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _rule(q, k, v, a, b, state, query_start_loc, save_rows, (a_log, dt_bias, eps, scale))
+    return _rule(q, k, v, a, b, state, query_start_loc, save_rows, (a_log, dt_bias, eps, scale),
+                 final_state)
 
 
 def causal_conv1d_varlen_triton(

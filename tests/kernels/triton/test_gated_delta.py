@@ -60,6 +60,10 @@ def test_rule_matches_reference_and_is_split_and_batch_invariant(device: str) ->
     assert torch.equal(torch.cat([first[0], rest[0]]).cpu(), got[0][4:])
     assert torch.equal(rest[1][0].cpu(), got[1][3])
     assert torch.equal(rest[2][0].cpu(), got[2][1])
+    in_place = state.clone()
+    out, final, _ = gated_delta_rule_varlen_triton(*inputs, in_place, qsl, final_state=in_place)
+    assert final is in_place and torch.equal(out.cpu(), got[0])
+    assert torch.equal(in_place.cpu(), got[1])
 
 
 @pytest.mark.parametrize("device", DEVICES)
