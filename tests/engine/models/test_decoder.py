@@ -46,7 +46,7 @@ def test_qwen3_with_attention_biases_matches_transformers(tmp_path):
     assert (ours - reference).abs().max().item() < PREFILL_ATOL
 
 
-@pytest.mark.parametrize("name", ["gemma3", "phi3", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["gemma3", "phi3", "qwen3_moe", "granite"])
 def test_q8_0_gguf_computes_in_its_blocks_like_dequantized(name):
     loaded = load_gguf(quantized_gguf(name, "Q8_0"))
     ids = list(range(200, 245))
