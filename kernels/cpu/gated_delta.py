@@ -29,12 +29,13 @@ _SIGNATURES = {
         *(_p, _p, _i32, _f32, _f32),  # a_log, dt_bias (NULL: not fused), key group, eps, scale
         *(_p, _p, _p, _i32),  # state in, state out, query_start_loc, sequences
         *(_i32, _i32, _i32),  # value heads, Dk, Dv
-        *(_p, _p, _p, _i32),  # save index, out, saved, threads
+        *(_p, _p, _p, _p, _i32),  # save index, out, saved, state slots, threads
     ], _i32),
     "pg_causal_conv1d_f32": ([
         *(_p, _i64, _p, _p, _p, _i32, _i32, _i32),  # x, its row stride, weight, conv state,
         # query_start_loc, sequences, channels, kernel size
-        *(_p, _p, _p, _p, _i32),  # save index, out, new state, saved, threads
+        *(_p, _p, _p, _p, _p, _i32),  # save index, out, new state, saved, state slots,
+        # threads
     ], _i32),
     "pg_gated_delta_limits": ([_p, _p], _i32),
 }  # fmt: skip
@@ -96,19 +97,36 @@ def _host_index(query_start_loc: Sequence[int], save_rows: Sequence[int],
     return qsl, save_index
 
 
+def _slots(state_slots: torch.Tensor | Sequence[int], num_seqs: int,
+           pool: int) -> torch.Tensor | None:
+    """The slots as int64, or None unless they are ``num_seqs`` distinct entries of the pool
+    (two sequences updating one entry in place would race)."""
+    slots = [int(s) for s in state_slots]
+    if len(slots) != num_seqs or len(set(slots)) != num_seqs or any(
+            not 0 <= s < pool for s in slots):
+        return None
+    return torch.tensor(slots, dtype=torch.int64)
+
+
 def causal_conv1d_varlen_native(
     x: torch.Tensor,  # [T, C] conv inputs, rows at any stride
     weight: torch.Tensor,  # [C, K] depthwise kernel
-    conv_state: torch.Tensor,  # [S, K - 1, C]
+    conv_state: torch.Tensor,  # [S, K - 1, C] (with state_slots: a pool [N, K - 1, C])
     query_start_loc: Sequence[int],
     save_rows: Sequence[int] = (),
+    *,
+    state_slots: torch.Tensor | Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Depthwise causal conv + SiLU from each sequence's conv state: the native twin of
     ``kernels.torch_cpu.gated_delta.causal_conv1d_varlen``.
 
+    ``state_slots`` (keyword only, not in the reference): sequence s's state is
+    ``conv_state[state_slots[s]]`` of a pool, updated there in place (distinct slots).
+
     Returns:
-        ``(out [T, C], new_conv_state [S, K - 1, C], saved [P, K - 1, C])``, or None when the
-        native path does not take these inputs.
+        ``(out [T, C], new_conv_state [S, K - 1, C], saved [P, K - 1, C])`` (with state_slots
+        the pool itself in the middle), or None when the native path does not take these
+        inputs.
     """
     native = _native()
     if native is None or x.dim() != 2 or weight.dim() != 2:
@@ -121,7 +139,9 @@ def causal_conv1d_varlen_native(
         not 2 <= kernel_size <= max_kernel
         or not _rows(x, (total, channels))
         or tuple(weight.shape) != (channels, kernel_size)
-        or tuple(conv_state.shape) != (num_seqs, kernel_size - 1, channels)
+        or conv_state.dim() != 3
+        or tuple(conv_state.shape[1:]) != (kernel_size - 1, channels)
+        or state_slots is None and conv_state.shape[0] != num_seqs
         or not (weight.is_contiguous() and conv_state.is_contiguous())
         or not _fp32_cpu(x, weight, conv_state)
     ):
@@ -130,17 +150,22 @@ def causal_conv1d_varlen_native(
     if index is None:
         return None
     qsl, save_index = index
+    slots = None if state_slots is None else _slots(state_slots, num_seqs, conv_state.shape[0])
+    if state_slots is not None and slots is None:
+        return None
     out = torch.empty((total, channels), dtype=torch.float32)
-    new_state = torch.empty_like(conv_state)
+    new_state = torch.empty_like(conv_state) if slots is None else conv_state
     saved = torch.empty((len(save_rows), kernel_size - 1, channels), dtype=torch.float32)
     status = lib.pg_causal_conv1d_f32(
         x.data_ptr(), x.stride(0), weight.data_ptr(), conv_state.data_ptr(), qsl.data_ptr(),
         num_seqs, channels, kernel_size, 0 if save_index is None else save_index.data_ptr(),
-        out.data_ptr(), new_state.data_ptr(), saved.data_ptr(), torch.get_num_threads())
+        out.data_ptr(), new_state.data_ptr(), saved.data_ptr(),
+        0 if slots is None else slots.data_ptr(), torch.get_num_threads())
     return None if status != 0 else (out, new_state, saved)
 
 
-def _rule(q, k, v, g, beta, state, query_start_loc, save_rows, fused, final_state) -> (
+def _rule(q, k, v, g, beta, state, query_start_loc, save_rows, fused, final_state,
+          state_slots) -> (
         tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None):
     """Both entries: ``fused`` = (a_log, dt_bias, eps, scale) or None."""
     native = _native()
@@ -168,7 +193,9 @@ def _rule(q, k, v, g, beta, state, query_start_loc, save_rows, fused, final_stat
         or not _rows(v, (total, num_heads, dv))
         or not _rows(g, (total, num_heads))
         or not _rows(beta, (total, num_heads))
-        or tuple(state.shape) != (num_seqs, num_heads, dk, dv)
+        or tuple(state.shape[1:]) != (num_heads, dk, dv)
+        or state_slots is None and state.shape[0] != num_seqs
+        or state_slots is not None and final_state is not None
         or not state.is_contiguous()
         or not _fp32_cpu(*tensors)
         or final_state is not None and not (
@@ -181,6 +208,11 @@ def _rule(q, k, v, g, beta, state, query_start_loc, save_rows, fused, final_stat
     if index is None:
         return None
     qsl, save_index = index
+    slots = None if state_slots is None else _slots(state_slots, num_seqs, state.shape[0])
+    if state_slots is not None:
+        if slots is None:
+            return None
+        final_state = state  # in place, in the pool
     out = torch.empty((total, num_heads, dv), dtype=torch.float32)
     final = torch.empty_like(state) if final_state is None else final_state
     saved = torch.empty((len(save_rows), num_heads, dk, dv), dtype=torch.float32)
@@ -192,7 +224,7 @@ def _rule(q, k, v, g, beta, state, query_start_loc, save_rows, fused, final_stat
         a_log_ptr, dt_bias_ptr, num_heads // num_q_heads, eps, scale,
         state.data_ptr(), final.data_ptr(), qsl.data_ptr(), num_seqs, num_heads, dk, dv,
         0 if save_index is None else save_index.data_ptr(), out.data_ptr(), saved.data_ptr(),
-        torch.get_num_threads())
+        0 if slots is None else slots.data_ptr(), torch.get_num_threads())
     return None if status != 0 else (out, final, saved)
 
 
@@ -202,11 +234,12 @@ def gated_delta_rule_varlen_native(
     v: torch.Tensor,  # [T, Hv, Dv]
     g: torch.Tensor,  # [T, Hv] log decay (<= 0)
     beta: torch.Tensor,  # [T, Hv]
-    state: torch.Tensor,  # [S, Hv, Dk, Dv] fp32 contiguous, read only
+    state: torch.Tensor,  # [S, Hv, Dk, Dv] fp32 contiguous, read only (or a pool: state_slots)
     query_start_loc: Sequence[int],
     save_rows: Sequence[int] = (),
     *,
     final_state: torch.Tensor | None = None,
+    state_slots: torch.Tensor | Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The recurrence token by token from each sequence's state: the native twin of
     ``kernels.torch_cpu.gated_delta.gated_delta_rule_varlen``.
@@ -214,12 +247,16 @@ def gated_delta_rule_varlen_native(
     ``final_state`` (keyword only, not in the reference) is where the final states go, e.g.
     ``state`` itself to update it in place: a decode step then neither allocates nor copies
     the states (a fresh [S, Hv, Dk, Dv] buffer is most of a decode call's cost).
+    ``state_slots`` (keyword only): ``state`` is a pool [N, Hv, Dk, Dv] and sequence s's state
+    is ``state[state_slots[s]]``, updated there in place (distinct slots; no final_state):
+    no gather into a batch and no scatter back.
 
     Returns:
         ``(out [T, Hv, Dv], final_state [S, Hv, Dk, Dv], saved [P, Hv, Dk, Dv])``, or None
         when the native path does not take these inputs.
     """
-    return _rule(q, k, v, g, beta, state, query_start_loc, save_rows, None, final_state)
+    return _rule(q, k, v, g, beta, state, query_start_loc, save_rows, None, final_state,
+                 state_slots)
 
 
 def gated_delta_rule_fused_native(
@@ -237,17 +274,18 @@ def gated_delta_rule_fused_native(
     scale: float | None = None,  # default Dk ** -0.5
     eps: float = 1e-6,
     final_state: torch.Tensor | None = None,
+    state_slots: torch.Tensor | Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """:func:`prepare_inputs_torch` then the rule, in one pass (value head h reads q/k head
-    ``h // (Hv / Hk)``, as transformers' ``repeat_interleave``); ``final_state`` as in
-    :func:`gated_delta_rule_varlen_native`.
+    ``h // (Hv / Hk)``, as transformers' ``repeat_interleave``); ``final_state`` and
+    ``state_slots`` as in :func:`gated_delta_rule_varlen_native`.
 
     Returns:
         as :func:`gated_delta_rule_varlen_native`, or None.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _rule(q, k, v, a, b, state, query_start_loc, save_rows, (a_log, dt_bias, eps, scale),
-                 final_state)
+                 final_state, state_slots)
 
 
 def prepare_inputs_torch(

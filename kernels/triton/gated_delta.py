@@ -6,7 +6,9 @@ Layout::
     q, k            : [T, Hq, Dk]        rows at any stride, heads dense (Hq = Hv, or Hk fused)
     v               : [T, Hv, Dv]        rows at any stride, heads dense
     g, beta         : [T, Hv]            rows at any stride (fused: the raw a and b)
-    state, final    : [S, Hv, Dk, Dv]    fp32 contiguous
+    state, final    : [S, Hv, Dk, Dv]    fp32 contiguous (or one pool [N, ...], in place)
+    state_slots     : [S] int64          sequence s's entry of state / final (arange(S) unless
+                                         the caller passes a pool's slots)
     saved           : [P, Hv, Dk, Dv]    fp32
     out             : [T, Hv, Dv]        fp32
     query_start_loc : [S + 1] int64      sequence s owns rows [qsl[s], qsl[s + 1])
@@ -52,6 +54,7 @@ def _gated_delta_kernel(
     out_ptr,  # [T, Hv, Dv] fp32
     query_start_loc_ptr,  # [S + 1] int64
     save_index_ptr,  # [T] int32
+    state_slots_ptr,  # [S] int64
     stride_q_t,
     stride_k_t,
     stride_v_t,
@@ -77,7 +80,8 @@ def _gated_delta_kernel(
     mask = mask_k[:, None] & mask_v[None, :]  # [BLOCK_K, BLOCK_V]
     head_size = HEAD_DIM_K * HEAD_DIM_V
     block = offs_k[:, None] * HEAD_DIM_V + offs_v[None, :]
-    state_at = (seq * NUM_HEADS + head).to(tl.int64) * head_size + block
+    state_slot = tl.load(state_slots_ptr + seq)
+    state_at = (state_slot * NUM_HEADS + head) * head_size + block
     s = tl.load(state_ptr + state_at, mask=mask, other=0.0)
     if FUSED:
         neg_a = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
@@ -135,6 +139,7 @@ def _causal_conv1d_kernel(
     saved_ptr,  # [P, K - 1, C]
     query_start_loc_ptr,  # [S + 1] int64
     save_index_ptr,  # [T] int32
+    state_slots_ptr,  # [S] int64
     stride_x_t,
     CHANNELS: tl.constexpr,
     KERNEL: tl.constexpr,
@@ -144,7 +149,8 @@ def _causal_conv1d_kernel(
     seq = tl.program_id(0)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_c = offs_c < CHANNELS
-    state_seq = state_ptr + seq.to(tl.int64) * WIDTH * CHANNELS
+    state_slot = tl.load(state_slots_ptr + seq)
+    state_seq = state_ptr + state_slot * WIDTH * CHANNELS
     start = tl.load(query_start_loc_ptr + seq)
     end = tl.load(query_start_loc_ptr + seq + 1)
     for row in range(start, end):
@@ -165,7 +171,7 @@ def _causal_conv1d_kernel(
                                 offs_c, mask_c, CHANNELS, WIDTH)
                 tl.store(saved_row + i * CHANNELS + offs_c, x.to(saved_ptr.dtype.element_ty),
                          mask=mask_c)
-    new_state_seq = new_state_ptr + seq.to(tl.int64) * WIDTH * CHANNELS
+    new_state_seq = new_state_ptr + state_slot * WIDTH * CHANNELS
     for i in tl.static_range(WIDTH):
         x = _conv_input(x_ptr, state_seq, stride_x_t, start, end - start - WIDTH + i, offs_c,
                         mask_c, CHANNELS, WIDTH)
@@ -190,6 +196,16 @@ def _host_index(query_start_loc: Sequence[int], save_rows: Sequence[int], total:
             torch.tensor(index or [-1], dtype=torch.int32, device=device))
 
 
+def _state_slots(state_slots, num_seqs: int, pool: int, device: torch.device) -> torch.Tensor:
+    if state_slots is None:
+        return torch.arange(num_seqs, dtype=torch.int64, device=device)
+    slots = [int(s) for s in state_slots]
+    require(len(slots) == num_seqs and len(set(slots)) == num_seqs
+            and all(0 <= s < pool for s in slots),
+            f"state_slots must be {num_seqs} distinct entries of the pool of {pool}, got {slots}")
+    return torch.tensor(slots, dtype=torch.int64, device=device)
+
+
 def _check_rows(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
     require(tuple(t.shape) == shape, f"{name} must be {list(shape)}, got {list(t.shape)}")
     dense = 1
@@ -199,7 +215,8 @@ def _check_rows(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
         dense *= size
 
 
-def _rule(q, k, v, g, beta, state, query_start_loc, save_rows, fused, final_state):
+def _rule(q, k, v, g, beta, state, query_start_loc, save_rows, fused, final_state,
+          state_slots):
     total, num_q_heads, dk = q.shape
     num_heads, dv = v.shape[1:]
     num_seqs = len(query_start_loc) - 1
@@ -213,10 +230,16 @@ def _rule(q, k, v, g, beta, state, query_start_loc, save_rows, fused, final_stat
     _check_rows("v", v, (total, num_heads, dv))
     _check_rows("g", g, (total, num_heads))
     _check_rows("beta", beta, (total, num_heads))
-    require(tuple(state.shape) == (num_seqs, num_heads, dk, dv) and state.is_contiguous()
+    rows = num_seqs if state_slots is None else state.shape[0]
+    require(tuple(state.shape) == (rows, num_heads, dk, dv) and state.is_contiguous()
             and state.dtype == torch.float32,
-            f"state must be fp32 contiguous [{num_seqs}, {num_heads}, {dk}, {dv}], got "
+            f"state must be fp32 contiguous [{rows}, {num_heads}, {dk}, {dv}], got "
             f"{state.dtype} {list(state.shape)}")
+    require(state_slots is None or final_state is None,
+            "state_slots updates the pool in place: no final_state")
+    slots = _state_slots(state_slots, num_seqs, state.shape[0], q.device)
+    if state_slots is not None:
+        final_state = state
     require(all(t.device == q.device for t in (k, v, g, beta, state)),
             "all inputs must be on one device")
     qsl, save_index = _host_index(query_start_loc, save_rows, total, q.device)
@@ -239,7 +262,7 @@ def _rule(q, k, v, g, beta, state, query_start_loc, save_rows, fused, final_stat
     block_v = min(triton.next_power_of_2(dv), 64)
     grid = (num_seqs * num_heads, triton.cdiv(dv, block_v))
     _gated_delta_kernel[grid](
-        q, k, v, g, beta, a_log, dt_bias, state, final, saved, out, qsl, save_index,
+        q, k, v, g, beta, a_log, dt_bias, state, final, saved, out, qsl, save_index, slots,
         q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), eps, scale,
         NUM_HEADS=num_heads, KEY_GROUP=num_heads // num_q_heads, HEAD_DIM_K=dk, HEAD_DIM_V=dv,
         BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, FUSED=fused is not None,
@@ -258,14 +281,18 @@ def gated_delta_rule_varlen_triton(
     save_rows: Sequence[int] = (),
     *,
     final_state: torch.Tensor | None = None,
+    state_slots: torch.Tensor | Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The recurrence (Triton; same contract as ``gated_delta_rule_varlen``). ``final_state``
-    (keyword only, not in the reference): where the final states go, e.g. ``state`` itself.
+    """The recurrence (Triton; same contract as ``gated_delta_rule_varlen``). Keyword only,
+    not in the reference: ``final_state``, where the final states go (e.g. ``state`` itself);
+    ``state_slots``, ``state`` is a pool and sequence s's state its entry ``state_slots[s]``,
+    updated in place (as ``gated_delta_rule_varlen_native``).
 
     Returns:
         ``(out [T, Hv, Dv] fp32, final_state [S, Hv, Dk, Dv], saved [P, Hv, Dk, Dv])``.
     """
-    return _rule(q, k, v, g, beta, state, query_start_loc, save_rows, None, final_state)
+    return _rule(q, k, v, g, beta, state, query_start_loc, save_rows, None, final_state,
+                 state_slots)
 
 
 def gated_delta_rule_fused_triton(
@@ -283,21 +310,25 @@ def gated_delta_rule_fused_triton(
     scale: float | None = None,  # default Dk ** -0.5
     eps: float = 1e-6,
     final_state: torch.Tensor | None = None,
+    state_slots: torch.Tensor | Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``prepare_inputs_torch`` (kernels/cpu/gated_delta.py) and the rule in one kernel."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _rule(q, k, v, a, b, state, query_start_loc, save_rows, (a_log, dt_bias, eps, scale),
-                 final_state)
+                 final_state, state_slots)
 
 
 def causal_conv1d_varlen_triton(
     x: torch.Tensor,  # [T, C] rows at any stride
     weight: torch.Tensor,  # [C, K]
-    conv_state: torch.Tensor,  # [S, K - 1, C]
+    conv_state: torch.Tensor,  # [S, K - 1, C] (with state_slots: a pool [N, K - 1, C])
     query_start_loc: Sequence[int],
     save_rows: Sequence[int] = (),
+    *,
+    state_slots: torch.Tensor | Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv + SiLU (Triton; same contract as ``causal_conv1d_varlen``).
+    """Depthwise causal conv + SiLU (Triton; same contract as ``causal_conv1d_varlen``);
+    ``state_slots`` (keyword only): the states are a pool's entries, updated in place.
 
     Returns:
         ``(out [T, C], new_conv_state [S, K - 1, C], saved [P, K - 1, C])`` in x's dtype.
@@ -309,18 +340,22 @@ def causal_conv1d_varlen_triton(
     _check_rows("x", x, (total, channels))
     require(tuple(weight.shape) == (channels, kernel_size) and weight.is_contiguous()
             and kernel_size >= 2, f"weight must be contiguous [{channels}, K >= 2]")
-    require(tuple(conv_state.shape) == (num_seqs, kernel_size - 1, channels)
+    rows = num_seqs if state_slots is None else conv_state.shape[0]
+    require(tuple(conv_state.shape) == (rows, kernel_size - 1, channels)
             and conv_state.is_contiguous(),
-            f"conv_state must be contiguous [{num_seqs}, {kernel_size - 1}, {channels}]")
+            f"conv_state must be contiguous [{rows}, {kernel_size - 1}, {channels}]")
+    slots = _state_slots(state_slots, num_seqs, conv_state.shape[0], x.device)
     qsl, save_index = _host_index(query_start_loc, save_rows, total, x.device)
     out = torch.empty((total, channels), dtype=x.dtype, device=x.device)
-    new_state = torch.empty(conv_state.shape, dtype=x.dtype, device=x.device)
+    # NOTE: in place is safe: each program writes its new state after its last read
+    new_state = (torch.empty(conv_state.shape, dtype=x.dtype, device=x.device)
+                 if state_slots is None else conv_state)
     saved = torch.empty((len(save_rows), kernel_size - 1, channels), dtype=x.dtype,
                         device=x.device)
     block_c = min(triton.next_power_of_2(channels), 256)
     grid = (num_seqs, triton.cdiv(channels, block_c))
     _causal_conv1d_kernel[grid](
-        x, weight, conv_state, out, new_state, saved, qsl, save_index, x.stride(0),
+        x, weight, conv_state, out, new_state, saved, qsl, save_index, slots, x.stride(0),
         CHANNELS=channels, KERNEL=kernel_size, BLOCK_C=block_c,
     )
     return out, new_state, saved

@@ -6,7 +6,9 @@
  *   q, k       [T, Hq, Dk]  heads dense, rows at q_stride / k_stride (Hq = Hv, or Hk when fused)
  *   v          [T, Hv, Dv]  heads dense, rows at v_stride
  *   g, beta    [T, Hv]      rows at g_stride / beta_stride (fused: the raw a and b)
- *   state_in   [S, Hv, Dk, Dv] contiguous; state_out may be the same buffer (in place)
+ *   state_in   [S, Hv, Dk, Dv] contiguous; state_out may be the same buffer (in place); with
+ *              state_slots [S] int64 (else NULL), both are a pool [N, Hv, Dk, Dv] and sequence
+ *              s reads and writes entry state_slots[s] (distinct slots)
  *   out        [T, Hv, Dv]  contiguous
  *   save_index [T] int32: -1, or the slot p of saved [P, Hv, Dk, Dv] that takes the state
  *              after that row
@@ -74,6 +76,7 @@ typedef struct {
     float eps, scale;             /* fused: l2 norm epsilon, q scale */
     const float *state_in;
     float *state_out, *saved, *out;
+    const int64_t *state_slots;
     const int32_t *save_index;
     int num_heads, dk, dv;
 } gd_args;
@@ -105,7 +108,8 @@ static void gd_item(const gd_args *a, int64_t seq, int h, int j0, int nv, int64_
     float qn[GD_MAX_DK] __attribute__((aligned(64))), kn[GD_MAX_DK] __attribute__((aligned(64)));
     float vrow[GD_BLOCK_V] __attribute__((aligned(64))) = {0};
     float orow[GD_BLOCK_V] __attribute__((aligned(64)));
-    const int64_t head_state = ((int64_t)seq * a->num_heads + h) * dk * dv;
+    const int64_t slot = a->state_slots != NULL ? a->state_slots[seq] : seq;
+    const int64_t head_state = (slot * a->num_heads + h) * dk * dv;
     if (nv == GD_BLOCK_V) /* constant sizes: the copies inline into a few vector moves */
         for (int i = 0; i < dk; ++i)
             memcpy(S + i * GD_VECS, a->state_in + head_state + (int64_t)i * dv + j0,
@@ -197,12 +201,12 @@ int pg_gated_delta_f32(const float *q, int64_t q_stride, const float *k, int64_t
                        const float *dt_bias, int key_group, float eps, float scale,
                        const float *state_in, float *state_out, const int64_t *qsl, int num_seqs,
                        int num_heads, int dk, int dv, const int32_t *save_index, float *out,
-                       float *saved, int num_threads) {
+                       float *saved, const int64_t *state_slots, int num_threads) {
     if (dk < 1 || dk > GD_MAX_DK || dv < 1 || key_group < 1) return -1;
     if (num_threads < 1) num_threads = 1;
     const gd_args args = {q, k, v, g, beta, q_stride, k_stride, v_stride, g_stride, beta_stride,
                           a_log, dt_bias, key_group, eps, scale, state_in, state_out, saved,
-                          out, save_index, num_heads, dk, dv};
+                          out, state_slots, save_index, num_heads, dk, dv};
     const int blocks = (dv + GD_BLOCK_V - 1) / GD_BLOCK_V;
     const int64_t per_seq = (int64_t)num_heads * blocks, items = num_seqs * per_seq;
     /* work: tokens x state size; below ~1 MFLOP one thread is cheaper than waking the team */
@@ -278,13 +282,15 @@ static inline int64_t seq_of_row(const int64_t *qsl, int num_seqs, int64_t row) 
 /* Depthwise causal conv + SiLU over each sequence from its conv state (the reference's
  * causal_conv1d_varlen). x [T, C] rows at x_stride; weight [C, K] contiguous; conv_state and
  * new_state [S, K - 1, C] contiguous (new_state may be conv_state: it is written after every
- * read); out [T, C] contiguous; saved [P, K - 1, C]; save_index as for the rule. Rows are
+ * read), or with state_slots (else NULL) pools [N, K - 1, C] whose entry state_slots[s] is
+ * sequence s's; out [T, C] contiguous; saved [P, K - 1, C]; save_index as for the rule. Rows are
  * independent given the inputs, so they are spread over the threads in order (each reads its
  * inputs as a stream). Returns 0, -1 when K is over the limit, -2 out of memory. */
 int pg_causal_conv1d_f32(const float *x, int64_t x_stride, const float *weight,
                          const float *conv_state, const int64_t *qsl, int num_seqs, int channels,
                          int kernel_size, const int32_t *save_index, float *out,
-                         float *new_state, float *saved, int num_threads) {
+                         float *new_state, float *saved, const int64_t *state_slots,
+                         int num_threads) {
     if (kernel_size < 1 || kernel_size > CONV_MAX_K) return -1;
     if (num_threads < 1) num_threads = 1;
     const int width = kernel_size - 1;
@@ -295,10 +301,11 @@ int pg_causal_conv1d_f32(const float *x, int64_t x_stride, const float *weight,
         for (int j = 0; j < kernel_size; ++j)
             weight_t[(int64_t)j * channels + c] = weight[(int64_t)c * kernel_size + j];
     const int64_t first = qsl[0], rows = qsl[num_seqs] - qsl[0];
+#define SLOT(seq) (state_slots != NULL ? state_slots[seq] : (seq))
 #define CONV_ROW(r)                                                                         \
     do {                                                                                    \
         const int64_t seq = seq_of_row(qsl, num_seqs, (r));                                 \
-        const float *state_seq = conv_state + seq * state_size;                             \
+        const float *state_seq = conv_state + SLOT(seq) * state_size;                       \
         const int64_t offset = (r) - qsl[seq];                                              \
         conv_row(x, x_stride, weight_t, state_seq, qsl[seq], offset, channels, kernel_size, \
                  out + (r) * channels);                                                     \
@@ -321,9 +328,10 @@ int pg_causal_conv1d_f32(const float *x, int64_t x_stride, const float *weight,
      * old state (a short sequence's rows come from later rows of its own old state) */
     for (int64_t seq = 0; seq < num_seqs; ++seq)
         for (int i = 0; i < width; ++i)
-            memmove(new_state + seq * state_size + (int64_t)i * channels,
-                    conv_input(x, x_stride, conv_state + seq * state_size, width, channels,
+            memmove(new_state + SLOT(seq) * state_size + (int64_t)i * channels,
+                    conv_input(x, x_stride, conv_state + SLOT(seq) * state_size, width, channels,
                                qsl[seq], qsl[seq + 1] - qsl[seq] - width + i, 0),
                     channels * sizeof(float));
+#undef SLOT
     return 0;
 }

@@ -179,3 +179,26 @@ def test_conv_matches_reference_and_splits_bit_identically() -> None:
                                                       [0, end - start])
         outs.append(out)
     assert torch.equal(torch.cat(outs), got[0][3:]) and torch.equal(carried[0], got[1][3])
+
+
+def test_state_slots_update_a_pool_in_place() -> None:
+    """With state_slots the states live in a pool, read and written at each sequence's slot:
+    the same bits as the batch gathered out of the pool, the other slots untouched."""
+    inputs = _rule_inputs(12, seed=15)
+    pool = _state(5, seed=16)
+    before = pool.clone()
+    slots, qsl = [3, 0], [0, 7, 12]
+    expected = _native(*inputs, pool[slots], qsl, save_rows=[2])
+    out, final, saved = _native(*inputs, pool, qsl, save_rows=[2], state_slots=slots)
+    assert final is pool and torch.equal(out, expected[0]) and torch.equal(saved, expected[2])
+    assert torch.equal(pool[slots], expected[1])
+    assert torch.equal(pool[[1, 2, 4]], before[[1, 2, 4]])
+    assert gated_delta_rule_varlen_native(*inputs, pool, qsl, state_slots=[1, 1]) is None
+    x, weight, conv_pool = _conv_inputs(12, 4, seed=17)
+    conv_before = conv_pool.clone()
+    expected = causal_conv1d_varlen_native(x, weight, conv_pool[[2, 1]], [0, 2, 12], [1])
+    got = causal_conv1d_varlen_native(x, weight, conv_pool, [0, 2, 12], [1], state_slots=[2, 1])
+    assert got is not None and expected is not None and got[1] is conv_pool
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[2], expected[2])
+    assert torch.equal(conv_pool[[2, 1]], expected[1])
+    assert torch.equal(conv_pool[[0, 3]], conv_before[[0, 3]])
