@@ -17,13 +17,16 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 from typing import Any
 
-from tests.family_fixtures import _build_once, fixture_root
+import torch
+
+from tests.family_fixtures import _build_once, fixture_root, template
 
 BPE_OPENAI = "bpe-openai==0.1.4"
 O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
@@ -107,7 +110,6 @@ def harmony_tokenizer_dir() -> Path:
 def harmony_tokenizer(chat_template: str | None = None) -> Any:
     """Our :class:`Tokenizer` over o200k_harmony with gpt-oss's template (the sdist's)."""
     from prefixgate.gateway.engine.tokenizer import Tokenizer
-    from tests.family_fixtures import template
 
     folder = harmony_tokenizer_dir()
     config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
@@ -127,3 +129,38 @@ def tiktoken_harmony() -> Any:
                               expected_hash=O200K_SHA256)
     return tiktoken.Encoding("o200k_harmony", pat_str=o200k_pattern(), mergeable_ranks=ranks,
                              special_tokens=harmony_special_tokens())
+
+
+# ---- a tiny random gpt-oss with this tokenizer ------------------------------------------
+
+GPT_OSS_CONFIG = {
+    "vocab_size": HARMONY_VOCAB_SIZE, "hidden_size": 64, "intermediate_size": 48,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
+    "layer_types": ["sliding_attention", "full_attention"], "initializer_range": 0.08,
+    "max_position_embeddings": 4096, "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                        "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                        "original_max_position_embeddings": 4096},
+}  # fmt: skip
+
+
+def _build_tiny_gpt_oss(tmp: Path) -> None:
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(GptOssConfig(**GPT_OSS_CONFIG)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 1.5)  # big enough to move the logits
+    model.save_pretrained(str(tmp))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(harmony_tokenizer_dir() / name, tmp / name)
+    (tmp / "chat_template.jinja").write_text(template(HARMONY_TEMPLATE), encoding="utf-8")
+
+
+def gpt_oss_tiny_dir() -> Path:
+    """transformers' GptOssForCausalLM from ``GPT_OSS_CONFIG`` (2 layers: one sliding with an
+    8-token window, one full; 4 experts, top-2; YaRN; attention sinks set to visible values),
+    saved as safetensors with o200k_harmony and gpt-oss's template."""
+    return _build_once(fixture_root() / "gpt-oss-tiny-v1", _build_tiny_gpt_oss)

@@ -48,7 +48,8 @@ class ToolDialect:
         """``(messages, tools)`` to hand the chat template (replicas and the router render a
         conversation identically through this)."""
         if self.native:
-            template_tools = [tool_json(t) for t in tools] if tools else None
+            template_tools = (self.format.template_tools([tool_json(t) for t in tools])
+                              if tools else None)
             history = native_messages(messages, message_param=message_param)
             return self.format.history_messages(history), template_tools
         return prepare_messages(messages, tools, message_param=message_param,

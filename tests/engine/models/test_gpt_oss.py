@@ -10,48 +10,20 @@ path (native off) is checked against the same reference.
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
 import torch
 
 from prefixgate.gateway.engine.loader import load_model
 from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
 from tests.engine.test_fidelity import LAYOUT_ATOL, PREFILL_ATOL, Pages
-from tests.family_fixtures import _build_once, fixture_root, template
-from tests.harmony_fixture import HARMONY_TEMPLATE, HARMONY_VOCAB_SIZE, harmony_tokenizer_dir
+from tests.harmony_fixture import gpt_oss_tiny_dir
 
 NEW_TOKENS = 10
-CONFIG = {
-    "vocab_size": HARMONY_VOCAB_SIZE, "hidden_size": 64, "intermediate_size": 48,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-    "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
-    "layer_types": ["sliding_attention", "full_attention"], "initializer_range": 0.08,
-    "max_position_embeddings": 4096, "tie_word_embeddings": False,
-    "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
-                        "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                        "original_max_position_embeddings": 4096},
-}  # fmt: skip
-
-
-def _build(tmp: Path) -> None:
-    from transformers import GptOssConfig, GptOssForCausalLM
-
-    torch.manual_seed(0)
-    model = GptOssForCausalLM(GptOssConfig(**CONFIG)).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.sinks.normal_(0.0, 1.5)  # big enough to move the logits
-    model.save_pretrained(str(tmp))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(harmony_tokenizer_dir() / name, tmp / name)
-    (tmp / "chat_template.jinja").write_text(template(HARMONY_TEMPLATE), encoding="utf-8")
 
 
 @pytest.fixture(scope="module")
 def case():
-    folder = _build_once(fixture_root() / "gpt-oss-tiny-v1", _build)
+    folder = gpt_oss_tiny_dir()
     from transformers import AutoModelForCausalLM
 
     oracle = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()

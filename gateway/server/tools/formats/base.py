@@ -69,6 +69,10 @@ class ToolCallFormat:
         """The history as the template takes it (default: unchanged)."""
         return messages
 
+    def template_tools(self, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The tool list as the template takes it (default: unchanged)."""
+        return tools
+
     def content(self, tool: FunctionTool, param: str = "tools", scope: str = "") -> dict[str, Any]:
         """The structural-tag element of a call's arguments: canonical JSON (``json.dumps``
         spacing, the schema's key order), which is what templates' ``tojson`` re-renders, so

@@ -131,6 +131,11 @@ class HarmonyFormat(ToolCallFormat):
             out.append(message)
         return out
 
+    def template_tools(self, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """gpt-oss's template writes ``"// " + description`` for every tool: one without a
+        description (optional on every surface) gets an empty one instead of a 400."""
+        return [{**t, "function": {"description": "", **t["function"]}} for t in tools]
+
     def parse_call(self, call_text: str, tools: Sequence[FunctionTool] = ()) -> ParsedCall | None:
         """One call message (header, ``<|message|>``, arguments)."""
         header, _, body = call_text.partition(MESSAGE)
@@ -155,17 +160,16 @@ class HarmonyFormat(ToolCallFormat):
 
         * ``auto``: messages separated by ``<|start|>assistant``: analysis, final, calls in
           either header spelling; at most one call, which ends the turn (``<|call|>``);
-        * ``required`` / a function: analysis messages, if any, then one call in the
-          template's spelling;
+        * ``required`` / a function: the call, right away, in the template's spelling (as
+          every format's forced call: analysis first could run to ``max_tokens`` and leave the
+          turn without the call it must have);
         * ``none`` (or no tools): ``response_format`` alone, as for every format.
         """
         if not tools or choice.mode == "none":
             return response_format
         one = ToolChoice(choice.mode, choice.name, parallel=False)
         if choice.mode != "auto":
-            spec = tool_grammar(tools, one, None, parameters_param, scope, fmt=self)
-            assert spec is not None
-            return _with_analysis_first(spec)
+            return tool_grammar(tools, one, None, parameters_param, scope, fmt=self)
         spec = tool_grammar(tools, one, None, parameters_param, scope, fmt=self)
         assert spec is not None
         return _auto(spec, tools, scope, parameters_param, self)
@@ -201,21 +205,10 @@ def _analysis_tag(end: str | list[str] = END) -> dict[str, Any]:
             "end": end}
 
 
-def _source(spec: GrammarSpec) -> dict[str, Any]:
-    return json.loads(spec.source)["format"]
-
-
 def _wrap(spec: GrammarSpec, grammar: dict[str, Any]) -> GrammarSpec:
     source = json.dumps({"type": "structural_tag", "format": grammar}, ensure_ascii=False)
     return GrammarSpec("structural_tag", source, param=spec.param,
                        forced_text_finite=spec.forced_text_finite)
-
-
-def _with_analysis_first(spec: GrammarSpec) -> GrammarSpec:
-    """``(analysis <|end|><|start|>assistant)*`` then the forced call."""
-    analysis = {"type": "sequence", "elements": [_analysis_tag(), _const(NEXT_MESSAGE)]}
-    return _wrap(spec, {"type": "sequence", "elements": [
-        {"type": "star", "content": analysis}, _source(spec)]})  # fmt: skip
 
 
 def _auto(spec: GrammarSpec, tools: Sequence[FunctionTool], scope: str,
