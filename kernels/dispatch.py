@@ -67,6 +67,8 @@ class BackendSpec:
         native_cpu: it hands fp32 CPU rows to the native kernels (kernels/cpu/).
         moe: ``"module:function"`` of its routed-experts op (an MoE MLP's chosen experts in
             one call; layout in kernels/torch_cpu/moe.py), imported on first use.
+        gated_delta: ``"module:function"``: ``bind(native) -> GatedDeltaOps``, a hybrid
+            model's linear-attention ops (kernels/torch_cpu/gated_delta.py has the layout).
     """
 
     name: str
@@ -78,6 +80,7 @@ class BackendSpec:
     requirement: str = ""
     native_cpu: bool = False
     moe: str = ""
+    gated_delta: str = ""
 
     def load(self) -> Any:
         return _import(self.target)
@@ -174,6 +177,12 @@ def moe_experts_op(name: str) -> Callable[..., torch.Tensor]:
     return _import(_REGISTRY[name].moe)
 
 
+def gated_delta_ops(name: str, native: bool = False) -> Any:
+    """The linear-attention ops (``GatedDeltaOps``: conv, rule) of backend ``name``, bound once
+    by a hybrid model; ``native``: the native CPU kernels where they build."""
+    return _import(_REGISTRY[name].gated_delta)(native)
+
+
 def _ops(device: torch.device, backend: str | None) -> Any:
     return _REGISTRY[resolve_backend(device, backend)].load()
 
@@ -184,10 +193,12 @@ register_backend(BackendSpec(
     runs_on=lambda device_type: device_type == "cuda" or _interpreting(),
     requirement="CUDA, or TRITON_INTERPRET=1 to run in Triton's CPU interpreter",
     moe="prefixgate.kernels.triton.moe:moe_experts_triton",
+    gated_delta="prefixgate.kernels.triton.gated_delta:bind_ops",
 ))
 register_backend(BackendSpec(
     "torch", "prefixgate.kernels.torch_cpu.backend:TorchBackend", native_cpu=True,
     moe="prefixgate.kernels.torch_cpu.moe:moe_experts_torch",
+    gated_delta="prefixgate.kernels.torch_cpu.gated_delta:bind_ops",
 ))
 
 

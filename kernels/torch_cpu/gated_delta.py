@@ -25,7 +25,8 @@ scaled by ``Dk ** -0.5`` by the caller):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -137,4 +138,33 @@ def gated_delta_rule_varlen(
     return flat[keep], s_state, saved
 
 
-__all__ = ["causal_conv1d_varlen", "gated_delta_rule_varlen"]
+class GatedDeltaOps(NamedTuple):
+    """A backend's linear-attention ops, with the signatures of this module's functions."""
+
+    conv: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    rule: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _or_reference(native: Callable[..., object], reference: Callable[..., object]) -> Callable[..., object]:
+    def op(*args: object) -> object:
+        out = native(*args)  # None: inputs the native kernel does not take (non-fp32 rows)
+        return reference(*args) if out is None else out
+    return op
+
+
+def bind_ops(native: bool) -> GatedDeltaOps:
+    """The torch backend's ops: the native CPU kernels (kernels/cpu/gated_delta.py) when
+    ``native`` and the library builds here, else this module's reference."""
+    reference = GatedDeltaOps(causal_conv1d_varlen, gated_delta_rule_varlen)
+    if not native:
+        return reference
+    from prefixgate.kernels.cpu import gated_delta as cpu
+    from prefixgate.kernels.cpu.library import library
+
+    if library() is None:
+        return reference
+    return GatedDeltaOps(_or_reference(cpu.causal_conv1d_varlen_native, causal_conv1d_varlen),
+                         _or_reference(cpu.gated_delta_rule_varlen_native, gated_delta_rule_varlen))
+
+
+__all__ = ["GatedDeltaOps", "bind_ops", "causal_conv1d_varlen", "gated_delta_rule_varlen"]

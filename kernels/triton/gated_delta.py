@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from prefixgate.kernels.checks import require
+from prefixgate.kernels.torch_cpu.gated_delta import GatedDeltaOps
 from prefixgate.kernels.triton.common import check_triton_device
 
 
@@ -361,5 +362,10 @@ def causal_conv1d_varlen_triton(
     return out, new_state, saved
 
 
-__all__ = ["causal_conv1d_varlen_triton", "gated_delta_rule_fused_triton",
+def bind_ops(_native: bool = False) -> GatedDeltaOps:
+    """The Triton backend's linear-attention ops (``kernels.gated_delta_ops``)."""
+    return GatedDeltaOps(causal_conv1d_varlen_triton, gated_delta_rule_varlen_triton)
+
+
+__all__ = ["bind_ops", "causal_conv1d_varlen_triton", "gated_delta_rule_fused_triton",
            "gated_delta_rule_varlen_triton"]

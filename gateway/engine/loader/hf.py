@@ -36,6 +36,10 @@ from prefixgate.gateway.engine.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 _SINGLE_FILE = "model.safetensors"
+# a multimodal checkpoint's language model (Qwen3.5's own, Qwen3_5ForConditionalGeneration):
+# its config under "text_config", its weights under this prefix; the vision tower and the
+# multi-token-prediction head are not loaded
+_LANGUAGE_MODEL_PREFIX = "model.language_model."
 _INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -166,6 +170,26 @@ def config_from_hf(raw: dict[str, Any], name: str) -> ModelConfig:
     return ModelConfig(**(fields | extras))
 
 
+def _language_model_config(raw: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """A multimodal checkpoint's text config (True), or ``raw`` itself (False): the outer
+    ``model_type`` (``qwen3_5``) is not one we run, its ``text_config``'s (``qwen3_5_text``) is."""
+    text = raw.get("text_config")
+    supported = supported_architectures()
+    if (isinstance(text, dict) and raw.get("model_type") not in supported
+            and text.get("model_type") in supported):
+        tied = text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+        return {**text, "tie_word_embeddings": tied,
+                "_name_or_path": raw.get("_name_or_path") or text.get("_name_or_path")}, True
+    return raw, False
+
+
+def _text_weight_name(key: str) -> str | None:
+    """A multimodal checkpoint's tensor name as the language model's (None: not loaded)."""
+    if key.startswith(_LANGUAGE_MODEL_PREFIX):
+        return "model." + key.removeprefix(_LANGUAGE_MODEL_PREFIX)
+    return key if key == "lm_head.weight" else None
+
+
 def _weight_files(directory: Path) -> list[Path]:
     if (directory / _INDEX_FILE).is_file():
         weight_map = _read_json(directory / _INDEX_FILE).get("weight_map", {})
@@ -226,6 +250,7 @@ def load_hf(directory: str | Path, *, progress: bool | None = None) -> LoadedMod
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(f"not a Hugging Face model directory (no config.json): {directory}")
     raw = _read_json(directory / "config.json")
+    raw, multimodal = _language_model_config(raw)
     config = config_from_hf(raw, raw.get("_name_or_path") or directory.name)
     tokenizer = _load_tokenizer(directory)
     needed = expected_weight_shapes(config)
@@ -237,8 +262,9 @@ def load_hf(directory: str | Path, *, progress: bool | None = None) -> LoadedMod
     ):
         with safe_open(str(file), framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118 - safe_open is not a dict
-                if not key.endswith("rotary_emb.inv_freq"):
-                    weights[key] = handle.get_tensor(key)
+                name = _text_weight_name(key) if multimodal else key
+                if name is not None and not name.endswith("rotary_emb.inv_freq"):
+                    weights[name] = handle.get_tensor(key)
     # the family renames/splits/stacks its own tensors (Phi's fused qkv, MoE experts)
     weights = family_for(config.architecture).adapt_weights(weights, config, "hf")
     for key in [k for k in weights if k not in needed]:

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from prefixgate import kernels
 from prefixgate.gateway.engine.model_config import (
     LinearAttentionConfig,
     ModelConfig,
@@ -39,7 +40,6 @@ from prefixgate.gateway.engine.models.moe import GroupedMoEMLP, MoEMLP
 from prefixgate.gateway.engine.models.qwen3_moe import stack_experts
 from prefixgate.gateway.engine.models.registry import ModelFamily, register_family
 from prefixgate.gateway.engine.models.weights import WeightPlacer
-from prefixgate.kernels.torch_cpu.gated_delta import causal_conv1d_varlen, gated_delta_rule_varlen
 
 _L2_EPS = 1e-6  # transformers' (and FLA's) l2norm epsilon
 
@@ -102,6 +102,8 @@ class HybridModel(DecoderModel):
         self.linear = config.linear_attention
         self._num_states = 0
         super().__init__(config, weights, **kwargs)
+        # the backend's conv and recurrence, bound once (native CPU kernels where they build)
+        self.delta_ops = kernels.gated_delta_ops(self.kernel_backend or "torch", self.native_ops)
 
     def layer_kinds(self) -> list[str]:
         """Per layer ``"attention"`` (paged K/V) or ``"recurrent"`` (a state slot)."""
@@ -180,7 +182,7 @@ class HybridModel(DecoderModel):
         mixed, z = proj[:, :channels], proj[:, channels : channels + hv * dv]
         b, a = proj[:, channels + hv * dv : channels + hv * dv + hv], proj[:, channels + hv * dv + hv :]
         slots, qsl, saves = recurrent.slots, recurrent.query_start_loc, recurrent.save_rows
-        conv_out, conv_state, conv_saved = causal_conv1d_varlen(
+        conv_out, conv_state, conv_saved = self.delta_ops.conv(
             mixed.float(), layer.conv_weight, state.conv[slots], qsl, saves)
         key_width = lin.num_key_heads * dk
         q = conv_out[:, :key_width].reshape(num_tokens, lin.num_key_heads, dk)
@@ -193,7 +195,7 @@ class HybridModel(DecoderModel):
             k = k.repeat_interleave(hv // lin.num_key_heads, dim=1)
         beta = torch.sigmoid(b.float())
         g = layer.decay_rate * F.softplus(a.float() + layer.dt_bias)
-        out, matrix, matrix_saved = gated_delta_rule_varlen(
+        out, matrix, matrix_saved = self.delta_ops.rule(
             q, k, v, g, beta, state.matrix[slots], qsl, saves)
         updates.append((layer.state, (conv_state, matrix, conv_saved, matrix_saved)))
         # RMSNorm of each head's output, gated by silu(z) (the norm weight is plain w)

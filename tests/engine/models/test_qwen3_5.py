@@ -130,3 +130,34 @@ def test_failed_forward_advances_no_state(family_case):
     runner.execute([_chunk(prompt, 0, table, fresh_slot, restore=ZERO_STATE)])
     expect = runner.execute([_chunk([int(first.argmax())], len(prompt), table, fresh_slot)])[0]
     assert torch.equal(again, expect)
+
+
+def test_multimodal_checkpoint_loads_its_language_model(tmp_path):
+    """Qwen3.5's own checkpoints are Qwen3_5ForConditionalGeneration: the text config nested
+    in ``text_config``, the weights under ``model.language_model.``, a vision tower and an MTP
+    head beside them. The language model loads as the text-only layout does."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from prefixgate.gateway.engine.loader import load_model
+    from tests.family_fixtures import family_fixture
+
+    text_dir = family_fixture("qwen3_5").hf_dir
+    for item in text_dir.iterdir():
+        if item.name not in ("config.json", "model.safetensors"):
+            shutil.copy(item, tmp_path / item.name)
+    text_config = json.loads((text_dir / "config.json").read_text())
+    outer = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+             "text_config": text_config, "vision_config": {"depth": 1}}
+    (tmp_path / "config.json").write_text(json.dumps(outer))
+    tensors = {("model.language_model." + k.removeprefix("model.")) if k.startswith("model.")
+               else k: v for k, v in load_file(text_dir / "model.safetensors").items()}
+    tensors["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(3, 3)
+    tensors["mtp.fc.weight"] = torch.zeros(2, 2)
+    save_file(tensors, tmp_path / "model.safetensors")
+    nested, flat = load_model(tmp_path), load_model(text_dir)
+    assert nested.config.linear_attention == flat.config.linear_attention
+    assert sorted(nested.weights) == sorted(flat.weights)
+    assert all(torch.equal(nested.weights[k], flat.weights[k]) for k in flat.weights)
