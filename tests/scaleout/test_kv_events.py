@@ -232,3 +232,19 @@ def test_second_tiers_publish_with_their_medium(publisher, tier, request):
     assert sub.index.held(medium) == {wire.u64(b.block_hash) for b in chain[1:]}
     assert sub.index.held("GPU") == {wire.u64(b.block_hash) for b in chain}
     kv_tier.close()
+
+
+def test_a_broken_sink_never_raises_into_the_engine(publisher):
+    """The sinks run inside the pool's register/evict on the engine thread: whatever goes
+    wrong there costs a resync, never an exception into the step."""
+    pub = publisher()
+    wait_for(lambda: pub.status.batches == 1, 10, "the first batch")
+    with pub._flush_lock:  # the thread waits while the queue is broken
+        queue, pub._queue = pub._queue, None  # anything the sink touches, broken
+        pub.pool_sink(_stored(_chain(list(range(1, 5)))[0]))
+        stored, removed = pub.tier_sinks("CPU")
+        stored(_chain(list(range(1, 5)))[0])
+        removed(b"\0" * 16)
+        assert pub.status.errors == 3 and pub._overflowed
+        pub._queue = queue
+    wait_for(lambda: pub.status.resyncs == 2, 10, "the resync after the failure")

@@ -123,18 +123,39 @@ class KVEventPublisher:
         self._queue.append(item)
 
     def pool_sink(self, event: CacheEvent) -> None:
-        """The pool's event sink (engine thread, mid-step): append only."""
-        if isinstance(event, PoolBlockStored):
-            self._put(("S", wire.MEDIUM_GPU, HashedBlock(event.block_hash, event.parent_hash,
-                                                         event.token_bytes, event.extra_keys)))
-        elif isinstance(event, PoolBlockRemoved):
-            self._put(("R", wire.MEDIUM_GPU, event.block_hash))
+        """The pool's event sink (engine thread, mid-step): append only.
+
+        NOTE: never raises: it runs inside the pool's register/evict, where an exception
+        would fail the step's requests; a failure here only costs a resync.
+        """
+        try:
+            if isinstance(event, PoolBlockStored):
+                self._put(("S", wire.MEDIUM_GPU, HashedBlock(
+                    event.block_hash, event.parent_hash, event.token_bytes, event.extra_keys)))
+            elif isinstance(event, PoolBlockRemoved):
+                self._put(("R", wire.MEDIUM_GPU, event.block_hash))
+        except Exception:  # noqa: BLE001 - see the NOTE
+            self.status.errors += 1
+            self._overflowed = True
 
     def tier_sinks(self, medium: str) -> tuple[Callable[[HashedBlock], None],
                                                Callable[[bytes], None]]:
         """(stored, removed) sinks for a second-tier store publishing as ``medium``."""
-        return (lambda block: self._put(("S", medium, block)),
-                lambda block_hash: self._put(("R", medium, block_hash)))
+        def stored(block: HashedBlock) -> None:
+            try:
+                self._put(("S", medium, block))
+            except Exception:  # noqa: BLE001 - as pool_sink: a spill must not fail for events
+                self.status.errors += 1
+                self._overflowed = True
+
+        def removed(block_hash: bytes) -> None:
+            try:
+                self._put(("R", medium, block_hash))
+            except Exception:  # noqa: BLE001 - as pool_sink
+                self.status.errors += 1
+                self._overflowed = True
+
+        return stored, removed
 
     def attach(self, engine: Any) -> None:
         """Feed this publisher from ``engine``'s pool and second tier (an AsyncEngine)."""
