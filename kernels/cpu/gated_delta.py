@@ -29,13 +29,14 @@ _SIGNATURES = {
         *(_p, _p, _i32, _f32, _f32),  # a_log, dt_bias (NULL: not fused), key group, eps, scale
         *(_p, _p, _p, _i32),  # state in, state out, query_start_loc, sequences
         *(_i32, _i32, _i32),  # value heads, Dk, Dv
-        *(_p, _p, _p, _p, _i32),  # save index, out, saved, state slots, threads
+        *(_p, _p, _p, _p, _i32, _i32),  # save index, out, saved, state slots, write at the
+        # slots, threads
     ], _i32),
     "pg_causal_conv1d_f32": ([
         *(_p, _i64, _p, _p, _p, _i32, _i32, _i32),  # x, its row stride, weight, conv state,
         # query_start_loc, sequences, channels, kernel size
-        *(_p, _p, _p, _p, _p, _i32),  # save index, out, new state, saved, state slots,
-        # threads
+        *(_p, _p, _p, _p, _p, _i32, _i32),  # save index, out, new state, saved, state
+        # slots, write at the slots, threads
     ], _i32),
     "pg_gated_delta_limits": ([_p, _p], _i32),
 }  # fmt: skip
@@ -108,6 +109,22 @@ def _slots(state_slots: torch.Tensor | Sequence[int], num_seqs: int,
     return torch.tensor(slots, dtype=torch.int64)
 
 
+def _destination(state: torch.Tensor, final_state: torch.Tensor | None, num_seqs: int,
+                 slotted: bool) -> tuple[torch.Tensor, bool] | None:
+    """Where the final states go and whether at the slots: a fresh ``[S, ...]`` (None), the
+    state itself (in place: at the slots when ``slotted``), or another ``[S, ...]`` buffer apart
+    from the state; None when ``final_state`` is none of these."""
+    shape = (num_seqs, *state.shape[1:])
+    if final_state is None:
+        return torch.empty(shape, dtype=torch.float32), False
+    if final_state.data_ptr() == state.data_ptr() and final_state.shape == state.shape:
+        return final_state, slotted
+    if (tuple(final_state.shape) != shape or not final_state.is_contiguous()
+            or not _fp32_cpu(final_state) or _overlap(final_state, state)):
+        return None
+    return final_state, False
+
+
 def causal_conv1d_varlen_native(
     x: torch.Tensor,  # [T, C] conv inputs, rows at any stride
     weight: torch.Tensor,  # [C, K] depthwise kernel
@@ -115,18 +132,17 @@ def causal_conv1d_varlen_native(
     query_start_loc: Sequence[int],
     save_rows: Sequence[int] = (),
     *,
+    final_state: torch.Tensor | None = None,
     state_slots: torch.Tensor | Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Depthwise causal conv + SiLU from each sequence's conv state: the native twin of
-    ``kernels.torch_cpu.gated_delta.causal_conv1d_varlen``.
-
-    ``state_slots`` (keyword only, not in the reference): sequence s's state is
-    ``conv_state[state_slots[s]]`` of a pool, updated there in place (distinct slots).
+    ``kernels.torch_cpu.gated_delta.causal_conv1d_varlen``. ``final_state`` and
+    ``state_slots`` (keyword only, not in the reference) as in
+    :func:`gated_delta_rule_varlen_native`.
 
     Returns:
-        ``(out [T, C], new_conv_state [S, K - 1, C], saved [P, K - 1, C])`` (with state_slots
-        the pool itself in the middle), or None when the native path does not take these
-        inputs.
+        ``(out [T, C], new_conv_state [S, K - 1, C], saved [P, K - 1, C])`` (the middle one is
+        ``final_state`` when given), or None when the native path does not take these inputs.
     """
     native = _native()
     if native is None or x.dim() != 2 or weight.dim() != 2:
@@ -153,14 +169,17 @@ def causal_conv1d_varlen_native(
     slots = None if state_slots is None else _slots(state_slots, num_seqs, conv_state.shape[0])
     if state_slots is not None and slots is None:
         return None
+    destination = _destination(conv_state, final_state, num_seqs, slots is not None)
+    if destination is None:
+        return None
+    new_state, write_slots = destination
     out = torch.empty((total, channels), dtype=torch.float32)
-    new_state = torch.empty_like(conv_state) if slots is None else conv_state
     saved = torch.empty((len(save_rows), kernel_size - 1, channels), dtype=torch.float32)
     status = lib.pg_causal_conv1d_f32(
         x.data_ptr(), x.stride(0), weight.data_ptr(), conv_state.data_ptr(), qsl.data_ptr(),
         num_seqs, channels, kernel_size, 0 if save_index is None else save_index.data_ptr(),
         out.data_ptr(), new_state.data_ptr(), saved.data_ptr(),
-        0 if slots is None else slots.data_ptr(), torch.get_num_threads())
+        0 if slots is None else slots.data_ptr(), int(write_slots), torch.get_num_threads())
     return None if status != 0 else (out, new_state, saved)
 
 
@@ -195,13 +214,8 @@ def _rule(q, k, v, g, beta, state, query_start_loc, save_rows, fused, final_stat
         or not _rows(beta, (total, num_heads))
         or tuple(state.shape[1:]) != (num_heads, dk, dv)
         or state_slots is None and state.shape[0] != num_seqs
-        or state_slots is not None and final_state is not None
         or not state.is_contiguous()
         or not _fp32_cpu(*tensors)
-        or final_state is not None and not (
-            final_state.shape == state.shape and final_state.is_contiguous()
-            and _fp32_cpu(final_state) and (final_state.data_ptr() == state.data_ptr()
-                                            or not _overlap(final_state, state)))
     ):
         return None
     index = _host_index(query_start_loc, save_rows, total)
@@ -209,12 +223,13 @@ def _rule(q, k, v, g, beta, state, query_start_loc, save_rows, fused, final_stat
         return None
     qsl, save_index = index
     slots = None if state_slots is None else _slots(state_slots, num_seqs, state.shape[0])
-    if state_slots is not None:
-        if slots is None:
-            return None
-        final_state = state  # in place, in the pool
+    if state_slots is not None and slots is None:
+        return None
+    destination = _destination(state, final_state, num_seqs, slots is not None)
+    if destination is None:
+        return None
+    final, write_slots = destination
     out = torch.empty((total, num_heads, dv), dtype=torch.float32)
-    final = torch.empty_like(state) if final_state is None else final_state
     saved = torch.empty((len(save_rows), num_heads, dk, dv), dtype=torch.float32)
     a_log_ptr, dt_bias_ptr, eps, scale = (0, 0, 0.0, 1.0) if fused is None else (
         fused[0].data_ptr(), fused[1].data_ptr(), *fused[2:])
@@ -224,7 +239,7 @@ def _rule(q, k, v, g, beta, state, query_start_loc, save_rows, fused, final_stat
         a_log_ptr, dt_bias_ptr, num_heads // num_q_heads, eps, scale,
         state.data_ptr(), final.data_ptr(), qsl.data_ptr(), num_seqs, num_heads, dk, dv,
         0 if save_index is None else save_index.data_ptr(), out.data_ptr(), saved.data_ptr(),
-        0 if slots is None else slots.data_ptr(), torch.get_num_threads())
+        0 if slots is None else slots.data_ptr(), int(write_slots), torch.get_num_threads())
     return None if status != 0 else (out, final, saved)
 
 
@@ -234,7 +249,7 @@ def gated_delta_rule_varlen_native(
     v: torch.Tensor,  # [T, Hv, Dv]
     g: torch.Tensor,  # [T, Hv] log decay (<= 0)
     beta: torch.Tensor,  # [T, Hv]
-    state: torch.Tensor,  # [S, Hv, Dk, Dv] fp32 contiguous, read only (or a pool: state_slots)
+    state: torch.Tensor,  # [S, Hv, Dk, Dv] fp32 contiguous (or a pool: state_slots)
     query_start_loc: Sequence[int],
     save_rows: Sequence[int] = (),
     *,
@@ -244,12 +259,14 @@ def gated_delta_rule_varlen_native(
     """The recurrence token by token from each sequence's state: the native twin of
     ``kernels.torch_cpu.gated_delta.gated_delta_rule_varlen``.
 
-    ``final_state`` (keyword only, not in the reference) is where the final states go, e.g.
-    ``state`` itself to update it in place: a decode step then neither allocates nor copies
-    the states (a fresh [S, Hv, Dk, Dv] buffer is most of a decode call's cost).
-    ``state_slots`` (keyword only): ``state`` is a pool [N, Hv, Dk, Dv] and sequence s's state
-    is ``state[state_slots[s]]``, updated there in place (distinct slots; no final_state):
-    no gather into a batch and no scatter back.
+    Keyword only, not in the reference:
+
+    * ``state_slots``: ``state`` is a pool [N, Hv, Dk, Dv] and sequence s's state is
+      ``state[state_slots[s]]`` (distinct slots): read in place, no gather into a batch;
+    * ``final_state``: where the final states go: None, a fresh [S, Hv, Dk, Dv]; ``state``
+      itself, in place (at the slots with ``state_slots``: no scatter back either); or another
+      [S, Hv, Dk, Dv] buffer. A decode step in place neither allocates nor copies the states
+      (a fresh [S, Hv, Dk, Dv] result is most of a decode call's cost: docs/benchmarks.md).
 
     Returns:
         ``(out [T, Hv, Dv], final_state [S, Hv, Dk, Dv], saved [P, Hv, Dk, Dv])``, or None

@@ -6,9 +6,10 @@ Layout::
     q, k            : [T, Hq, Dk]        rows at any stride, heads dense (Hq = Hv, or Hk fused)
     v               : [T, Hv, Dv]        rows at any stride, heads dense
     g, beta         : [T, Hv]            rows at any stride (fused: the raw a and b)
-    state, final    : [S, Hv, Dk, Dv]    fp32 contiguous (or one pool [N, ...], in place)
-    state_slots     : [S] int64          sequence s's entry of state / final (arange(S) unless
-                                         the caller passes a pool's slots)
+    state, final    : [S, Hv, Dk, Dv]    fp32 contiguous (either may be a pool [N, ...])
+    state_slots     : [S] int64          sequence s's entry of state (arange(S) without a pool)
+    final_slots     : [S] int64          sequence s's entry of final (the same slots when the
+                                         pool is updated in place, else arange(S))
     saved           : [P, Hv, Dk, Dv]    fp32
     out             : [T, Hv, Dv]        fp32
     query_start_loc : [S + 1] int64      sequence s owns rows [qsl[s], qsl[s + 1])
@@ -56,6 +57,7 @@ def _gated_delta_kernel(
     query_start_loc_ptr,  # [S + 1] int64
     save_index_ptr,  # [T] int32
     state_slots_ptr,  # [S] int64
+    final_slots_ptr,  # [S] int64
     stride_q_t,
     stride_k_t,
     stride_v_t,
@@ -81,8 +83,8 @@ def _gated_delta_kernel(
     mask = mask_k[:, None] & mask_v[None, :]  # [BLOCK_K, BLOCK_V]
     head_size = HEAD_DIM_K * HEAD_DIM_V
     block = offs_k[:, None] * HEAD_DIM_V + offs_v[None, :]
-    state_slot = tl.load(state_slots_ptr + seq)
-    state_at = (state_slot * NUM_HEADS + head) * head_size + block
+    state_at = (tl.load(state_slots_ptr + seq) * NUM_HEADS + head) * head_size + block
+    final_at = (tl.load(final_slots_ptr + seq) * NUM_HEADS + head) * head_size + block
     s = tl.load(state_ptr + state_at, mask=mask, other=0.0)
     if FUSED:
         neg_a = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
@@ -114,7 +116,7 @@ def _gated_delta_kernel(
         if slot >= 0:
             saved_at = (slot.to(tl.int64) * NUM_HEADS + head) * head_size + block
             tl.store(saved_ptr + saved_at, s, mask=mask)
-    tl.store(final_ptr + state_at, s, mask=mask)
+    tl.store(final_ptr + final_at, s, mask=mask)
 
 
 @triton.jit
@@ -141,6 +143,7 @@ def _causal_conv1d_kernel(
     query_start_loc_ptr,  # [S + 1] int64
     save_index_ptr,  # [T] int32
     state_slots_ptr,  # [S] int64
+    final_slots_ptr,  # [S] int64
     stride_x_t,
     CHANNELS: tl.constexpr,
     KERNEL: tl.constexpr,
@@ -150,8 +153,7 @@ def _causal_conv1d_kernel(
     seq = tl.program_id(0)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_c = offs_c < CHANNELS
-    state_slot = tl.load(state_slots_ptr + seq)
-    state_seq = state_ptr + state_slot * WIDTH * CHANNELS
+    state_seq = state_ptr + tl.load(state_slots_ptr + seq) * WIDTH * CHANNELS
     start = tl.load(query_start_loc_ptr + seq)
     end = tl.load(query_start_loc_ptr + seq + 1)
     for row in range(start, end):
@@ -172,7 +174,7 @@ def _causal_conv1d_kernel(
                                 offs_c, mask_c, CHANNELS, WIDTH)
                 tl.store(saved_row + i * CHANNELS + offs_c, x.to(saved_ptr.dtype.element_ty),
                          mask=mask_c)
-    new_state_seq = new_state_ptr + state_slot * WIDTH * CHANNELS
+    new_state_seq = new_state_ptr + tl.load(final_slots_ptr + seq) * WIDTH * CHANNELS
     for i in tl.static_range(WIDTH):
         x = _conv_input(x_ptr, state_seq, stride_x_t, start, end - start - WIDTH + i, offs_c,
                         mask_c, CHANNELS, WIDTH)
@@ -207,6 +209,24 @@ def _state_slots(state_slots, num_seqs: int, pool: int, device: torch.device) ->
     return torch.tensor(slots, dtype=torch.int64, device=device)
 
 
+def _destination(state: torch.Tensor, final_state: torch.Tensor | None, slots: torch.Tensor,
+                 slotted: bool, num_seqs: int, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The final states' tensor and each sequence's entry of it: a fresh ``[S, ...]`` (None),
+    ``state`` itself (in place, at the slots), or another ``[S, ...]`` buffer.
+    NOTE: in place is safe: each program reads its block of the state before writing it."""
+    shape = (num_seqs, *state.shape[1:])
+    rows = torch.arange(num_seqs, dtype=torch.int64, device=state.device)
+    if final_state is None:
+        return torch.empty(shape, dtype=dtype, device=state.device), rows
+    if final_state.data_ptr() == state.data_ptr() and final_state.shape == state.shape:
+        return final_state, slots if slotted else rows
+    require(tuple(final_state.shape) == shape and final_state.is_contiguous()
+            and final_state.dtype == dtype and final_state.device == state.device,
+            f"final_state must be the state itself or a contiguous {dtype} {list(shape)}")
+    return final_state, rows
+
+
 def _check_rows(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
     require(tuple(t.shape) == shape, f"{name} must be {list(shape)}, got {list(t.shape)}")
     dense = 1
@@ -236,22 +256,13 @@ def _rule(q, k, v, g, beta, state, query_start_loc, save_rows, fused, final_stat
             and state.dtype == torch.float32,
             f"state must be fp32 contiguous [{rows}, {num_heads}, {dk}, {dv}], got "
             f"{state.dtype} {list(state.shape)}")
-    require(state_slots is None or final_state is None,
-            "state_slots updates the pool in place: no final_state")
     slots = _state_slots(state_slots, num_seqs, state.shape[0], q.device)
-    if state_slots is not None:
-        final_state = state
     require(all(t.device == q.device for t in (k, v, g, beta, state)),
             "all inputs must be on one device")
     qsl, save_index = _host_index(query_start_loc, save_rows, total, q.device)
     out = torch.empty((total, num_heads, dv), dtype=torch.float32, device=q.device)
-    if final_state is None:
-        final = torch.empty_like(state)
-    else:  # NOTE: in place is safe: each program reads its block of the state before writing it
-        require(final_state.shape == state.shape and final_state.is_contiguous()
-                and final_state.dtype == torch.float32 and final_state.device == state.device,
-                "final_state must be like state (fp32, contiguous, same shape and device)")
-        final = final_state
+    final, final_slots = _destination(state, final_state, slots, state_slots is not None,
+                                      num_seqs, torch.float32)
     saved = torch.empty((len(save_rows), num_heads, dk, dv), dtype=torch.float32, device=q.device)
     if fused is not None:
         a_log, dt_bias, eps, scale = fused
@@ -264,7 +275,7 @@ def _rule(q, k, v, g, beta, state, query_start_loc, save_rows, fused, final_stat
     grid = (num_seqs * num_heads, triton.cdiv(dv, block_v))
     _gated_delta_kernel[grid](
         q, k, v, g, beta, a_log, dt_bias, state, final, saved, out, qsl, save_index, slots,
-        q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), eps, scale,
+        final_slots, q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), eps, scale,
         NUM_HEADS=num_heads, KEY_GROUP=num_heads // num_q_heads, HEAD_DIM_K=dk, HEAD_DIM_V=dv,
         BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, FUSED=fused is not None,
     )
@@ -285,9 +296,9 @@ def gated_delta_rule_varlen_triton(
     state_slots: torch.Tensor | Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The recurrence (Triton; same contract as ``gated_delta_rule_varlen``). Keyword only,
-    not in the reference: ``final_state``, where the final states go (e.g. ``state`` itself);
-    ``state_slots``, ``state`` is a pool and sequence s's state its entry ``state_slots[s]``,
-    updated in place (as ``gated_delta_rule_varlen_native``).
+    not in the reference, as ``gated_delta_rule_varlen_native``: ``state_slots``, ``state`` is
+    a pool and sequence s's state its entry ``state_slots[s]``; ``final_state``, where the
+    final states go (None: fresh; ``state`` itself: in place, at the slots with a pool).
 
     Returns:
         ``(out [T, Hv, Dv] fp32, final_state [S, Hv, Dk, Dv], saved [P, Hv, Dk, Dv])``.
@@ -326,10 +337,11 @@ def causal_conv1d_varlen_triton(
     query_start_loc: Sequence[int],
     save_rows: Sequence[int] = (),
     *,
+    final_state: torch.Tensor | None = None,
     state_slots: torch.Tensor | Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Depthwise causal conv + SiLU (Triton; same contract as ``causal_conv1d_varlen``);
-    ``state_slots`` (keyword only): the states are a pool's entries, updated in place.
+    ``final_state`` and ``state_slots`` (keyword only) as for the rule.
 
     Returns:
         ``(out [T, C], new_conv_state [S, K - 1, C], saved [P, K - 1, C])`` in x's dtype.
@@ -349,14 +361,15 @@ def causal_conv1d_varlen_triton(
     qsl, save_index = _host_index(query_start_loc, save_rows, total, x.device)
     out = torch.empty((total, channels), dtype=x.dtype, device=x.device)
     # NOTE: in place is safe: each program writes its new state after its last read
-    new_state = (torch.empty(conv_state.shape, dtype=x.dtype, device=x.device)
-                 if state_slots is None else conv_state)
+    new_state, final_slots = _destination(conv_state, final_state, slots,
+                                          state_slots is not None, num_seqs, x.dtype)
     saved = torch.empty((len(save_rows), kernel_size - 1, channels), dtype=x.dtype,
                         device=x.device)
     block_c = min(triton.next_power_of_2(channels), 256)
     grid = (num_seqs, triton.cdiv(channels, block_c))
     _causal_conv1d_kernel[grid](
-        x, weight, conv_state, out, new_state, saved, qsl, save_index, slots, x.stride(0),
+        x, weight, conv_state, out, new_state, saved, qsl, save_index, slots, final_slots,
+        x.stride(0),
         CHANNELS=channels, KERNEL=kernel_size, BLOCK_C=block_c,
     )
     return out, new_state, saved

@@ -6,9 +6,10 @@
  *   q, k       [T, Hq, Dk]  heads dense, rows at q_stride / k_stride (Hq = Hv, or Hk when fused)
  *   v          [T, Hv, Dv]  heads dense, rows at v_stride
  *   g, beta    [T, Hv]      rows at g_stride / beta_stride (fused: the raw a and b)
- *   state_in   [S, Hv, Dk, Dv] contiguous; state_out may be the same buffer (in place); with
- *              state_slots [S] int64 (else NULL), both are a pool [N, Hv, Dk, Dv] and sequence
- *              s reads and writes entry state_slots[s] (distinct slots)
+ *   state_in   [S, Hv, Dk, Dv] contiguous, or with state_slots [S] int64 (else NULL) a pool
+ *              [N, Hv, Dk, Dv] whose entry state_slots[s] is sequence s's
+ *   state_out  [S, Hv, Dk, Dv] contiguous, or with write_slots the pool's entries again (in
+ *              place; distinct slots); it may be state_in itself (in place)
  *   out        [T, Hv, Dv]  contiguous
  *   save_index [T] int32: -1, or the slot p of saved [P, Hv, Dk, Dv] that takes the state
  *              after that row
@@ -77,6 +78,7 @@ typedef struct {
     const float *state_in;
     float *state_out, *saved, *out;
     const int64_t *state_slots;
+    int write_slots; /* state_out is the pool (at the slots), else [S, ...] */
     const int32_t *save_index;
     int num_heads, dk, dv;
 } gd_args;
@@ -110,6 +112,7 @@ static void gd_item(const gd_args *a, int64_t seq, int h, int j0, int nv, int64_
     float orow[GD_BLOCK_V] __attribute__((aligned(64)));
     const int64_t slot = a->state_slots != NULL ? a->state_slots[seq] : seq;
     const int64_t head_state = (slot * a->num_heads + h) * dk * dv;
+    const int64_t head_out = ((a->write_slots ? slot : seq) * a->num_heads + h) * dk * dv;
     if (nv == GD_BLOCK_V) /* constant sizes: the copies inline into a few vector moves */
         for (int i = 0; i < dk; ++i)
             memcpy(S + i * GD_VECS, a->state_in + head_state + (int64_t)i * dv + j0,
@@ -188,7 +191,7 @@ static void gd_item(const gd_args *a, int64_t seq, int h, int j0, int nv, int64_
             store_block(a->saved + ((int64_t)p * a->num_heads + h) * dk * dv + j0, dv, S, dk, nv);
         }
     }
-    store_block(a->state_out + head_state + j0, dv, S, dk, nv);
+    store_block(a->state_out + head_out + j0, dv, S, dk, nv);
 }
 
 /* The gated delta rule over every sequence (see the top of the file). When a_log is not NULL
@@ -201,12 +204,14 @@ int pg_gated_delta_f32(const float *q, int64_t q_stride, const float *k, int64_t
                        const float *dt_bias, int key_group, float eps, float scale,
                        const float *state_in, float *state_out, const int64_t *qsl, int num_seqs,
                        int num_heads, int dk, int dv, const int32_t *save_index, float *out,
-                       float *saved, const int64_t *state_slots, int num_threads) {
+                       float *saved, const int64_t *state_slots, int write_slots,
+                       int num_threads) {
     if (dk < 1 || dk > GD_MAX_DK || dv < 1 || key_group < 1) return -1;
     if (num_threads < 1) num_threads = 1;
     const gd_args args = {q, k, v, g, beta, q_stride, k_stride, v_stride, g_stride, beta_stride,
                           a_log, dt_bias, key_group, eps, scale, state_in, state_out, saved,
-                          out, state_slots, save_index, num_heads, dk, dv};
+                          out, state_slots, write_slots && state_slots != NULL, save_index,
+                          num_heads, dk, dv};
     const int blocks = (dv + GD_BLOCK_V - 1) / GD_BLOCK_V;
     const int64_t per_seq = (int64_t)num_heads * blocks, items = num_seqs * per_seq;
     /* work: tokens x state size; below ~1 MFLOP one thread is cheaper than waking the team */
@@ -282,15 +287,16 @@ static inline int64_t seq_of_row(const int64_t *qsl, int num_seqs, int64_t row) 
 /* Depthwise causal conv + SiLU over each sequence from its conv state (the reference's
  * causal_conv1d_varlen). x [T, C] rows at x_stride; weight [C, K] contiguous; conv_state and
  * new_state [S, K - 1, C] contiguous (new_state may be conv_state: it is written after every
- * read), or with state_slots (else NULL) pools [N, K - 1, C] whose entry state_slots[s] is
- * sequence s's; out [T, C] contiguous; saved [P, K - 1, C]; save_index as for the rule. Rows are
- * independent given the inputs, so they are spread over the threads in order (each reads its
- * inputs as a stream). Returns 0, -1 when K is over the limit, -2 out of memory. */
+ * read); with state_slots (else NULL) conv_state is a pool [N, K - 1, C] whose entry
+ * state_slots[s] is sequence s's, and with write_slots new_state is that pool again (in
+ * place, distinct slots); out [T, C] contiguous; saved [P, K - 1, C]; save_index as for the
+ * rule. Rows are independent given the inputs, so they are spread over the threads in order
+ * (each reads its inputs as a stream). Returns 0, -1 when K is over the limit, -2 out of memory. */
 int pg_causal_conv1d_f32(const float *x, int64_t x_stride, const float *weight,
                          const float *conv_state, const int64_t *qsl, int num_seqs, int channels,
                          int kernel_size, const int32_t *save_index, float *out,
                          float *new_state, float *saved, const int64_t *state_slots,
-                         int num_threads) {
+                         int write_slots, int num_threads) {
     if (kernel_size < 1 || kernel_size > CONV_MAX_K) return -1;
     if (num_threads < 1) num_threads = 1;
     const int width = kernel_size - 1;
@@ -328,7 +334,8 @@ int pg_causal_conv1d_f32(const float *x, int64_t x_stride, const float *weight,
      * old state (a short sequence's rows come from later rows of its own old state) */
     for (int64_t seq = 0; seq < num_seqs; ++seq)
         for (int i = 0; i < width; ++i)
-            memmove(new_state + SLOT(seq) * state_size + (int64_t)i * channels,
+            memmove(new_state + (write_slots ? SLOT(seq) : seq) * state_size
+                        + (int64_t)i * channels,
                     conv_input(x, x_stride, conv_state + SLOT(seq) * state_size, width, channels,
                                qsl[seq], qsl[seq + 1] - qsl[seq] - width + i, 0),
                     channels * sizeof(float));

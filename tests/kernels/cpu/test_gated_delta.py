@@ -181,15 +181,21 @@ def test_conv_matches_reference_and_splits_bit_identically() -> None:
     assert torch.equal(torch.cat(outs), got[0][3:]) and torch.equal(carried[0], got[1][3])
 
 
-def test_state_slots_update_a_pool_in_place() -> None:
-    """With state_slots the states live in a pool, read and written at each sequence's slot:
-    the same bits as the batch gathered out of the pool, the other slots untouched."""
+def test_state_slots_read_a_pool_and_update_it_in_place() -> None:
+    """With state_slots the states are read at each sequence's entry of a pool: the same bits
+    as the batch gathered out of it; with final_state=pool they are written back there in
+    place, the other entries untouched."""
     inputs = _rule_inputs(12, seed=15)
     pool = _state(5, seed=16)
     before = pool.clone()
     slots, qsl = [3, 0], [0, 7, 12]
     expected = _native(*inputs, pool[slots], qsl, save_rows=[2])
-    out, final, saved = _native(*inputs, pool, qsl, save_rows=[2], state_slots=slots)
+    read = _native(*inputs, pool, qsl, save_rows=[2], state_slots=slots)
+    for want, got in zip(expected, read, strict=True):
+        assert torch.equal(got, want)
+    assert torch.equal(pool, before)
+    out, final, saved = _native(*inputs, pool, qsl, save_rows=[2], state_slots=slots,
+                                final_state=pool)
     assert final is pool and torch.equal(out, expected[0]) and torch.equal(saved, expected[2])
     assert torch.equal(pool[slots], expected[1])
     assert torch.equal(pool[[1, 2, 4]], before[[1, 2, 4]])
@@ -197,8 +203,12 @@ def test_state_slots_update_a_pool_in_place() -> None:
     x, weight, conv_pool = _conv_inputs(12, 4, seed=17)
     conv_before = conv_pool.clone()
     expected = causal_conv1d_varlen_native(x, weight, conv_pool[[2, 1]], [0, 2, 12], [1])
-    got = causal_conv1d_varlen_native(x, weight, conv_pool, [0, 2, 12], [1], state_slots=[2, 1])
-    assert got is not None and expected is not None and got[1] is conv_pool
-    assert torch.equal(got[0], expected[0]) and torch.equal(got[2], expected[2])
+    read = causal_conv1d_varlen_native(x, weight, conv_pool, [0, 2, 12], [1], state_slots=[2, 1])
+    assert expected is not None and read is not None and torch.equal(conv_pool, conv_before)
+    for want, got in zip(expected, read, strict=True):
+        assert torch.equal(got, want)
+    got = causal_conv1d_varlen_native(x, weight, conv_pool, [0, 2, 12], [1], state_slots=[2, 1],
+                                      final_state=conv_pool)
+    assert got is not None and got[1] is conv_pool and torch.equal(got[0], expected[0])
     assert torch.equal(conv_pool[[2, 1]], expected[1])
     assert torch.equal(conv_pool[[0, 3]], conv_before[[0, 3]])

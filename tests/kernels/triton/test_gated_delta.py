@@ -111,13 +111,17 @@ def test_launcher_rejects_bad_inputs() -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_state_slots_update_a_pool_in_place(device: str) -> None:
+def test_state_slots_read_a_pool_and_update_it_in_place(device: str) -> None:
     inputs = _inputs(5, seed=7, device=device)
     pool = _state(4, seed=8, device=device)
     before = pool.clone()
     expected = gated_delta_rule_varlen_triton(*inputs, pool[[2, 0]], [0, 3, 5], save_rows=[1])
+    read = gated_delta_rule_varlen_triton(*inputs, pool, [0, 3, 5], save_rows=[1],
+                                          state_slots=[2, 0])
+    assert all(torch.equal(a, b) for a, b in zip(read, expected, strict=True))
+    assert torch.equal(pool, before)
     out, final, saved = gated_delta_rule_varlen_triton(*inputs, pool, [0, 3, 5], save_rows=[1],
-                                                       state_slots=[2, 0])
+                                                       state_slots=[2, 0], final_state=pool)
     assert final is pool and torch.equal(out, expected[0]) and torch.equal(saved, expected[2])
     assert torch.equal(pool[[2, 0]], expected[1]) and torch.equal(pool[[1, 3]], before[[1, 3]])
     gen = torch.Generator().manual_seed(9)
@@ -126,7 +130,10 @@ def test_state_slots_update_a_pool_in_place(device: str) -> None:
     conv_pool = torch.randn(3, 3, 7, generator=gen).to(device)
     conv_before = conv_pool.clone()
     expected = causal_conv1d_varlen_triton(x, weight, conv_pool[[1, 2]], [0, 1, 5])
-    got = causal_conv1d_varlen_triton(x, weight, conv_pool, [0, 1, 5], state_slots=[1, 2])
+    read = causal_conv1d_varlen_triton(x, weight, conv_pool, [0, 1, 5], state_slots=[1, 2])
+    assert all(torch.equal(a, b) for a, b in zip(read, expected, strict=True))
+    got = causal_conv1d_varlen_triton(x, weight, conv_pool, [0, 1, 5], state_slots=[1, 2],
+                                      final_state=conv_pool)
     assert got[1] is conv_pool and torch.equal(got[0], expected[0])
     assert torch.equal(conv_pool[[1, 2]], expected[1])
     assert torch.equal(conv_pool[0], conv_before[0])
