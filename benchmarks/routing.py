@@ -37,7 +37,7 @@ import statistics
 import subprocess
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import redis
@@ -53,10 +53,15 @@ from prefixgate.gateway.engine.loader import load_model
 from prefixgate.gateway.router.app import create_router_app
 from prefixgate.gateway.router.serve import router_server
 from prefixgate.gateway.router.settings import RouterSettings
+from prefixgate.gateway.scaleout.kv_events.config import parse_kv_events_config
 from prefixgate.gateway.server import ServerSettings, create_app
 from prefixgate.gateway.server.serve import GatewayServer, ServersThread, uvicorn_config
 
-POLICIES = ("cache_aware", "round_robin", "random")
+POLICIES = ("cache_aware", "round_robin", "random", "dynamo")
+DEFAULT_POLICIES = ("cache_aware", "round_robin", "random")
+# replicas publish KV events for the dynamo policy (its SelectionService subscribes)
+KV_EVENTS = ('{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:*", '
+             '"replay_endpoint": "tcp://127.0.0.1:*"}')
 PAGE_SIZE = 16
 
 
@@ -89,6 +94,11 @@ def start_redis() -> tuple[subprocess.Popen, str]:
     return process, f"redis://127.0.0.1:{port}/0"
 
 
+class _Decision(NamedTuple):
+    replica: str
+    reason: str
+
+
 def working_set_pages(config: SwarmConfig, tokenizer: Any) -> int:
     """Pages to hold every agent's final conversation (replies stood in for by max_tokens
     tokens of filler), each group's system prompt once."""
@@ -110,20 +120,43 @@ def prefill_computed(engines: list[AsyncEngine]) -> int:
     return sum(e.engine_stats().prefill_tokens_computed for e in engines)
 
 
+def dynamo_server(servers: list[GatewayServer], tokenizer: Any, model_id: str) -> Any:
+    """A front door placing requests with Dynamo's selection fed by the replicas' KV events."""
+    import uvicorn
+
+    from benchmarks.dynamo_router import DynamoWorker, create_dynamo_router_app
+    from prefixgate.gateway.server.serve import BoundServer
+
+    workers = [DynamoWorker(s.base_url, s.config.app.state.kv_events.endpoint,
+                            s.config.app.state.kv_events.replay_endpoint) for s in servers]
+    served = servers[0].config.app.state.server.model_name
+    app = create_dynamo_router_app(workers, tokenizer=tokenizer, model_id=model_id,
+                                   served_model=served, page_size=PAGE_SIZE)
+    return BoundServer(uvicorn.Config(app, host="127.0.0.1", port=free_port(),
+                                      log_level="warning", lifespan="on"))
+
+
 def run_policy(policy: str, urls: list[str], redis_url: str, engines: list[AsyncEngine],
-               tokenizer: Any, model_id: str, config: SwarmConfig) -> dict[str, Any]:
+               tokenizer: Any, model_id: str, config: SwarmConfig,
+               replica_servers: list[GatewayServer] | None = None) -> dict[str, Any]:
     with httpx.Client(timeout=120) as client:
         for url in urls:
             client.post(url + "/v1/cache/reset").raise_for_status()
-    settings = RouterSettings(replicas=tuple(urls), redis_url=redis_url, port=0, policy=policy,
-                              page_size=PAGE_SIZE, log_level="warning", seed=config.seed)
-    app = create_router_app(settings, tokenizer=tokenizer, model_id=model_id)
-    server = router_server(settings, app)
+    if policy == "dynamo":
+        assert replica_servers is not None
+        server = dynamo_server(replica_servers, tokenizer, model_id)
+    else:
+        settings = RouterSettings(replicas=tuple(urls), redis_url=redis_url, port=0,
+                                  policy=policy, page_size=PAGE_SIZE, log_level="warning",
+                                  seed=config.seed)
+        app = create_router_app(settings, tokenizer=tokenizer, model_id=model_id)
+        server = router_server(settings, app)
     thread = ServersThread([server], [])
     thread.start_and_wait()
-    router = app.state.router
     try:
-        wait_until(lambda: all(r.heartbeat_fresh for r in router.fleet), 30, "heartbeats")
+        if policy != "dynamo":
+            router = app.state.router
+            wait_until(lambda: all(r.heartbeat_fresh for r in router.fleet), 30, "heartbeats")
         before = prefill_computed(engines)
         result: RunResult = asyncio.run(run_workload(
             build_workload(config), Endpoint(policy, server.base_url), page_size=PAGE_SIZE,
@@ -131,14 +164,17 @@ def run_policy(policy: str, urls: list[str], redis_url: str, engines: list[Async
         for engine in engines:
             engine.wait_idle(60)
         prefill = prefill_computed(engines) - before
-        decisions = list(router.decisions)
+        if policy == "dynamo":
+            decisions = [_Decision(urls[i], "dynamo") for i in server.config.app.state.decisions]
+        else:
+            decisions = list(router.decisions)
     finally:
         thread.stop()
     ok = [r for r in result.records if r.ok]
     prompt = sum(r.prompt_tokens or 0 for r in ok)
     cached = sum(r.cached_tokens or 0 for r in ok)
     shares = Counter(d.replica for d in decisions)
-    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    ttfts = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
     return {
         "hit_rate": cached / prompt if prompt else 0.0,
         "prefill_tokens": prefill,
@@ -147,6 +183,7 @@ def run_policy(policy: str, urls: list[str], redis_url: str, engines: list[Async
         "requests_per_replica": dict(sorted(shares.items())),
         "wall_s": result.wall_s,
         "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
+        "ttft_p90_s": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))] if ttfts else None,
         "errors": len(result.records) - len(ok),
         "reasons": dict(sorted(Counter(d.reason for d in decisions).items())),
     }
@@ -169,7 +206,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--torch-threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                         help="intra-op threads (two engines share this process)")
-    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    parser.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES), choices=POLICIES,
+                        help="dynamo: NVIDIA Dynamo's SelectionService fed by the replicas' KV "
+                        "events (needs ai-dynamo-runtime)")
     args = parser.parse_args()
     torch.set_num_threads(args.torch_threads)
     config = SwarmConfig(groups=args.groups, agents_per_group=args.agents_per_group,
@@ -190,7 +229,8 @@ def main() -> None:
         port = free_port()
         settings = ServerSettings(host="127.0.0.1", port=port, log_level="warning",
                                   redis_url=redis_url, replica_id=f"replica-{'ab'[index]}",
-                                  advertise_url=f"http://127.0.0.1:{port}")
+                                  advertise_url=f"http://127.0.0.1:{port}",
+                                  kv_events=parse_kv_events_config(KV_EVENTS))
         app = create_app(engine, settings, manage_engine=False)
         servers.append(GatewayServer(uvicorn_config(app, settings), engine, settings))
         engines.append(engine)
@@ -202,7 +242,7 @@ def main() -> None:
         for policy in args.policies:
             print(f"running {policy} ...", flush=True)
             per_policy[policy] = run_policy(policy, urls, redis_url, engines, loaded.tokenizer,
-                                            loaded.name, config)
+                                            loaded.name, config, servers)
     finally:
         thread.stop()
         redis_process.kill()
@@ -225,7 +265,8 @@ def main() -> None:
         results["goal_met"] = bool(results["hit_rate_gain_vs_round_robin"] >= 0.20
                                    and per_policy["cache_aware"]["max_load_share"] <= 0.65)
     rows = []
-    for key in ("hit_rate", "prefill_tokens", "max_load_share", "wall_s", "ttft_p50_s", "errors"):
+    for key in ("hit_rate", "prefill_tokens", "max_load_share", "wall_s", "ttft_p50_s",
+                "ttft_p90_s", "errors"):
         for policy in per_policy:
             rows.append((f"{key}_{policy}", per_policy[policy][key]))
     rows += [(k, results[k]) for k in ("hit_rate_gain_vs_round_robin", "goal_met")
