@@ -8,8 +8,11 @@ Workload (a Qwen3.5-0.8B-like linear-attention layer; ``--heads`` / ``--head-dim
   * kernels, same inputs: ``torch`` kernels/torch_cpu/gated_delta.py (the contract),
     ``native`` kernels/cpu/gated_delta.py with the same signature (allocates the final
     states), ``native_in_place`` the same with ``final_state=state`` (no [S, Hv, Dk, Dv]
-    allocation: how a state cache would call it), ``native_fused`` the fused entry (l2 norm,
-    q scale, g and beta inside; raw inputs). Conv: ``torch`` vs ``native``.
+    allocation), ``native_fused`` the fused entry (l2 norm, q scale, g and beta inside; raw
+    inputs); from a state pool 4x the batch: ``native_gather`` ``pool[slots]`` then the
+    kernel (a fresh result), ``native_slots`` ``state_slots=slots`` (read in the pool, a fresh
+    result), ``native_slots_in_place`` also ``final_state=pool``. Conv: ``torch`` vs
+    ``native``.
   * timing: samples alternate between the kernels (the machine is shared; drift hits them
     all), the median of ``--repeats`` after one warm-up each; wall time,
     ``torch.get_num_threads()`` threads (``--threads``).
@@ -78,6 +81,10 @@ def _kernels(case: dict) -> dict[str, Callable[[], object]]:
     qsl, state, (q, k, v, g, beta) = case["qsl"], case["state"], case["rule"]
     raw_q, raw_k, a, b, a_log, dt_bias = case["raw"]
     carried = state.clone()  # the in-place kernel's state (its values drift: timing only)
+    # a state pool 4x the batch, the batch's entries scattered in it (as a runner's slots)
+    pool = torch.cat([state, torch.zeros(3 * state.shape[0], *state.shape[1:])])
+    slots = list(range(0, pool.shape[0], 4))[::-1]
+    pool[slots] = state
     return {
         "rule torch": lambda: gated_delta_rule_varlen(q, k, v, g, beta, state, qsl),
         "rule native": lambda: gated_delta_rule_varlen_native(q, k, v, g, beta, state, qsl),
@@ -85,6 +92,12 @@ def _kernels(case: dict) -> dict[str, Callable[[], object]]:
             q, k, v, g, beta, carried, qsl, final_state=carried),
         "rule native_fused": lambda: gated_delta_rule_fused_native(
             raw_q, raw_k, v, a, b, a_log, dt_bias, state, qsl),
+        "rule native_gather": lambda: gated_delta_rule_varlen_native(
+            q, k, v, g, beta, pool[slots], qsl),
+        "rule native_slots": lambda: gated_delta_rule_varlen_native(
+            q, k, v, g, beta, pool, qsl, state_slots=slots),
+        "rule native_slots_in_place": lambda: gated_delta_rule_varlen_native(
+            q, k, v, g, beta, pool, qsl, state_slots=slots, final_state=pool),
         "conv torch": lambda: causal_conv1d_varlen(*case["conv"], qsl),
         "conv native": lambda: causal_conv1d_varlen_native(*case["conv"], qsl),
     }
@@ -150,7 +163,9 @@ def main() -> None:
                 per_case[f"{kernel} ms"] = seconds * 1e3
                 table.append((f"{name}: {kernel} tokens/s (ms)",
                               f"{case['tokens'] / seconds:,.0f} ({seconds * 1e3:.2f})"))
-            for op, kernels_of_op in (("rule", ("native", "native_in_place", "native_fused")),
+            rule_kernels = ("native", "native_in_place", "native_fused", "native_gather",
+                            "native_slots", "native_slots_in_place")
+            for op, kernels_of_op in (("rule", rule_kernels),
                                       ("conv", ("native",))):
                 for kernel in kernels_of_op:
                     speedup = per_case[f"{op} {kernel} tokens_per_s"] / per_case[
