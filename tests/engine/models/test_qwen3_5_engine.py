@@ -69,3 +69,36 @@ def test_state_slots_bound_admission_and_checkpoints_evict(family_case):
     for i, p in enumerate(prompts):
         assert tokens(outs[str(i)]) == _cached(cold, p, f"c{i}")[1]
     assert tight.cache.state.num_working == 0 and tight.cache.state.num_evicted > 0
+
+
+def test_tier_load_restores_pages_and_checkpoint_like_a_recompute(family_case):
+    """Turn 1's pages are evicted to the host tier by other traffic while its checkpoints stay
+    in the state pool; turn 2 loads the pages back, restores the checkpoint and decodes what
+    an engine without the tier (which recomputes) decodes."""
+    from prefixgate.cache.tier import HostTier, entry_slot_bytes
+    from prefixgate.gateway.engine.kv_tier import KVTier
+
+    loaded = family_case("qwen3_5").loaded
+    paused = list(range(300, 380))  # five full blocks
+    others = [list(range(500 + 90 * i, 580 + 90 * i)) for i in range(3)]
+
+    def session(engine):
+        first = _cached(engine, paused, "turn1")[1]
+        for i, other in enumerate(others):
+            _cached(engine, other, f"o{i}")
+        if engine.tier is not None:
+            engine.tier.flush()
+        hit, back = _cached(engine, paused, "turn2")
+        assert back == first
+        return hit, back
+
+    plain_hit, plain = session(_engine(loaded, num_pages=12, watermark=0.0, num_state_slots=64))
+    engine = _engine(loaded, num_pages=12, watermark=0.0, num_state_slots=64)
+    pool = engine.runner.kv_pool
+    page_bytes = pool[:, :, 0].numel() * pool.element_size()
+    store = HostTier(64 * entry_slot_bytes(page_bytes), entry_slot_bytes(page_bytes))
+    engine.tier = engine.scheduler.tier = KVTier(store, pool, load_timeout_s=30.0)
+    engine.cache.capture_evictions()
+    hit, out = session(engine)
+    assert out == plain
+    assert engine.tier.stats().pages_loaded > 0 and hit == 64 > plain_hit
