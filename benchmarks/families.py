@@ -8,7 +8,9 @@ Workload (every size is a flag):
     partial rotary (0.75); Qwen3-MoE with 16 experts of width 384, top-4 (the active MLP is
     SmolLM2's width; total parameters 2.4x); SmolLM3's NoPE layers (every 4th without RoPE);
     Granite 3.x's four multipliers (3.3-2B's values); OLMo 2's post-norm blocks and q/k norms
-    over whole projections. Random fp32 weights (speed does not depend on
+    over whole projections; gpt-oss's attention sinks, q/k/v/o biases, sliding (its 128)
+    and full layers alternating, and Qwen3-MoE's expert shape with its biased router and
+    clamped SwiGLU experts. Random fp32 weights (speed does not depend on
     the values; no download), CPU, fp32, the runner's defaults (native CPU kernels where the
     library builds). ``smollm2`` is the Llama family at that shape: the reference row.
   * prefill: one sequence of ``--prefill`` random token ids into an empty cache (one
@@ -93,6 +95,13 @@ def family_configs(window: int) -> dict[str, ModelConfig]:
         "olmo2": {
             "architecture": "olmo2", "qk_norm": True, "qk_norm_full": True, "pre_norms": False,
             "sandwich_norms": True,
+        },
+        "gpt_oss": {  # sinks, biases, alternating sliding / full, biased clamped experts
+            "architecture": "gpt_oss", "attention_bias": True, "attention_out_bias": True,
+            "attention_sinks": True, "num_experts": 16, "num_experts_per_tok": 4,
+            "moe_intermediate_size": 384, "swiglu_limit": 7.0, "sliding_window": 128,
+            "layer_types": tuple("sliding" if i % 2 == 0 else "full"
+                                 for i in range(SMOLLM2.num_layers)),
         },
     }  # fmt: skip
     return {name: dataclasses.replace(SMOLLM2, name=name, **o) for name, o in options.items()}
