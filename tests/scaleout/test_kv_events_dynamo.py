@@ -107,3 +107,41 @@ def test_dynamo_picks_the_replica_holding_the_prefix(replicas):
     asyncio.run(scenario())
     events = [s.config.app.state.kv_events.status for s in replicas]
     assert all(e.replays >= 1 and e.errors == 0 for e in events), events  # joined late: replay
+
+
+def test_the_benchmark_front_door_places_with_dynamo(replicas, loaded_model):
+    """benchmarks.routing's dynamo placement: a repeated prompt goes back to the replica that
+    cached it (Dynamo saw its blocks in the events), and the reply passes through unchanged."""
+    import uvicorn
+
+    from benchmarks.dynamo_router import DynamoWorker, create_dynamo_router_app
+    from prefixgate.gateway.server.serve import BoundServer
+    from tests.scaleout.conftest import free_port
+
+    workers = [DynamoWorker(s.base_url, s.config.app.state.kv_events.endpoint,
+                            s.config.app.state.kv_events.replay_endpoint) for s in replicas]
+    model = replicas[0].config.app.state.server.model_name
+    app = create_dynamo_router_app(workers, tokenizer=loaded_model.tokenizer,
+                                   model_id=loaded_model.name, served_model=model,
+                                   page_size=PAGE_SIZE)
+    door = BoundServer(uvicorn.Config(app, host="127.0.0.1", port=free_port(),
+                                      log_level="warning", lifespan="on"))
+    thread = ServersThread([door], [], "dynamo-front-door")
+    thread.start_and_wait()
+    try:
+        with httpx.Client(base_url=door.base_url, timeout=120) as client:
+            chat = {"model": model, "max_tokens": 2, "temperature": 0, "messages": [
+                {"role": "user", "content": _prompt("harbour")}]}
+            first = client.post("/v1/chat/completions", json=chat)
+            assert first.status_code == 200, first.text
+            cached = 0
+            for _ in range(50):  # until Dynamo has the first reply's blocks from the events
+                again = client.post("/v1/chat/completions", json=chat).json()
+                cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+                if cached:
+                    break
+            assert cached >= again["usage"]["prompt_tokens"] // PAGE_SIZE * PAGE_SIZE - PAGE_SIZE
+            decisions = app.state.decisions
+            assert decisions[-1] == decisions[0]  # back where its prefix lives
+    finally:
+        thread.stop()
