@@ -49,14 +49,20 @@ def causal_conv1d_varlen(
     conv_state: torch.Tensor,  # [S, K - 1, C]
     query_start_loc: Sequence[int],
     save_rows: Sequence[int] = (),
+    *,
+    state_slots: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Depthwise causal conv + SiLU over each sequence, continuing from its conv state.
+
+    ``state_slots``: ``conv_state`` is a pool and sequence s starts from ``conv_state[slots[s]]``.
 
     Returns:
         ``(out [T, C], new_conv_state [S, K - 1, C], saved [P, K - 1, C])``: the new state is
         each sequence's last K - 1 inputs (older ones from its old state when it ran fewer
         rows); ``saved[p]`` is the window ending at row ``save_rows[p]``.
     """
+    if state_slots is not None:
+        conv_state = conv_state[state_slots]
     num_seqs = len(query_start_loc) - 1
     width = weight.shape[1] - 1
     # one source: every state's rows first, then the step's inputs
@@ -100,12 +106,17 @@ def gated_delta_rule_varlen(
     state: torch.Tensor,  # [S, Hv, Dk, Dv] fp32, read only
     query_start_loc: Sequence[int],
     save_rows: Sequence[int] = (),
+    *,
+    state_slots: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The recurrence over each sequence's rows from its state (see the module docstring).
+    """The recurrence over each sequence's rows from its state (see the module docstring);
+    ``state_slots``: ``state`` is a pool, sequence s starts from ``state[slots[s]]``.
 
     Returns:
         ``(out [T, Hv, Dv] fp32, final_state [S, Hv, Dk, Dv], saved [P, Hv, Dk, Dv])``.
     """
+    if state_slots is not None:
+        state = state[state_slots]
     num_seqs = len(query_start_loc) - 1
     index, longest = _padded_index(query_start_loc)
     rows = torch.tensor([max(i, 0) for i in index], dtype=torch.long, device=q.device)
@@ -146,9 +157,9 @@ class GatedDeltaOps(NamedTuple):
 
 
 def _or_reference(native: Callable[..., object], reference: Callable[..., object]) -> Callable[..., object]:
-    def op(*args: object) -> object:
-        out = native(*args)  # None: inputs the native kernel does not take (non-fp32 rows)
-        return reference(*args) if out is None else out
+    def op(*args: object, **kwargs: object) -> object:
+        out = native(*args, **kwargs)  # None: inputs the native kernel does not take
+        return reference(*args, **kwargs) if out is None else out
     return op
 
 

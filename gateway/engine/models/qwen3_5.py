@@ -20,7 +20,8 @@ in four) and gated full attention (the fourth).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -37,9 +38,11 @@ from prefixgate.gateway.engine.models.forward_batch import ForwardBatch, Recurre
 from prefixgate.gateway.engine.models.layers import DenseMLP, rms_norm
 from prefixgate.gateway.engine.models.linear import Linear
 from prefixgate.gateway.engine.models.moe import GroupedMoEMLP, MoEMLP
+from prefixgate.gateway.engine.models.qwen3 import QK_NORM_TENSORS
 from prefixgate.gateway.engine.models.qwen3_moe import stack_experts
 from prefixgate.gateway.engine.models.registry import ModelFamily, register_family
 from prefixgate.gateway.engine.models.weights import WeightPlacer
+from prefixgate.kernels.quant import BLOCK, QuantizedTensor
 
 _L2_EPS = 1e-6  # transformers' (and FLA's) l2norm epsilon
 
@@ -183,7 +186,7 @@ class HybridModel(DecoderModel):
         b, a = proj[:, channels + hv * dv : channels + hv * dv + hv], proj[:, channels + hv * dv + hv :]
         slots, qsl, saves = recurrent.slots, recurrent.query_start_loc, recurrent.save_rows
         conv_out, conv_state, conv_saved = self.delta_ops.conv(
-            mixed.float(), layer.conv_weight, state.conv[slots], qsl, saves)
+            mixed.float(), layer.conv_weight, state.conv, qsl, saves, state_slots=slots)
         key_width = lin.num_key_heads * dk
         q = conv_out[:, :key_width].reshape(num_tokens, lin.num_key_heads, dk)
         k = conv_out[:, key_width : 2 * key_width].reshape(num_tokens, lin.num_key_heads, dk)
@@ -196,7 +199,7 @@ class HybridModel(DecoderModel):
         beta = torch.sigmoid(b.float())
         g = layer.decay_rate * F.softplus(a.float() + layer.dt_bias)
         out, matrix, matrix_saved = self.delta_ops.rule(
-            q, k, v, g, beta, state.matrix[slots], qsl, saves)
+            q, k, v, g, beta, state.matrix, qsl, saves, state_slots=slots)
         updates.append((layer.state, (conv_state, matrix, conv_saved, matrix_saved)))
         # RMSNorm of each head's output, gated by silu(z) (the norm weight is plain w)
         normed = rms_norm(out.to(x.dtype), layer.out_norm, self.config.rms_norm_eps)
@@ -281,19 +284,178 @@ def _hf_config(raw: dict[str, Any]) -> dict[str, Any]:
     return extras
 
 
+def _gguf_config(meta: Callable[..., Any]) -> dict[str, Any]:
+    """llama.cpp's ``qwen35`` / ``qwen35moe`` keys (src/models/qwen35.cpp's hparams): the
+    DeltaNet shape as ``ssm.*`` (K heads = group_count, V heads = time_step_rank, the key head
+    dim = state_size, V heads x value head dim = inner_size), the recurrent layers as one bool
+    per block or every ``full_attention_interval``-th block full; MTP blocks counted in
+    ``block_count`` after the trunk are not run."""
+
+    def need(key: str) -> int:
+        value = meta(key)
+        if value is None:
+            raise UnsupportedModelError(f"a Qwen3.5 GGUF needs the metadata key {key!r}")
+        return int(value)
+
+    layers = need("block_count") - int(meta("nextn_predict_layers", 0))
+    recurrent = meta("attention.recurrent_layers")
+    if recurrent is None:
+        every = int(meta("full_attention_interval", 4))
+        recurrent = [(i + 1) % every != 0 for i in range(layers)]
+    value_heads = need("ssm.time_step_rank")
+    head_dim = int(meta("attention.key_length") or need("embedding_length") // need("attention.head_count"))
+    extras: dict[str, Any] = {
+        "num_layers": layers,
+        "norm_weight_offset": 1.0,
+        "qk_norm": True,
+        "attn_output_gate": True,
+        "rotary_dim": int(meta("rope.dimension_count", head_dim // 4)),
+        "linear_attention": LinearAttentionConfig(
+            layers=tuple(bool(r) for r in recurrent[:layers]),
+            conv_kernel=need("ssm.conv_kernel"),
+            num_key_heads=need("ssm.group_count"),
+            num_value_heads=value_heads,
+            key_dim=need("ssm.state_size"),
+            value_dim=need("ssm.inner_size") // value_heads,
+        ),
+    }
+    if meta("expert_count"):
+        extras |= {
+            "num_experts": need("expert_count"),
+            "num_experts_per_tok": need("expert_used_count"),
+            "moe_intermediate_size": need("expert_feed_forward_length"),
+            "norm_topk_prob": True,
+            # llama.cpp's default when the key is absent: the dense FFN length
+            "shared_expert_intermediate_size": int(
+                meta("expert_shared_feed_forward_length") or meta("feed_forward_length", 0)),
+        }
+    return extras
+
+
+# llama.cpp's per-layer names (gguf-py's tensor_mapping.py for qwen35 / qwen35moe) -> HF's
+_GGUF_TENSORS = {
+    **QK_NORM_TENSORS,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    # a linear layer's in_proj_qkv; in a full layer (--fuse-qkv) q|gate, k, v: split below
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
+    "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+    "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_a": "linear_attn.A_log",  # holds -exp(A_log): undone in _from_gguf
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
+    "ffn_gate_up_exps.weight": "mlp.experts.gate_up_proj",  # --fuse-gate-up-exps: gate rows first
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    # the MTP blocks after the trunk: named so the file loads, then dropped
+    **{f"nextn.{n}.weight": f"mtp.{n}.weight" for n in (
+        "eh_proj", "enorm", "hnorm", "embed_tokens", "shared_head_head", "shared_head_norm")},
+}
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _rows(tensor: Any, index: torch.Tensor) -> Any:
+    """Rows ``index`` of a tensor, fp32 or ggml blocks (whose rows are independent bytes)."""
+    if isinstance(tensor, QuantizedTensor):
+        return QuantizedTensor(tensor.qtype, tensor.data[index].contiguous(), (len(index), tensor.shape[1]))
+    return tensor[index]
+
+
+def _columns(tensor: Any, index: torch.Tensor) -> Any:
+    """Columns ``index`` of a matrix; ggml blocks stay blocks where ``index`` moves whole
+    32-column blocks (value heads of 128), else they are dequantized."""
+    if not isinstance(tensor, QuantizedTensor):
+        return tensor[:, index]
+    runs = index.reshape(-1, BLOCK) if len(index) % BLOCK == 0 else None
+    if runs is None or not torch.equal(runs - runs[:, :1], torch.arange(BLOCK).expand_as(runs)) \
+            or bool((runs[:, 0] % BLOCK).any()):
+        return tensor.dequantize()[:, index]
+    rows = tensor.shape[0]
+    blocks = tensor.data.reshape(rows, tensor.shape[1] // BLOCK, -1)[:, runs[:, 0] // BLOCK]
+    return QuantizedTensor(tensor.qtype, blocks.reshape(rows, -1).contiguous(), tensor.shape)
+
+
+def _grouped_heads(linear: LinearAttentionConfig, width: int) -> torch.Tensor:
+    """Undoes llama.cpp's V-head tiling (its converter's ``_reorder_v_heads``, for fewer K heads
+    than V heads): the tiled ``[V/K, K, width]`` back to HF's grouped ``[K, V/K, width]``."""
+    per_key = linear.num_value_heads // linear.num_key_heads
+    tiled = torch.arange(linear.num_value_heads * width).reshape(per_key, linear.num_key_heads, width)
+    return tiled.transpose(0, 1).reshape(-1)
+
+
+def _from_gguf(weights: dict[str, Any], config: Any) -> dict[str, Any]:
+    """Undo llama.cpp's converter (conversion/qwen.py): norms stored as ``1 + w`` (but the
+    DeltaNet's output norm), ``A_log`` stored as ``-exp(A_log)``, V heads tiled; a full layer's
+    fused ``attn_qkv`` split; MTP blocks dropped. The q|gate rows stay interleaved per head as
+    in HF's q_proj (llama.cpp's graph splits them too)."""
+    linear = config.linear_attention
+    key_width = 2 * linear.num_key_heads * linear.key_dim
+    tiled = linear.num_key_heads != linear.num_value_heads
+    value_rows, head_rows = _grouped_heads(linear, linear.value_dim), _grouped_heads(linear, 1)
+    out: dict[str, Any] = {}
+    for name, tensor in weights.items():
+        match = _LAYER_INDEX.match(name)
+        layer = int(match.group(1)) if match else None
+        if layer is not None and layer >= config.num_layers:
+            continue  # an MTP block
+        if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            # NOTE: exact: the model's 1 + (stored - 1) is the stored value (Sterbenz)
+            tensor = tensor - 1.0
+        elif name.endswith("linear_attn.A_log"):
+            tensor = torch.log(-tensor.double()).float()
+        if name.endswith("linear_attn.in_proj_qkv.weight") and not linear.layers[layer]:
+            q, kv = 2 * config.q_size, config.kv_size
+            for part, start, size in (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)):
+                out[name.replace("linear_attn.in_proj_qkv", f"self_attn.{part}_proj")] = _rows(
+                    tensor, torch.arange(start, start + size))
+            continue
+        if tiled and ".linear_attn." in name:
+            if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):  # only the V rows
+                tensor = _rows(tensor, torch.cat([torch.arange(key_width), key_width + value_rows]))
+            elif name.endswith("in_proj_z.weight"):
+                tensor = _rows(tensor, value_rows)
+            elif name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+                tensor = _rows(tensor, head_rows)
+            elif name.endswith("out_proj.weight"):
+                tensor = _columns(tensor, value_rows)
+        if isinstance(tensor, QuantizedTensor) and name.endswith(
+                ("conv1d.weight", "shared_expert_gate.weight")):
+            tensor = tensor.dequantize()  # placed as plain tensors
+        out[name] = tensor
+    return out
+
+
 def _split_weights(weights: dict[str, Any], config: Any, fmt: str) -> dict[str, Any]:
     """HF's per-head interleaved q|gate rows split into q_proj and gate_proj; the conv weight
     squeezed to ``[C, K]``; MoE experts stacked (per-expert tensors as Qwen3-MoE's, or
-    transformers 5's fused ``gate_up_proj``)."""
+    transformers 5's fused ``gate_up_proj``). A GGUF's converter transforms are undone first
+    (:func:`_from_gguf`); its Q4_0/Q4_1/Q8_0 matrices stay in their blocks (row splits and
+    gathers are byte copies)."""
+    if fmt == "gguf":
+        weights = _from_gguf(weights, config)
     out: dict[str, Any] = {}
     heads, head_dim = config.num_heads, config.head_dim
     for name, tensor in weights.items():
         if name.endswith("self_attn.q_proj.weight") and tensor.shape[0] == 2 * config.q_size:
-            rows = tensor.reshape(heads, 2, head_dim, -1)
-            out[name] = rows[:, 0].reshape(config.q_size, -1)
-            out[name.replace("q_proj", "gate_proj")] = rows[:, 1].reshape(config.q_size, -1)
+            rows = torch.arange(2 * config.q_size).reshape(heads, 2, head_dim)
+            out[name] = _rows(tensor, rows[:, 0].reshape(-1))
+            out[name.replace("q_proj", "gate_proj")] = _rows(tensor, rows[:, 1].reshape(-1))
         elif name.endswith("linear_attn.conv1d.weight") and tensor.dim() == 3:
             out[name] = tensor[:, 0]
+        elif name.endswith("mlp.experts.gate_up_proj") and isinstance(tensor, QuantizedTensor):
+            inter = config.moe_intermediate_size  # [E * 2I, H] in blocks, gate rows first
+            gate = (torch.arange(config.num_experts)[:, None] * 2 * inter + torch.arange(inter)).reshape(-1)
+            base = name.removesuffix("gate_up_proj")
+            out[base + "gate_proj.weight"] = _rows(tensor, gate)
+            out[base + "up_proj.weight"] = _rows(tensor, gate + inter)
         elif name.endswith("mlp.experts.gate_up_proj"):
             inter = tensor.shape[1] // 2
             base = name.removesuffix("gate_up_proj")
@@ -313,6 +475,8 @@ QWEN3_5 = register_family(
         hf_model_types=("qwen3_5_text", "qwen3_5_moe_text"),
         gguf_architectures=("qwen35", "qwen35moe"),
         hf_config=_hf_config,
+        gguf_config=_gguf_config,
+        gguf_tensors=_GGUF_TENSORS,
         adapt_weights=_split_weights,
     )
 )
