@@ -6,7 +6,9 @@ Workload (engine level, greedy, the tiny random-weight fixtures of tests/family_
 model writes ``OUTPUT`` tokens, the tool answers ``TOOL`` tokens, and the next turn's prompt
 is the previous prompt + output + tool answer. Every turn submits all agents at once (they
 batch). A short-prefix row: 8 requests sharing only a 20-token prefix (below vLLM's 528-token
-hybrid block).
+hybrid block). A late-divergence row (where the cadence matters): one ``BASE``-token prompt,
+then ``LATE`` requests, one at a time, each sharing a different random-length prefix of it
+(none of them known when the base prompt ran, so only its cadence checkpoints can serve them).
 
 * ideal = per request, the longest prefix it shares with any earlier request's prompt + output,
   rounded down to a whole block (what a pure-attention paged cache can reuse), capped one token
@@ -27,6 +29,7 @@ Run::
 from __future__ import annotations
 
 import json
+import random
 from typing import Any
 
 from benchmarks.common import base_parser, write_json
@@ -39,6 +42,7 @@ from prefixgate.gateway.engine.model_config import LinearAttentionConfig, ModelC
 from tests.family_fixtures import family_fixture
 
 AGENTS, TURNS, SYSTEM, OUTPUT, TOOL, PAGE = 8, 4, 300, 12, 23, 16
+BASE, LATE = 400, 12
 CADENCES = (1, 2, 4, 8)
 # Qwen3.5-0.8B's text config (its config.json): 24 layers, 18 linear, 6 full attention
 QWEN35_08B = dict(hidden=1024, layers=24, heads=8, kv_heads=2, head_dim=256,
@@ -122,6 +126,20 @@ def short_prefix(loaded: Any, every: int) -> dict[str, int]:
     return tally
 
 
+def late_divergence(loaded: Any, every: int) -> dict[str, int]:
+    engine = _engine(loaded, every)
+    base = [(13 * i) % 800 + 70 for i in range(BASE)]
+    tally = {"ideal": 0, "achieved": 0}
+    seen: list[list[int]] = []
+    _round(engine, {"base": base}, seen, tally)
+    rng = random.Random(5)
+    for i in range(LATE):
+        shared = rng.randrange(20, BASE - 10)
+        _round(engine, {f"late{i}": base[:shared] + [900 + i] * 8}, seen, tally)
+    tally["checkpoints_held"] = engine.cache.state.num_checkpoints if engine.cache.state else 0
+    return tally
+
+
 def _ratio(tally: dict[str, int]) -> float:
     return round(tally["achieved"] / tally["ideal"], 4) if tally["ideal"] else 0.0
 
@@ -131,7 +149,9 @@ def main() -> None:
     hybrid = load_model(family_fixture("qwen3_5").hf_dir)
     attention = load_model(family_fixture("qwen3").hf_dir)
     base = swarm(attention, 1)
-    rows: dict[str, Any] = {"pure_attention_swarm": base | {"ratio": _ratio(base)}}
+    late = late_divergence(attention, 1)
+    rows: dict[str, Any] = {"pure_attention_swarm": base | {"ratio": _ratio(base)},
+                            "pure_attention_late_divergence": late | {"ratio": _ratio(late)}}
     big = ModelConfig(architecture="qwen3_5_text", name="qwen3.5-0.8b-shape", vocab_size=248320,
                       hidden_size=QWEN35_08B["hidden"], intermediate_size=3584,
                       num_layers=QWEN35_08B["layers"], num_heads=QWEN35_08B["heads"],
@@ -150,7 +170,9 @@ def main() -> None:
     for every in CADENCES:
         tally = swarm(hybrid, every)
         short = short_prefix(hybrid, every)
+        late = late_divergence(hybrid, every)
         rows[f"hybrid_every_{every}"] = tally | {
+            "late_divergence_ratio": _ratio(late), "late_checkpoints_held": late["checkpoints_held"],
             "ratio": _ratio(tally),
             "vs_pure_attention": round(_ratio(tally) / _ratio(base), 4) if _ratio(base) else 0.0,
             "short_prefix_hit_tokens": short["achieved"], "short_prefix_ratio": _ratio(short),
