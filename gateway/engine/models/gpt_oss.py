@@ -10,17 +10,22 @@ HF checkpoints (bf16, as transformers saves the random fixtures) store the exper
 ``mlp.experts.gate_up_proj [E, H, 2I]`` (gate and up interleaved column by column),
 ``down_proj [E, I, H]`` and their biases, the router as ``mlp.router``; they are rewritten at
 load into the stacked ``mlp.experts.{gate,up,down}_proj.weight`` (+ ``.bias``) and
-``mlp.gate.weight`` / ``.bias`` the MoE families share. Not yet: the MXFP4 expert blocks of
-the released checkpoints (``*_blocks`` / ``*_scales``) and the GGUF architecture ``gpt-oss``.
+``mlp.gate.weight`` / ``.bias`` the MoE families share. llama.cpp's ``gpt-oss`` GGUFs carry the
+experts already split and stacked (``ffn_{gate,up,down}_exps`` + ``.bias``), the sinks as
+``attn_sinks``, no layer pattern (llama.cpp fixes it: even layers slide) and no YaRN
+``truncate`` (HF's gpt-oss config says false: the loader follows HF, as the logits test
+against transformers shows). Not yet: MXFP4 expert blocks (``*_blocks`` / ``*_scales`` in HF,
+ggml type MXFP4 in GGUF) are refused with a clear error.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from prefixgate.gateway.engine.model_config import UnsupportedModelError
+from prefixgate.gateway.engine.model_config import RopeScaling, UnsupportedModelError
 from prefixgate.gateway.engine.models.decoder import DecoderModel
 from prefixgate.gateway.engine.models.registry import ModelFamily, register_family
 from prefixgate.kernels.quant import QuantizedTensor
@@ -48,6 +53,28 @@ def _hf_config(raw: dict[str, Any]) -> dict[str, Any]:
         "swiglu_alpha": float(raw.get("swiglu_alpha", 1.702)),
         "swiglu_limit": float(raw.get("swiglu_limit", 7.0)),
     }
+
+
+def _gguf_config(meta: Callable[..., Any]) -> dict[str, Any]:
+    layers = int(meta("block_count"))
+    config: dict[str, Any] = {
+        "layer_types": tuple("sliding" if i % 2 == 0 else "full" for i in range(layers)),
+        "sliding_window": int(meta("attention.sliding_window", 128)),
+        "num_experts": int(meta("expert_count", 0)),
+        "num_experts_per_tok": int(meta("expert_used_count", 0)),
+        "moe_intermediate_size": int(meta("expert_feed_forward_length", 0)),
+        "attention_sinks": True,
+        "swiglu_limit": 7.0,  # llama.cpp's gpt-oss graph fixes both constants
+        "swiglu_alpha": 1.702,
+    }
+    if meta("rope.scaling.type") == "yarn":
+        original = meta("rope.scaling.original_context_length")
+        config["rope_scaling"] = RopeScaling(
+            kind="yarn", factor=float(meta("rope.scaling.factor")),
+            original_max_position_embeddings=int(original) if original else None,
+            beta_fast=float(meta("rope.scaling.yarn_beta_fast", 32.0)),
+            beta_slow=float(meta("rope.scaling.yarn_beta_slow", 1.0)), truncate=False)
+    return config
 
 
 def _plain(tensor: Any) -> torch.Tensor:
@@ -84,8 +111,17 @@ GPT_OSS = register_family(
         name="gpt_oss",
         model_class=DecoderModel,
         hf_model_types=("gpt_oss",),
-        gguf_architectures=(),
+        gguf_architectures=("gpt-oss",),
         hf_config=_hf_config,
+        gguf_config=_gguf_config,
+        gguf_tensors={
+            "attn_sinks.weight": "self_attn.sinks",
+            "post_attention_norm.weight": "post_attention_layernorm.weight",
+            "ffn_gate_inp.weight": "mlp.gate.weight",
+            "ffn_gate_inp.bias": "mlp.gate.bias",
+            **{f"ffn_{part}_exps.{kind}": f"mlp.experts.{part}_proj.{kind}"
+               for part in ("gate", "up", "down") for kind in ("weight", "bias")},
+        },
         adapt_weights=_adapt_hf,
     )
 )
