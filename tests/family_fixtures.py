@@ -235,6 +235,13 @@ FAMILIES: dict[str, FamilySpec] = {
         "microsoft-Phi-3.5-mini-instruct.jinja",
         {"rope_theta": 500000.0, "pad_token_id": 0},
     ),
+    "olmo3": FamilySpec(
+        # OLMo 2 with sliding-window layers; the same stand-ins. 4 layers: 3 sliding (an
+        # 8-token window, so prompts run past it) and a global one; llama.cpp's arch is olmo2
+        "Olmo3Config", "Olmo3ForCausalLM", "olmo2", "llama-bpe",
+        "microsoft-Phi-3.5-mini-instruct.jinja",
+        {"num_hidden_layers": 4, "sliding_window": 8, "rope_theta": 500000.0, "pad_token_id": 0},
+    ),
 }  # fmt: skip
 
 

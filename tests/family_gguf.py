@@ -76,7 +76,7 @@ def _write_metadata(writer: GGUFWriter, cfg: Any, arch: str) -> None:
     rope = cfg.rope_parameters
     partial = getattr(cfg, "partial_rotary_factor", None) or rope.get("partial_rotary_factor") or 1
     writer.add_rope_dimension_count(int(head_dim * partial))
-    if arch == "gemma3":  # per layer type; the file carries the global layers' base
+    if "full_attention" in rope:  # per layer type; the file carries the global layers' base
         rope = rope["full_attention"]
     writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
@@ -90,6 +90,9 @@ def _write_metadata(writer: GGUFWriter, cfg: Any, arch: str) -> None:
         writer.add_embedding_scale(cfg.embedding_multiplier)
         writer.add_residual_scale(cfg.residual_multiplier)
         writer.add_logit_scale(cfg.logits_scaling)
+    if arch == "olmo2" and getattr(cfg, "layer_types", None):  # OLMo 3 (conversion/olmo.py)
+        writer.add_sliding_window(cfg.sliding_window)
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
     if arch == "gemma3":
         writer.add_sliding_window(cfg.sliding_window)
         if cfg.final_logit_softcapping:

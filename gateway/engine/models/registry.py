@@ -66,7 +66,6 @@ _BY_ARCHITECTURE: dict[str, ModelFamily] = {}
 # the "not supported" message tells a user); only those that are close: a name that merely
 # looks alike (llama4: MoE with chunked attention) is not listed.
 _CLOSEST: dict[str, tuple[str, str]] = {
-    "olmo3": ("olmo2", "OLMo 2 with sliding-window layers"),
     "granitemoe": ("granite", "Granite 3.x's multipliers with a mixture-of-experts MLP"),
     "granitemoeshared": ("granite", "Granite 3.x with routed and shared experts"),
     "gemma2": ("gemma3", "no q/k norms, attention logit softcapping"),

@@ -79,7 +79,7 @@ def test_greedy_identical_to_transformers_and_prefix_hit(family_case, name):
     assert _greedy(runner, prompt, table, hit) == ours
 
 
-@pytest.mark.parametrize("name", ["smollm3", "granite", "olmo2"])
+@pytest.mark.parametrize("name", ["smollm3", "granite", "olmo2", "olmo3"])
 def test_alone_equals_batched(family_case, name):
     # the prompt prefilled and decoded alone, then between two others of other lengths
     case = family_case(name)

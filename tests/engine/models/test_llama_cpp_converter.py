@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from prefixgate.gateway.engine.loader import load_model
+from prefixgate.gateway.engine.models import family_for
 from prefixgate.gateway.engine.runner import SeqChunk
 from tests.engine.models.conftest import make_runner
 from tests.engine.test_fidelity import PREFILL_ATOL, Pages
@@ -85,11 +86,13 @@ def _convert(name: str, tmp_path: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("name", ["smollm3", "granite", "olmo2"])
+@pytest.mark.parametrize("name", ["smollm3", "granite", "olmo2", "olmo3"])
 def test_the_converters_gguf_loads_to_the_same_model(name, tmp_path):
     converted = load_model(_convert(name, tmp_path))
     fixture = family_fixture(name)
-    ignored = {"name", "rms_norm_eps", "max_position_embeddings"}  # float32 / metadata spelling
+    # float32 / metadata spellings; llama.cpp writes OLMo 3 as olmo2 (the same family)
+    ignored = {"name", "rms_norm_eps", "max_position_embeddings", "architecture"}
+    assert family_for(converted.config.architecture).name == family_for(name).name
     hf_fields, gguf_fields = (
         {k: v for k, v in dataclasses.asdict(config).items() if k not in ignored}
         for config in (load_model(fixture.hf_dir).config, converted.config)
