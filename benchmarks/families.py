@@ -8,7 +8,8 @@ Workload (every size is a flag):
     partial rotary (0.75); Qwen3-MoE with 16 experts of width 384, top-4 (the active MLP is
     SmolLM2's width; total parameters 2.4x); SmolLM3's NoPE layers (every 4th without RoPE);
     Granite 3.x's four multipliers (3.3-2B's values); OLMo 2's post-norm blocks and q/k norms
-    over whole projections; gpt-oss's attention sinks, q/k/v/o biases, sliding (its 128)
+    over whole projections; Qwen3.5's hybrid layers (3 Gated DeltaNet layers in 4: 4 q/k heads
+    and 8 value heads of 64; gated attention with partial rotary in the 4th); gpt-oss's attention sinks, q/k/v/o biases, sliding (its 128)
     and full layers alternating, and Qwen3-MoE's expert shape with its biased router and
     clamped SwiGLU experts. Random fp32 weights (speed does not depend on
     the values; no download), CPU, fp32, the runner's defaults (native CPU kernels where the
@@ -48,8 +49,12 @@ import torch
 
 from benchmarks.common import base_parser, print_table, write_json
 from benchmarks.model import _OurDecode
-from prefixgate.gateway.engine.model_config import ModelConfig, expected_weight_shapes
-from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
+from prefixgate.gateway.engine.model_config import (
+    LinearAttentionConfig,
+    ModelConfig,
+    expected_weight_shapes,
+)
+from prefixgate.gateway.engine.runner import ZERO_STATE, ChunkState, ModelRunner, SeqChunk
 
 FIRST_ORDINARY_TOKEN = 100
 
@@ -95,6 +100,13 @@ def family_configs(window: int) -> dict[str, ModelConfig]:
         "olmo2": {
             "architecture": "olmo2", "qk_norm": True, "qk_norm_full": True, "pre_norms": False,
             "sandwich_norms": True,
+        },
+        "qwen3_5": {  # hybrid: 3 Gated DeltaNet layers in 4, gated attention in the 4th
+            "architecture": "qwen3_5_text", "qk_norm": True, "norm_weight_offset": 1.0,
+            "attn_output_gate": True, "rotary_dim": 16,
+            "linear_attention": LinearAttentionConfig(
+                layers=tuple((i + 1) % 4 != 0 for i in range(SMOLLM2.num_layers)),
+                conv_kernel=4, num_key_heads=4, num_value_heads=8, key_dim=64, value_dim=64),
         },
         "gpt_oss": {  # sinks, biases, alternating sliding / full, biased clamped experts
             "architecture": "gpt_oss", "attention_bias": True, "attention_out_bias": True,
@@ -155,11 +167,13 @@ def measure(config: ModelConfig, args: Any, native: bool = True) -> dict[str, fl
                            generator=gen).tolist()
     table = list(range(pages_per_seq))
 
+    # a hybrid model's prefill starts from a zeroed state slot (slot 0)
+    state = ChunkState(0, ZERO_STATE) if runner.is_hybrid else None
     prefill_cpu, prefill_wall = _medians(
-        lambda: runner.execute([SeqChunk(prompt, 0, table, True)]), args.repeats
+        lambda: runner.execute([SeqChunk(prompt, 0, table, True, state=state)]), args.repeats
     )
     context = prompt[: args.context]
-    first = int(runner.execute([SeqChunk(context, 0, table, True)])[0].argmax())
+    first = int(runner.execute([SeqChunk(context, 0, table, True, state=state)])[0].argmax())
     decode = _OurDecode(runner, args.batch, args.context, capacity, first)
     decode_cpu, decode_wall = _medians(lambda: decode.run(args.steps), args.repeats)
     total, active = parameter_counts(config)

@@ -52,7 +52,7 @@ import torch
 from benchmarks.common import base_parser, print_table, write_json
 from prefixgate import kernels
 from prefixgate.gateway.engine.loader import load_model
-from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
+from prefixgate.gateway.engine.runner import ChunkState, ModelRunner, SeqChunk
 from prefixgate.kernels.quant import QuantizedTensor
 
 FIRST_ORDINARY_TOKEN = 100  # skip the special tokens at the start of the vocabulary
@@ -108,14 +108,23 @@ class _OurDecode:
             kernels.copy_pages(runner.kv_pool, torch.tensor(src), torch.tensor(dst))
         self.position = context
         self.tokens = [first] * batch
+        # a hybrid model: sequence b decodes from state slot b, copied from slot 0 (where the
+        # context was prefilled) before its first step
+        self.restore = [None] + [0] * (batch - 1) if getattr(runner, "is_hybrid", False) else None
+
+    def _state(self, b: int) -> ChunkState | None:
+        if self.restore is None:
+            return None
+        restore, self.restore[b] = self.restore[b], None
+        return ChunkState(b, restore)
 
     def run(self, steps: int) -> float:
         start = time.perf_counter()
         for _ in range(steps):
             logits = self.runner.execute(
                 [
-                    SeqChunk([tok], self.position, table, True)
-                    for tok, table in zip(self.tokens, self.tables, strict=True)
+                    SeqChunk([tok], self.position, table, True, state=self._state(b))
+                    for b, (tok, table) in enumerate(zip(self.tokens, self.tables, strict=True))
                 ]
             )
             self.tokens = logits.argmax(-1).tolist()
