@@ -182,7 +182,7 @@ class DecoderModel:
     def _mlp(self, place: WeightPlacer, prefix: str) -> DenseMLP | MoEMLP | GptOssMoE:
         cfg = self.config
         if cfg.swiglu_limit is not None:  # gpt-oss's biased, clamped experts
-            return load_gpt_oss_moe(place.tensor, prefix, top_k=cfg.num_experts_per_tok,
+            return load_gpt_oss_moe(place, prefix, top_k=cfg.num_experts_per_tok,
                                     alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
         if not cfg.num_experts:
             return DenseMLP(

@@ -10,33 +10,38 @@ with biases and a clamped SwiGLU.
 HF checkpoints store ``gate_up_proj`` ``[E, H, 2I]`` with gate and up interleaved column by
 column; models/gpt_oss.py rewrites it at load into the stacked ``[E, I, H]`` gate / up /
 ``[E, H, I]`` down matrices every MoE family here uses (plus ``*.bias`` tensors), so this
-module sees the usual layout (gate rows first).
+module sees the usual layout (gate rows first). Each expert is two linear layers of the
+weight placer (models/weights.py: the native CPU GEMM with its bias fused on the native path),
+and only the chosen experts run, each once over all the step's tokens routed to it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from prefixgate.kernels.torch_cpu.moe import grouped_by_expert
 
+# x [n, in] -> [n, out] (+ bias): a models/linear.py Linear
+Projection = Callable[[torch.Tensor], torch.Tensor]
+
 
 class GptOssMoE:
     """Args:
     router / router_bias: ``[E, H]`` / ``[E]``.
-    gate_up / gate_up_bias: ``[E, 2I, H]`` (gate rows first) / ``[E, 2I]``.
-    down / down_bias: ``[E, H, I]`` / ``[E, H]``.
+    experts: per expert ``(gate_up, down)`` with their biases: ``H -> 2I`` (gate rows first)
+        and ``I -> H``.
     top_k; alpha, limit: the clamped SwiGLU's constants (1.702, 7.0 in gpt-oss).
     """
 
-    def __init__(self, router: torch.Tensor, router_bias: torch.Tensor, gate_up: torch.Tensor,
-                 gate_up_bias: torch.Tensor, down: torch.Tensor, down_bias: torch.Tensor, *,
+    def __init__(self, router: torch.Tensor, router_bias: torch.Tensor,
+                 experts: Sequence[tuple[Projection, Projection]], *,
                  top_k: int, alpha: float, limit: float) -> None:
         self.router, self.router_bias = router, router_bias
-        self.gate_up, self.gate_up_bias = gate_up, gate_up_bias
-        self.down, self.down_bias = down, down_bias
+        self.experts = list(experts)
         self.top_k, self.alpha, self.limit = top_k, alpha, limit
         self.num_experts = router.shape[0]
 
@@ -47,12 +52,12 @@ class GptOssMoE:
         return top.softmax(-1), experts
 
     def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, H]
-        hidden = F.linear(x, self.gate_up[expert], self.gate_up_bias[expert])  # [n, 2I]
+        gate_up, down = self.experts[expert]
+        hidden = gate_up(x)  # [n, 2I]
         inter = hidden.shape[1] // 2
         gate = hidden[:, :inter].clamp(max=self.limit)
         up = hidden[:, inter:].clamp(-self.limit, self.limit)
-        act = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-        return F.linear(act, self.down[expert], self.down_bias[expert])
+        return down((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         weights, experts = self.route(x)
@@ -62,18 +67,19 @@ class GptOssMoE:
         return residual + self(x)
 
 
-def load_gpt_oss_moe(tensor: Callable[[str], torch.Tensor], prefix: str, *, top_k: int,
-                     alpha: float, limit: float) -> GptOssMoE:
-    """The layer's experts from the canonical names (``tensor(name)``: placed on the device)."""
-    experts = prefix + "experts."
-    gate_up = torch.cat([tensor(experts + "gate_proj.weight"),
-                         tensor(experts + "up_proj.weight")], 1)  # [E, 2I, H]
-    gate_up_bias = torch.cat([tensor(experts + "gate_proj.bias"),
-                              tensor(experts + "up_proj.bias")], 1)  # [E, 2I]
-    return GptOssMoE(tensor(prefix + "gate.weight"), tensor(prefix + "gate.bias"),
-                     gate_up.contiguous(), gate_up_bias.contiguous(),
-                     tensor(experts + "down_proj.weight"), tensor(experts + "down_proj.bias"),
-                     top_k=top_k, alpha=alpha, limit=limit)  # fmt: skip
+def load_gpt_oss_moe(place: Any, prefix: str, *, top_k: int, alpha: float,
+                     limit: float) -> GptOssMoE:
+    """The layer's experts from the canonical names, each a pair of the placer's linear layers
+    (``place``: models/weights.py's WeightPlacer)."""
+    names = [f"{prefix}experts.{part}_proj" for part in ("gate", "up", "down")]
+    gates, ups, downs = (place.expert_parts(n + ".weight") for n in names)
+    gate_bias, up_bias, down_bias = (place.weights[n + ".bias"] for n in names)
+    experts = [
+        (place.linear([gate, up], [gate_bias[e], up_bias[e]]), place.linear([down], [down_bias[e]]))
+        for e, (gate, up, down) in enumerate(zip(gates, ups, downs, strict=True))
+    ]
+    return GptOssMoE(place.tensor(prefix + "gate.weight"), place.tensor(prefix + "gate.bias"),
+                     experts, top_k=top_k, alpha=alpha, limit=limit)
 
 
 __all__ = ["GptOssMoE", "load_gpt_oss_moe"]
