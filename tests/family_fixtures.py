@@ -207,8 +207,8 @@ FAMILIES: dict[str, FamilySpec] = {
     ),
     "qwen3_5": FamilySpec(
         # 3 Gated DeltaNet layers then 1 gated full-attention layer (full_attention_interval 4);
-        # no GGUF yet (gguf_arch "": the loader's qwen35 tensor map is not written)
-        "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "", "qwen35", "Qwen3.5-4B.jinja",
+        # 2 K heads for 4 V heads, so the GGUF's V heads are tiled as llama.cpp's converter does
+        "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "qwen35", "qwen35", "Qwen3.5-4B.jinja",
         {
             "num_hidden_layers": 4, "tie_word_embeddings": True, "rope_theta": 10000000.0,
             "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
@@ -217,7 +217,7 @@ FAMILIES: dict[str, FamilySpec] = {
         norm_offset=1.0,
     ),
     "qwen3_5_moe": FamilySpec(
-        "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", "", "qwen35", "Qwen3.5-4B.jinja",
+        "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", "qwen35moe", "qwen35", "Qwen3.5-4B.jinja",
         {
             "num_hidden_layers": 4, "tie_word_embeddings": True, "rope_theta": 10000000.0,
             "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
@@ -311,7 +311,28 @@ def family_fixture(name: str) -> FamilyFixture:
     """The cached tiny model of family ``name`` (a key of ``FAMILIES``), built if missing."""
     target = fixture_root() / f"family-v{FIXTURE_VERSION}" / name
     _build_once(target, lambda tmp: _build_family(name, tmp))
-    return FamilyFixture(name, target / "hf", target / f"{name}.gguf")
+    gguf_path = target / f"{name}.gguf"
+    if FAMILIES[name].gguf_arch and not gguf_path.is_file():
+        _add_gguf(name, target / "hf", gguf_path)  # an entry built before its family had one
+    return FamilyFixture(name, target / "hf", gguf_path)
+
+
+def _add_gguf(name: str, hf_dir: Path, gguf_path: Path) -> None:
+    """Write family ``name``'s GGUF from its cached HF directory (the same weights), to a
+    temporary file renamed into place."""
+    from transformers import AutoConfig
+
+    from tests.family_gguf import write_family_gguf
+
+    spec = FAMILIES[name]
+    fd, tmp = tempfile.mkstemp(dir=gguf_path.parent, prefix=f".{gguf_path.name}-")
+    os.close(fd)
+    try:
+        write_family_gguf(Path(tmp), AutoConfig.from_pretrained(str(hf_dir)), spec,
+                          vocab_gguf(spec.vocab), template(spec.template), hf_dir=hf_dir)
+        os.replace(tmp, gguf_path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
 
 
 def quantized_gguf(name: str, qtype_name: str = "Q8_0") -> Path:

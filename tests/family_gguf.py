@@ -46,9 +46,30 @@ _GEMMA_LAYER = {
     "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
 }
+# Qwen3.5 (conversion/qwen.py, gguf-py's tensor_mapping.py); attention's q_proj stays as HF
+# stores it (q and the output gate interleaved per head), the graph splits it
+_QWEN35_ARCHS = frozenset({"qwen35", "qwen35moe"})
+_QWEN35_LAYER = {
+    "post_attention_layernorm": "post_attention_norm",
+    "linear_attn.in_proj_qkv": "attn_qkv",
+    "linear_attn.in_proj_z": "attn_gate",
+    "linear_attn.in_proj_b": "ssm_beta",
+    "linear_attn.in_proj_a": "ssm_alpha",
+    "linear_attn.conv1d": "ssm_conv1d",
+    "linear_attn.dt_bias": "ssm_dt",  # its ".bias" suffix: see _layer_tensors
+    "linear_attn.A_log": "ssm_a",  # no suffix
+    "linear_attn.norm": "ssm_norm",
+    "linear_attn.out_proj": "ssm_out",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+# what the converter keeps in F32 whatever the file type (besides 1-D tensors and norms)
+_F32_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
 # llama.cpp converts these with its LlamaModel, which permutes Q/K rows
 _PERMUTED_ARCHS = frozenset({"llama", "smollm3", "granite"})
-_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+?)(?:\.(weight|bias))?$")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj$")
 
 
@@ -90,6 +111,8 @@ def _write_metadata(writer: GGUFWriter, cfg: Any, arch: str) -> None:
         writer.add_embedding_scale(cfg.embedding_multiplier)
         writer.add_residual_scale(cfg.residual_multiplier)
         writer.add_logit_scale(cfg.logits_scaling)
+    if arch in _QWEN35_ARCHS:
+        _write_qwen35_metadata(writer, cfg, arch)
     if arch == "olmo2" and getattr(cfg, "layer_types", None):  # OLMo 3 (conversion/olmo.py)
         writer.add_sliding_window(cfg.sliding_window)
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
@@ -97,6 +120,63 @@ def _write_metadata(writer: GGUFWriter, cfg: Any, arch: str) -> None:
         writer.add_sliding_window(cfg.sliding_window)
         if cfg.final_logit_softcapping:
             writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+
+
+def _write_qwen35_metadata(writer: GGUFWriter, cfg: Any, arch: str) -> None:
+    """llama.cpp's Qwen3NextModel / Qwen3_5*TextModel keys: the DeltaNet shape as ``ssm.*``,
+    the layer pattern (``attention.recurrent_layers``, one bool per layer, and the interval),
+    MRoPE's default sections (text positions make them plain RoPE), the MoE sizes."""
+    writer.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(cfg.linear_key_head_dim)
+    writer.add_ssm_group_count(cfg.linear_num_key_heads)
+    writer.add_ssm_time_step_rank(cfg.linear_num_value_heads)
+    writer.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+    writer.add_array(f"{arch}.attention.recurrent_layers",
+                     [t == "linear_attention" for t in cfg.layer_types])
+    writer.add_full_attention_interval(getattr(cfg, "full_attention_interval", None) or 4)
+    writer.add_rope_dimension_sections([11, 11, 10, 0])
+    if arch == "qwen35moe":
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+
+
+def _tile_v_heads(array: np.ndarray, axis: int, cfg: Any, head_dim: int) -> np.ndarray:
+    """llama.cpp's ``_reorder_v_heads``: V heads grouped by their K head ``[K, V/K, d]`` become
+    tiled ``[V/K, K, d]`` along ``axis`` (ggml broadcasts K heads that way)."""
+    num_k = cfg.linear_num_key_heads
+    per_k = cfg.linear_num_value_heads // num_k
+    moved = np.moveaxis(array, axis, 0)
+    tiled = moved.reshape(num_k, per_k, head_dim, *moved.shape[1:]).swapaxes(0, 1)
+    return np.moveaxis(tiled.reshape(moved.shape), 0, axis)
+
+
+def _qwen35_tensor(module: str, array: np.ndarray, cfg: Any) -> tuple[str, np.ndarray]:
+    """One Qwen3.5 layer tensor as llama.cpp's converter writes it (conversion/qwen.py):
+    renamed, ``A_log`` as ``-exp(A_log)``, the conv squeezed to ``[C, K]``, every norm but the
+    DeltaNet's output norm as ``1 + w``, and (fewer K than V heads) the V heads tiled."""
+    name = _QWEN35_LAYER.get(module) or _LAYER[module]
+    if module.endswith("norm") and module != "linear_attn.norm":
+        array = array + 1.0
+    if module == "linear_attn.A_log":
+        array = -np.exp(array)
+    elif module == "linear_attn.conv1d":
+        array = array.squeeze()
+    if module.startswith("linear_attn.") and cfg.linear_num_key_heads != cfg.linear_num_value_heads:
+        v_dim = cfg.linear_value_head_dim
+        qk_rows = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
+        if module in ("linear_attn.in_proj_qkv", "linear_attn.conv1d"):  # only the V rows
+            v_rows = _tile_v_heads(array[qk_rows:], 0, cfg, v_dim)
+            array = np.concatenate([array[:qk_rows], v_rows])
+        elif module == "linear_attn.in_proj_z":
+            array = _tile_v_heads(array, 0, cfg, v_dim)
+        elif module in ("linear_attn.in_proj_a", "linear_attn.in_proj_b", "linear_attn.A_log",
+                        "linear_attn.dt_bias"):
+            array = _tile_v_heads(array, 0, cfg, 1)
+        elif module == "linear_attn.out_proj":  # its input columns
+            array = _tile_v_heads(array, 1, cfg, v_dim)
+    return name, array
 
 
 def _permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -124,6 +204,11 @@ def _layer_tensors(arch: str, cfg: Any, state: dict[str, torch.Tensor]) -> dict[
         expert = _EXPERT.match(module)
         if expert:
             experts.setdefault((layer, expert.group(2)), {})[int(expert.group(1))] = array
+            continue
+        if arch in _QWEN35_ARCHS:
+            gguf_module, array = _qwen35_tensor(module, array, cfg)
+            suffix = {"ssm_a": "", "ssm_dt": ".bias"}.get(gguf_module, f".{kind}")
+            out[f"blk.{layer}.{gguf_module}{suffix}"] = array
             continue
         name = f"blk.{layer}.{names[module]}.{kind}"
         if arch in _PERMUTED_ARCHS and module == "self_attn.q_proj":
@@ -164,11 +249,13 @@ def write_family_gguf(
         tensors["rope_factors_long.weight"] = np.asarray(rope["long_factor"], dtype=np.float32)
         tensors["rope_factors_short.weight"] = np.asarray(rope["short_factor"], dtype=np.float32)
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    if arch == "gemma3":  # llama.cpp's Gemma 3 norm weights include the 1 (converter adds it)
+    if arch in ("gemma3", *_QWEN35_ARCHS):  # their norm weights include the 1 (converter adds it)
         tensors["output_norm.weight"] = tensors["output_norm.weight"] + 1.0
     for name, array in tensors.items():
         array = np.ascontiguousarray(array, dtype=np.float32)
-        if qtype != GGMLQuantizationType.F32 and array.ndim >= 2 and array.shape[-1] % 32 == 0:
+        kept_f32 = arch in _QWEN35_ARCHS and name.endswith(_F32_TENSORS)
+        if (qtype != GGMLQuantizationType.F32 and array.ndim >= 2 and array.shape[-1] % 32 == 0
+                and not kept_f32):
             writer.add_tensor(name, quantize(array, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, array)
