@@ -471,8 +471,9 @@ class KVCacheManager:
             block_end = (block + 1) * ps
             if block_end <= start:
                 continue
-            if (block + 1) % self.state.every_blocks == 0 or block in (last_block, diverged):
-                boundaries.append((block, block_end - 1 - start, hashes[block].block_hash))
+            essential = block in (last_block, diverged)
+            if essential or (block + 1) % self.state.every_blocks == 0:
+                boundaries.append((block, block_end - 1 - start, hashes[block].block_hash, essential))
         self.state.plan_saves(seq.seq_id, boundaries)
 
     # ------------------------------------------------------------------ waiting requests

@@ -120,18 +120,24 @@ class StateSlots:
         self._working[child_id] = self._take()
         self._restore[child_id] = parent
 
-    def plan_saves(self, seq_id: Hashable, boundaries: Iterable[tuple[int, int, bytes]]) -> None:
-        """Checkpoint slots for the block ends this step crosses: ``(block, row, hash)`` with
-        ``row`` the chunk row of the block's last token. A boundary whose hash has a
-        checkpoint already, or for which no slot is free, is skipped (checkpoints are soft)."""
+    def plan_saves(self, seq_id: Hashable, boundaries: Iterable[tuple[int, int, bytes, bool]]) -> None:
+        """Checkpoint slots for the block ends this step crosses: ``(block, row, hash, evict)``
+        with ``row`` the chunk row of the block's last token. A boundary whose hash has a
+        checkpoint already is skipped; one without a free slot evicts the least recently used
+        checkpoint only if ``evict`` (else it is skipped: checkpoints are soft).
+
+        NOTE: only a chunk's last block, a decoded block and a divergence point may evict; the
+        cadence's intermediate blocks take free slots only. Otherwise one long cold prompt
+        under a tight slot budget would cycle through every slot, evicting the shared
+        prefixes' checkpoints for its own middle blocks, which nothing else reads."""
         saves = []
         pending = self._pending.setdefault(seq_id, {})
-        for block, row, block_hash in boundaries:
+        for block, row, block_hash, evict in boundaries:
             if block_hash in self._checkpoints or block in pending:
                 continue
-            slot = self._take(optional=True)
+            slot = self._take(optional=True, evict=evict)
             if slot is None:
-                break
+                continue
             pending[block] = (slot, block_hash)
             saves.append((row, slot))
         self._step_saves[seq_id] = tuple(saves)
@@ -187,11 +193,14 @@ class StateSlots:
 
     # ------------------------------------------------------------------ internals
 
-    def _take(self, *, keep: int | None = None, optional: bool = False) -> int | None:
-        """A free slot, else the least recently used checkpoint's (protected ones last);
-        never ``keep`` nor one a scheduled restore reads."""
+    def _take(self, *, keep: int | None = None, optional: bool = False,
+              evict: bool = True) -> int | None:
+        """A free slot, else (``evict``) the least recently used checkpoint's (protected ones
+        last); never ``keep`` nor one a scheduled restore reads."""
         if self._free:
             return self._free.pop()
+        if not evict:
+            return None
         busy = {keep, *self._restore.values(), *self._reading.values()}
         for protected_pass in (False, True):
             for block_hash, slot in self._checkpoints.items():

@@ -18,7 +18,7 @@ def test_slots_working_checkpoint_lru_and_reads() -> None:
     slots = StateSlots(3)
     assert slots.start("a", None) == 0
     assert slots.ops("a") == (0, ZERO_STATE, ())
-    slots.plan_saves("a", [(0, 3, b"h0"), (1, 7, b"h1")])
+    slots.plan_saves("a", [(0, 3, b"h0", False), (1, 7, b"h1", True)])
     assert slots.ops("a").saves == ((3, 1), (7, 2))
     slots.commit("a", 1)  # only block 0 is computed
     assert slots.checkpoint(b"h0") == 1 and slots.checkpoint(b"h1") is None
@@ -42,7 +42,7 @@ def test_protected_checkpoints_are_evicted_last() -> None:
     slots.protected = lambda h: h == b"pinned"
     for name, block_hash in (("a", b"pinned"), ("b", b"plain")):
         slots.start(name, None)
-        slots.plan_saves(name, [(0, 3, block_hash)])
+        slots.plan_saves(name, [(0, 3, block_hash, True)])
         slots.ops(name)
         slots.commit(name, 1)
         slots.release(name)
@@ -107,3 +107,21 @@ def test_random_operations_conserve_slots(ops, num_slots, every) -> None:
         cache.free(seq.seq_id)
     cache.check_integrity()
     assert cache.state.num_working == 0
+
+
+def test_cadence_checkpoints_never_evict_only_chunk_ends_do() -> None:
+    slots = StateSlots(4)
+    slots.start("old", None)
+    slots.plan_saves("old", [(0, 3, b"shared", True)])
+    slots.ops("old")
+    slots.commit("old", 1)
+    slots.release("old")  # 3 free slots, 1 checkpoint
+    slots.start("long", None)  # takes a free slot: 2 free left
+    # a long prompt's middle blocks take the free slots, then stop; its last block evicts
+    slots.plan_saves("long", [(b, 4 * b + 3, b"m%d" % b, False) for b in range(5)]
+                     + [(5, 23, b"last", True)])
+    assert len(slots.ops("long").saves) == 3
+    assert slots.checkpoint(b"shared") is None  # the last block evicted the LRU one
+    slots.commit("long", 6)
+    assert slots.checkpoint(b"last") is not None and slots.checkpoint(b"m0") is not None
+    slots.check(["long"])
