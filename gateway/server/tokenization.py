@@ -170,10 +170,14 @@ class Tokenization:
             tools: the tools the model sees (None: calls are not parsed).
             on_repeat: called at a runaway repeated call (tools/repeats.py); None = no guard.
         """
-        tail = ""
-        if self.dialect.reasoning is not None and prompt_ids:
-            tail = self.engine.tokenizer.decode(list(prompt_ids[-PROMPT_TAIL_TOKENS:]), False)
-        return self.dialect.parser(tools, on_repeat, tail)
+        return self.dialect.parser(tools, on_repeat, self.prompt_tail(prompt_ids))
+
+    def prompt_tail(self, prompt_ids: Sequence[int]) -> str:
+        """The end of a prompt as text, where the dialect has a reasoning span the template
+        may open there (empty otherwise: nothing reads it)."""
+        if self.dialect.reasoning is None or not prompt_ids:
+            return ""
+        return self.engine.tokenizer.decode(list(prompt_ids[-PROMPT_TAIL_TOKENS:]), False)
 
     async def text(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
         try:

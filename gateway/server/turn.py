@@ -205,14 +205,17 @@ def render_prompts(state: ServerState, turn: ChatTurn) -> Awaitable[list[list[in
     return _render(state, turn)
 
 
-async def _grammar(state: ServerState, turn: ChatTurn, caller: _Caller) -> GrammarSpec | None:
+async def _grammar(state: ServerState, turn: ChatTurn, caller: _Caller,
+                   prompts: list[list[int]]) -> GrammarSpec | None:
     """The turn's output grammar. Built in a worker thread when there is one to build: a cold
-    schema is bounded and converted there (tools/grammar.py), never on the event loop."""
+    schema is bounded and converted there (tools/grammar.py), never on the event loop. A chat
+    prompt's end says whether the template opened a reasoning span (tools/dialect.py)."""
     if not turn.tools and turn.response_format is None:
         return None
+    tail = state.tokenization.prompt_tail(prompts[0]) if turn.prompts is None else ""
     return await asyncio.to_thread(
         state.tokenization.dialect.grammar, turn.tools, turn.tool_choice, turn.response_format,
-        turn.parameters_param, scope=caller.tenant)
+        turn.parameters_param, scope=caller.tenant, prompt_tail=tail)
 
 
 def _generations(state: ServerState, turn: ChatTurn, caller: _Caller, prompts: list[list[int]],
@@ -283,7 +286,7 @@ async def open_turn(request: Request, principal: Principal, turn: ChatTurn,
                      retention_ttl(request, turn.retention_s))
     note_arrival(request, principal.tenant, agent)  # back from a tool pause: learn its length
     prompts = await _render(state, turn)
-    grammar = await _grammar(state, turn, caller)
+    grammar = await _grammar(state, turn, caller, prompts)
     streams = await open_streams(state.engine, _generations(state, turn, caller, prompts, grammar))
     return TurnStream(streams, prompts, timer, turn.n,
                       _splitters(state, turn, caller, turn.n * len(prompts)),

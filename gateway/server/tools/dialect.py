@@ -8,10 +8,16 @@ parsers from (so every surface speaks the model's own format the same way).
 * **native**: the template renders the tools and the history (calls, results) itself, in that
   format; otherwise the gateway writes them into the messages (tools/prompt.py).
 * **reasoning**: the template's ``<think>`` span, split from the answer (formats/reasoning.py).
+  Where the template opens the span in the generation prompt (Qwen3.5 thinks unless asked
+  not to), an output the grammar constrains from its first token (a forced call, a JSON
+  answer) closes the empty span first, as the template re-renders it; and the reasoning the
+  gateway wrote before a call goes back into a call turn a client sent without it (templates
+  that render a running chain's reasoning: Qwen3, Qwen3.5), so the turn re-renders as written.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +25,7 @@ from typing import Any
 from prefixgate.gateway.engine.api import GrammarSpec
 from prefixgate.gateway.server.tools.formats import ToolCallFormat, format_for_template
 from prefixgate.gateway.server.tools.formats.base import FormatStreamParser
+from prefixgate.gateway.server.tools.formats.harmony import AnalysisStore
 from prefixgate.gateway.server.tools.formats.hermes import HERMES
 from prefixgate.gateway.server.tools.formats.reasoning import (
     ReasoningFormat,
@@ -26,12 +33,16 @@ from prefixgate.gateway.server.tools.formats.reasoning import (
     reasoning_for_template,
     starts_inside,
 )
+from prefixgate.gateway.server.tools.grammar import _format_of
 from prefixgate.gateway.server.tools.parser import ToolCallParser
 from prefixgate.gateway.server.tools.prompt import native_messages, prepare_messages, tool_json
 from prefixgate.gateway.server.tools.records import FunctionTool, ToolChoice
 from prefixgate.gateway.server.tools.repeats import GuardedParser, _PlainText
 
 AUTO = "auto"
+# the reasoning each call was written after, by call id (any format with a reasoning span;
+# harmony keeps its analysis itself): see ``ToolDialect.template_inputs``
+REASONING_KEPT = AnalysisStore()
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +62,8 @@ class ToolDialect:
             template_tools = (self.format.template_tools([tool_json(t) for t in tools])
                               if tools else None)
             history = native_messages(messages, message_param=message_param)
+            if self.reasoning is not None:
+                history = [_with_kept_reasoning(m) for m in history]
             return self.format.history_messages(history), template_tools
         return prepare_messages(messages, tools, message_param=message_param,
                                 system_turn=self.system_turn), None
@@ -58,10 +71,23 @@ class ToolDialect:
     def grammar(
         self, tools: Sequence[FunctionTool], choice: ToolChoice,
         response_format: GrammarSpec | None, parameters_param: Callable[[int], str],
-        scope: str = "",
+        scope: str = "", prompt_tail: str = "",
     ) -> GrammarSpec | None:
-        """The output grammar: calls in this dialect's format (tools/grammar.py)."""
-        return self.format.grammar(tools, choice, response_format, parameters_param, scope)
+        """The output grammar: calls in this dialect's format (tools/grammar.py).
+
+        ``prompt_tail``: the end of the rendered prompt. When it opened the reasoning span
+        (Qwen3.5 with thinking on), a grammar that constrains the output from its first token
+        (a forced call, a JSON answer, the JSON-or-calls of ``auto``) first closes the span,
+        empty, as the template re-renders an empty span (``<think>\n`` + ``\n</think>\n\n``):
+        otherwise the call or the answer would be written inside the span, as reasoning. Under
+        ``auto`` without a response format the model reasons and closes the span itself; a
+        client's own grammar (regex, EBNF, choice) writes the whole output, span included.
+        """
+        spec = self.format.grammar(tools, choice, response_format, parameters_param, scope)
+        if (spec is None or self.reasoning is None or self.format.channels
+                or not starts_inside(self.reasoning, prompt_tail)):
+            return spec
+        return _after_empty_span(spec, f"\n{self.reasoning.end}\n\n", scope)
 
     def parses(self, tools: Sequence[FunctionTool] | None) -> bool:
         """Whether an output is parsed (it may hold calls or a reasoning span)."""
@@ -88,11 +114,43 @@ class ToolDialect:
             # the Hermes parser streams a call's arguments as they come; the others per call
             inner = ToolCallParser() if self.format is HERMES else FormatStreamParser(
                 self.format, tools)
-        splitter = None
+        splitter = remember = None
         if self.reasoning is not None:
             splitter = ReasoningSplitter(
                 self.reasoning, starts_inside=starts_inside(self.reasoning, prompt_tail))
-        return GuardedParser(on_repeat, parser=inner, splitter=splitter)
+            remember = REASONING_KEPT.put if self.native else None
+        return GuardedParser(on_repeat, parser=inner, splitter=splitter, remember=remember)
+
+
+def _with_kept_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant call turn sent back without reasoning, with the reasoning this gateway
+    wrote before its first call (NOTE: keyed by the gateway's random call ids, seen only by the
+    client that got the call; in-process: on another replica the turn renders as sent, a
+    cache miss, never a different conversation). A turn that carries reasoning renders as
+    sent; the template decides where reasoning is rendered (Qwen3.5 and Qwen3: every turn
+    after the last user query), so this changes nothing where it drops it."""
+    calls = message.get("tool_calls")
+    if message.get("role") != "assistant" or not calls or message.get("reasoning_content"):
+        return message
+    call_id = calls[0].get("id") if isinstance(calls[0], dict) else None
+    kept = REASONING_KEPT.get(call_id) if isinstance(call_id, str) else None
+    return message if kept is None else {**message, "reasoning_content": kept}
+
+
+def _after_empty_span(spec: GrammarSpec, close: str, scope: str) -> GrammarSpec:
+    """``spec`` with ``close`` written first, where ``spec`` constrains the first token."""
+    if spec.kind == "structural_tag":
+        grammar = json.loads(spec.source)["format"]
+        if grammar.get("type") == "triggered_tags":
+            return spec  # free text until a call: the model closes the span itself
+    elif spec.kind in ("json_schema", "json_object"):
+        grammar = _format_of(spec, scope)
+    else:
+        return spec  # the client's own grammar
+    source = json.dumps({"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": close}, grammar]}}, ensure_ascii=False)
+    return GrammarSpec("structural_tag", source, param=spec.param,
+                       forced_text_finite=spec.forced_text_finite)
 
 
 def choose_dialect(template: Any, override: str | None = None) -> ToolDialect:

@@ -124,16 +124,19 @@ class GuardedParser:
     :class:`ToolCallParser`; :class:`_PlainText` for a turn without tools), and a
     :class:`RepeatGuard`: ``on_repeat`` is called once, at the first exact repeat (end the
     engine request there; None = no guard). The text outside calls is kept in ``text``, the
-    reasoning in ``reasoning``.
+    reasoning in ``reasoning``; ``remember(call_id, reasoning)`` is told the reasoning written
+    before each complete call (tools/dialect.py keeps it for the history).
 
     NOTE: calls are found in the whole output, reasoning span included, and the span is split
     from the text around them: a call written inside or right after ``<think>`` is a call.
     """
 
     def __init__(self, on_repeat: Callable[[], None] | None, parser: Any = None,
-                 splitter: ReasoningSplitter | None = None) -> None:
+                 splitter: ReasoningSplitter | None = None,
+                 remember: Callable[[str, str], None] | None = None) -> None:
         self._parser = parser if parser is not None else ToolCallParser()
         self._splitter = splitter
+        self._remember = remember
         self._guard = RepeatGuard(enabled=on_repeat is not None)
         self._on_repeat = on_repeat
         self.text: list[str] = []
@@ -157,11 +160,21 @@ class GuardedParser:
         if self._splitter is not None:
             events = self._split(events, final)
         out = self._guard.filter(events)
-        self.text += [e.text for e in out if isinstance(e, TextPiece)]
-        self.reasoning += [e.text for e in out if isinstance(e, ReasoningPiece)]
+        for event in out:
+            if isinstance(event, TextPiece):
+                self.text.append(event.text)
+            elif isinstance(event, ReasoningPiece):
+                self.reasoning.append(event.text)
+            elif isinstance(event, CallEnd) and self._remember is not None:
+                self._remember_call(event.call)
         if self._guard.repeated and self._on_repeat is not None:
             self._on_repeat()
         return out
+
+    def _remember_call(self, call: ToolCallOutput) -> None:
+        reasoning = "".join(self.reasoning).strip("\n")
+        if call.complete and reasoning.strip() and self._remember is not None:
+            self._remember(call.id, reasoning)
 
     def _split(self, events: list[Event], final: bool) -> list[Event]:
         assert self._splitter is not None

@@ -38,6 +38,7 @@ DIALECTS = {
     "Qwen-Qwen3-0.6B.jinja": ("hermes", True, "think"),
     "Qwen-Qwen2.5-7B-Instruct.jinja": ("hermes", True, None),
     "Qwen3-Coder.jinja": ("qwen3_coder", True, None),
+    "Qwen3.5-4B.jinja": ("qwen3_coder", True, "think"),  # its generation prompt opens <think>
     "meta-llama-Llama-3.1-8B-Instruct.jinja": ("llama3_json", True, None),
     "meta-llama-Llama-3.2-3B-Instruct.jinja": ("llama3_json", True, None),
     "Mistral-Small-3.2-24B-Instruct-2506.jinja": ("mistral", True, None),

@@ -91,6 +91,9 @@ class ReasoningSplitter:
         self._done = False  # one span per turn: later markers are content
         self._buffer = ""
         self._strip_newlines = False  # the newlines after a closed span are not content
+        # a span's leading whitespace, held until text follows: an empty span (a model that
+        # chose not to think, a forced call closing the span the prompt opened) is no reasoning
+        self._held: str | None = ""
 
     def feed(self, text: str) -> tuple[str, str]:
         self._buffer += text
@@ -115,18 +118,31 @@ class ReasoningSplitter:
             at = self._buffer.find(self.format.end)
             if at < 0:
                 keep = _partial_suffix(self._buffer, self.format.end)
-                reasoning.append(self._buffer[: len(self._buffer) - keep])
+                self._reason(self._buffer[: len(self._buffer) - keep], reasoning)
                 self._buffer = self._buffer[len(self._buffer) - keep :]
                 break
-            reasoning.append(self._buffer[:at])
+            self._reason(self._buffer[:at], reasoning)
             self._buffer = self._buffer[at + len(self.format.end) :]
             self._inside, self._done, self._strip_newlines = False, True, True
         return "".join(reasoning), "".join(content)
 
+    def _reason(self, text: str, out: list[str]) -> None:
+        if self._held is None:
+            out.append(text)
+            return
+        self._held += text
+        if self._held.strip():
+            out.append(self._held)
+            self._held = None
+
     def finish(self) -> tuple[str, str]:
         """Flush: an unclosed span is reasoning; anything else content."""
         rest, self._buffer = self._buffer, ""
-        return (rest, "") if self._inside else ("", rest)
+        if not self._inside:
+            return "", rest
+        reasoning: list[str] = []
+        self._reason(rest, reasoning)
+        return "".join(reasoning), ""
 
 
 def split_reasoning(
