@@ -164,14 +164,12 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs})"
             )
-        if self.max_waiting < 0:
-            raise ValueError("max_waiting must be >= 0")
-        if not 0 <= self.watermark < 1:
-            raise ValueError("watermark must be in [0, 1)")
-        if self.num_state_slots is not None and self.num_state_slots < 2:
-            raise ValueError(f"num_state_slots must be >= 2, got {self.num_state_slots}")
-        if self.state_checkpoint_every < 1:
-            raise ValueError(f"state_checkpoint_every must be >= 1, got {self.state_checkpoint_every}")
+        if self.max_waiting < 0 or not 0 <= self.watermark < 1:
+            raise ValueError(f"max_waiting must be >= 0 (got {self.max_waiting}) and watermark "
+                             f"in [0, 1) (got {self.watermark})")
+        if (self.num_state_slots or 2) < 2 or self.state_checkpoint_every < 1:
+            raise ValueError(f"num_state_slots must be >= 2 (got {self.num_state_slots}) and "
+                             f"state_checkpoint_every >= 1 (got {self.state_checkpoint_every})")
         if not 0 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [0, 16], got {self.num_speculative_tokens}")
         if not self.grammar_compile_timeout_s > 0 or not self.grammar_compile_memory_gb > 0:
@@ -184,10 +182,8 @@ class EngineConfig:
             raise ValueError(f"kv_tier must be one of {', '.join(KV_TIERS)}, got {self.kv_tier!r}")
         if self.kv_tier_size_gb <= 0:
             raise ValueError(f"kv_tier_size_gb must be > 0, got {self.kv_tier_size_gb}")
-        if not 0 <= self.retention_budget <= 1:
-            raise ValueError("retention_budget must be in [0, 1]")
-        if not 0 <= self.retention_tenant_budget <= 1:
-            raise ValueError("retention_tenant_budget must be in [0, 1]")
+        if not (0 <= self.retention_budget <= 1 and 0 <= self.retention_tenant_budget <= 1):
+            raise ValueError("retention_budget and retention_tenant_budget must be in [0, 1]")
 
 
 # Default step budgets per device type, in context-free tokens (the scheduler counts a prefill

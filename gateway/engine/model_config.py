@@ -193,20 +193,18 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"activation {self.activation!r} is not supported; supported: silu, gelu_tanh"
             )
-        if self.layer_types is not None and len(self.layer_types) != self.num_layers:
-            raise UnsupportedModelError(
-                f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
-            )
+        linear_layers = self.linear_attention.layers if self.linear_attention else None
+        for name, per_layer in (("layer_types", self.layer_types), ("rope_layers", self.rope_layers),
+                                ("linear_attention.layers", linear_layers)):
+            if per_layer is not None and len(per_layer) != self.num_layers:
+                raise UnsupportedModelError(
+                    f"{name} has {len(per_layer)} entries for {self.num_layers} layers")
         if self.layer_types and "sliding" in self.layer_types and not self.sliding_window:
             raise UnsupportedModelError("sliding layers need a sliding_window")
         if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim
                                                 and self.rotary_dim % 2 == 0):
             raise UnsupportedModelError(
                 f"rotary_dim must be even and in 1..{self.head_dim}, got {self.rotary_dim}"
-            )
-        if self.rope_layers is not None and len(self.rope_layers) != self.num_layers:
-            raise UnsupportedModelError(
-                f"rope_layers has {len(self.rope_layers)} entries for {self.num_layers} layers"
             )
         if not self.pre_norms and not self.sandwich_norms:
             raise UnsupportedModelError("a model without pre-norms needs the post norms")
@@ -220,16 +218,8 @@ class ModelConfig:
                 f"num_experts_per_tok must be in 1..{self.num_experts}, "
                 f"got {self.num_experts_per_tok}"
             )
-        for field_name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "max_position_embeddings",
-        ):
+        for field_name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                           "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, field_name)
             if value <= 0:
                 raise UnsupportedModelError(f"{field_name} must be positive, got {value}")

@@ -512,12 +512,19 @@ class Scheduler:
                 # counted. The load is installed (and written this step); the next look counts it.
                 self.waiting.appendleft(seq)
                 return False
-        if not self.cache.can_start_sequence(blocks, match):
-            # NOTE: every state slot is a live sequence's or a checkpoint another request is
-            # about to restore: wait for one to end (the pages would fit, the state would not)
-            self.waiting.appendleft(seq)
+        if self._waits_for_state_slot(seq, blocks, match):
             return False
         self._start(plan, seq)
+        return True
+
+    def _waits_for_state_slot(self, seq: Sequence, blocks: list[HashedBlock], match: PrefixMatch) -> bool:
+        """A hybrid model's request waits (at the queue head) while no state slot is free.
+
+        NOTE: every slot is a live sequence's or a checkpoint another request is about to
+        restore: the pages would fit, the state would not; one frees when a sequence ends."""
+        if self.cache.can_start_sequence(blocks, match):
+            return False
+        self.waiting.appendleft(seq)
         return True
 
     def _waits_for_budget(self, plan: _StepPlan, start: int, remaining: int, whole_only: bool) -> bool:
