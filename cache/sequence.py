@@ -3,7 +3,7 @@
 One record per sequence (gateway/engine/sequence.py's ``Sequence`` in the engine) owns its
 token ids and its block-hash chain; the manager reads it through :class:`CacheSequence` and
 keeps only what is the cache's: the block table and how many blocks are registered. Writers:
-  * the engine appends ``token_ids`` (sampled tokens, accepted drafts); never shrinks them;
+  * the scheduler appends ``token_ids`` (sampled tokens, accepted drafts); never shrinks them;
   * the manager alone grows ``block_hashes`` (``KVCacheManager.block_hashes``, the one place
     the chain is extended) and sets ``num_computed`` while the sequence is live (allocate,
     commit_computed, fork); the owner zeroes it when it preempts the sequence.
