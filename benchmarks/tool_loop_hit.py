@@ -14,7 +14,10 @@ Mistral or Granite tokenizer: Llama 3's stands in, with their control tokens add
 tokens (as they are in their own); Qwen's stands in for Hermes 2 Pro (it has ``<|im_end|>``).
 gpt-oss runs on its real o200k_harmony (tests/harmony_fixture.py): with the reasoning sent
 back, without it (the gateway puts the analysis it wrote back), and with a final answer and
-a follow-up question as the last turn (the template drops the chain's analysis). Nothing is timed; every row's
+a follow-up question as the last turn (the template drops the chain's analysis). Qwen3.5
+(Qwen3-Coder's calls, a ``<think>`` span its generation prompt opens) has the same three rows,
+and one with thinking off; Qwen3 one without the reasoning sent back (tools/dialect.py puts
+the reasoning it wrote back, as for harmony). Nothing is timed; every row's
 ratio is deterministic. Where a row is under 0.98, ``diverges`` shows the text at the first
 differing token: what the template re-renders differently from what was generated.
 
@@ -69,6 +72,8 @@ class Case:
 CASES = {
     "qwen3": Case("Qwen-Qwen3-0.6B.jinja", "qwen3", "<|im_end|>"),
     "qwen3-thinking": Case("Qwen-Qwen3-0.6B.jinja", "qwen3", "<|im_end|>", think=True),
+    "qwen3-no-reasoning-back": Case("Qwen-Qwen3-0.6B.jinja", "qwen3", "<|im_end|>", think=True,
+                                    sends_reasoning=False),
     "qwen2.5": Case("Qwen-Qwen2.5-7B-Instruct.jinja", "qwen3", "<|im_end|>"),
     "qwen3-coder": Case("Qwen3-Coder.jinja", "qwen3_moe", "<|im_end|>"),
     "llama3.1": Case("meta-llama-Llama-3.1-8B-Instruct.jinja", "llama3", "<|eot_id|>"),
@@ -105,6 +110,15 @@ CASES = {
     "gpt-oss-no-reasoning-back": Case(HARMONY_TEMPLATE, HARMONY, "", think=True,
                                       sends_reasoning=False),
     "gpt-oss-answer-then-ask": Case(HARMONY_TEMPLATE, HARMONY, "", think=True, answers=True),
+    # Qwen3.5: Qwen3-Coder's XML calls; the generation prompt opens <think> (or closes an empty
+    # span with thinking off); the template renders the reasoning of every assistant turn after
+    # the last user query, and drops it from the turns before
+    "qwen3.5-thinking": Case("Qwen3.5-4B.jinja", "qwen3_5", "<|im_end|>", think=True),
+    "qwen3.5-no-think": Case("Qwen3.5-4B.jinja", "qwen3_5", "<|im_end|>", no_think=True),
+    "qwen3.5-no-reasoning-back": Case("Qwen3.5-4B.jinja", "qwen3_5", "<|im_end|>", think=True,
+                                      sends_reasoning=False),
+    "qwen3.5-answer-then-ask": Case("Qwen3.5-4B.jinja", "qwen3_5", "<|im_end|>", think=True,
+                                    answers=True),
 }  # fmt: skip
 
 
@@ -140,12 +154,12 @@ def call_text(dialect: ToolDialect, arguments: dict[str, Any], call_id: str) -> 
     return fmt.begin(READ_FILE.name) + canonical_json(arguments) + fmt.end
 
 
-def client_turn(dialect: ToolDialect, output: str, result: str, sends_reasoning: bool = True
-                ) -> list[dict[str, Any]]:
+def client_turn(dialect: ToolDialect, output: str, result: str, sends_reasoning: bool = True,
+                prompt_text: str = "") -> list[dict[str, Any]]:
     """What an OpenAI client sends back: the call the gateway parsed (its id, its arguments
     text), the reasoning as ``reasoning_content`` (unless the client drops it), then the
-    tool's result."""
-    parser = dialect.parser([READ_FILE], None)
+    tool's result. ``prompt_text``: the prompt (a template may open the span there)."""
+    parser = dialect.parser([READ_FILE], None, prompt_text[-64:])
     assert parser is not None
     parser.feed(output, True)
     (call,) = parser.calls
@@ -205,11 +219,16 @@ def agent_loop(tokenizer: Tokenizer, dialect: ToolDialect, case: Case, agent: in
         end = tokenizer.eos_token if case.end_of_turn == EOS else case.end_of_turn
         generated = prompt + written(tokenizer, prompt, prompt_text, text + (end or ""))
         history = [*history, *client_turn(dialect, text, f"contents {turn}",
-                                          case.sends_reasoning)]
+                                          case.sends_reasoning, prompt_text)]
         if case.answers and turn == TURNS - 1:  # the answer, then the user's next question
             prompt, prompt_text = render(history)
             answer = ("<|channel|>analysis<|message|>I have read them all.<|end|><|start|>"
                       "assistant<|channel|>final<|message|>Fixed.<|return|>")
+            if not dialect.format.channels:  # a think span (opened by the prompt or not)
+                opened = prompt_text.rstrip().endswith("<think>")
+                answer = (("" if opened else "<think>\n") + "I have read them all.\n</think>"
+                          "\n\nFixed." + (tokenizer.eos_token if case.end_of_turn == EOS
+                                           else case.end_of_turn))
             generated = prompt + written(tokenizer, prompt, prompt_text, answer)
             history = [*history, {"role": "assistant", "content": "Fixed.",
                                   "reasoning_content": "I have read them all."},
@@ -245,10 +264,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     rows = {name: measure(name) for name in args.case or CASES}
     print(f"\ntool loop: {AGENTS} agents x {TURNS} turns, achieved / ideal prefix hit")
-    print(f"{'case':<18} {'format':<12} {'prompt':<17} {'hit/ideal':>9}  first divergence")
+    print(f"{'case':<26} {'format':<12} {'prompt':<17} {'hit/ideal':>9}  first divergence")
     for name, row in rows.items():
         flag = "" if row["hit_over_ideal"] >= TARGET else row["diverges"]
-        print(f"{name:<18} {row['format']:<12} {row['prompt']:<17} "
+        print(f"{name:<26} {row['format']:<12} {row['prompt']:<17} "
               f"{row['hit_over_ideal']:>9.4f}  {flag}")
     write_json(args.json, {"benchmark": "tool_loop_hit", "agents": AGENTS, "turns": TURNS,
                            "target": TARGET, "rows": rows})
