@@ -75,21 +75,27 @@ class AnalysisStore:
     re-rendered with it, as generated: the template keeps a call turn's analysis until a final
     answer follows, so the turn's tokens stay a prefix of the next prompt (docs/tool-formats.md
     "Harmony and the cache"). NOTE: keyed by the gateway's call ids (96 random bits, seen only
-    by the client that got the call); bounded, least recently used first out; in-process (on
-    another replica the turn renders as the client sent it: a cache miss, never a wrong
-    prompt)."""
+    by the client that got the call); bounded in entries and in characters (a reasoning span
+    may run to thousands of tokens), least recently used first out; in-process (on another
+    replica the turn renders as the client sent it: a cache miss, never a wrong prompt)."""
 
-    def __init__(self, max_entries: int = 65536) -> None:
+    def __init__(self, max_entries: int = 65536, max_chars: int = 64 << 20) -> None:
         self.max_entries = max_entries
+        self.max_chars = max_chars
         self._entries: OrderedDict[str, str] = OrderedDict()
+        self._chars = 0
         self._lock = threading.Lock()
 
     def put(self, call_id: str, analysis: str) -> None:
         with self._lock:
+            old = self._entries.pop(call_id, None)
+            self._chars -= len(old) if old is not None else 0
+            if len(analysis) > self.max_chars:
+                return  # would evict everything else and not fit
             self._entries[call_id] = analysis
-            self._entries.move_to_end(call_id)
-            while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
+            self._chars += len(analysis)
+            while len(self._entries) > self.max_entries or self._chars > self.max_chars:
+                self._chars -= len(self._entries.popitem(last=False)[1])
 
     def get(self, call_id: str) -> str | None:
         with self._lock:

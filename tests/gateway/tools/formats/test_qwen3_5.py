@@ -15,6 +15,7 @@ from prefixgate.gateway.engine.api import GrammarSpec
 from prefixgate.gateway.engine.grammar.compiler import CompileLimits, GrammarCompiler
 from prefixgate.gateway.engine.tokenizer import Tokenizer
 from prefixgate.gateway.server.tools.dialect import choose_dialect
+from prefixgate.gateway.server.tools.formats.harmony import AnalysisStore
 from prefixgate.gateway.server.tools.formats.qwen3_coder import QWEN3_CODER
 from prefixgate.gateway.server.tools.formats.reasoning import THINK, thinking_kwargs
 from prefixgate.gateway.server.tools.parser import CallEnd, ReasoningPiece, TextPiece
@@ -208,3 +209,15 @@ def test_the_history_keeps_the_reasoning_it_wrote(tokenizer, dialect, sends_reas
     turn.pop("reasoning_content", None)
     text = tokenizer.render_chat(*dialect.template_inputs([*USER, turn], [WEATHER]), False)
     assert "<|im_start|>assistant\n<think>\n\n</think>\n\n<tool_call>" in text
+
+
+def test_the_kept_reasoning_is_bounded_in_entries_and_characters():
+    store = AnalysisStore(max_entries=3, max_chars=10)
+    for call_id, text in (("a", "12345"), ("b", "1234"), ("c", "12")):
+        store.put(call_id, text)
+    assert store.get("a") is None and store.get("b") == "1234"  # over 10 characters: a out
+    store.put("d", "x" * 11)  # larger than the whole budget: not kept, nothing evicted
+    assert store.get("d") is None and store.get("c") == "12"
+    for call_id in "efg":
+        store.put(call_id, "1")
+    assert [store.get(k) for k in "bcefg"] == [None, None, "1", "1", "1"]  # 3 entries at most
