@@ -159,8 +159,8 @@ def _qwen35_tensor(module: str, array: np.ndarray, cfg: Any) -> tuple[str, np.nd
     name = _QWEN35_LAYER.get(module) or _LAYER[module]
     if module.endswith("norm") and module != "linear_attn.norm":
         array = array + 1.0
-    if module == "linear_attn.A_log":
-        array = -np.exp(array)
+    if module == "linear_attn.A_log":  # torch's exp, as the converter's (numpy's rounds apart)
+        array = -torch.from_numpy(array).exp().numpy()
     elif module == "linear_attn.conv1d":
         array = array.squeeze()
     if module.startswith("linear_attn.") and cfg.linear_num_key_heads != cfg.linear_num_value_heads:

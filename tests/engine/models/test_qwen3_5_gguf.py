@@ -9,6 +9,7 @@ for 4 V heads); the loader undoes all of it. Q8_0 files keep their matrices in b
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -201,3 +202,48 @@ def test_gguf_with_mtp_fused_qkv_and_gate_up_loads_the_same(tmp_path, qtype):
             assert torch.equal(got.data, want.data), key
         else:
             assert torch.equal(got, want), key
+
+
+@pytest.mark.skipif(
+    os.environ.get("PREFIXGATE_LLAMA_CPP_CONVERTER") != "1",
+    reason="runs llama.cpp's converter: PREFIXGATE_LLAMA_CPP_CONVERTER=1",
+)
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_the_converters_gguf_is_the_fixtures(name, tmp_path):
+    """llama.cpp's own convert_hf_to_gguf.py (the sdist's; ``--no-mtp``: the tiny models have
+    no MTP block) on the fixture's HF directory writes the fixture's tensors, bit for bit, and
+    its keys."""
+    import shutil
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from tests.engine.models.test_llama_cpp_converter import llama_cpp_converter
+    from tests.family_fixtures import family_fixture
+
+    fixture = family_fixture(name)
+    source = tmp_path / "hf"
+    source.mkdir()
+    for file in ("config.json", "model.safetensors"):
+        shutil.copy(fixture.hf_dir / file, source / file)
+    # the converter refuses the tokenizer.json transformers writes from a vocab GGUF (see
+    # test_llama_cpp_converter.py): the weights and the config are what this checks
+    for file in family_fixture("granite").hf_dir.glob("tokenizer*"):
+        shutil.copy(file, source / file.name)
+    out, tool = tmp_path / "converted.gguf", llama_cpp_converter()
+    subprocess.run(
+        [sys.executable, str(tool / "convert_hf_to_gguf.py"), str(source), "--outfile", str(out),
+         "--outtype", "f32", "--no-mtp"],
+        check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(tool / "gguf-py")},
+    )  # fmt: skip
+    theirs, ours = FastGGUFReader(out), FastGGUFReader(fixture.gguf_path)
+    assert sorted(t.name for t in theirs.tensors) == sorted(t.name for t in ours.tensors)
+    by_name = {t.name: t for t in ours.tensors}
+    for tensor in theirs.tensors:
+        mine = by_name[tensor.name]
+        assert (tensor.tensor_type, list(tensor.shape)) == (mine.tensor_type, list(mine.shape))
+        assert np.array_equal(np.array(tensor.data), np.array(mine.data)), tensor.name
+    arch = theirs.value("general.architecture")
+    keys = [k for k in theirs.fields if k.startswith(f"{arch}.")]
+    assert {k: theirs.value(k) for k in keys} == {k: ours.value(k) for k in keys}
