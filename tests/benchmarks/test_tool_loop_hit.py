@@ -19,6 +19,15 @@ def test_the_tool_loop_keeps_extending_where_the_template_allows():
     assert measure("mistral-nemo-nosys")["hit_over_ideal"] == 1.0
 
 
+def test_qwen3_5_keeps_its_reasoning_in_a_chain_and_loses_it_after_a_new_question():
+    # the client drops the reasoning: the gateway puts back what it wrote before the call
+    assert measure("qwen3.5-no-reasoning-back")["hit_over_ideal"] == 1.0
+    # a new user message: the template renders no think span for the turns before it
+    asked = measure("qwen3.5-answer-then-ask")
+    assert asked["format"] == "qwen3_coder" and asked["hit_over_ideal"] < TARGET
+    assert asked["diverges"].startswith("generated '<think>")
+
+
 def test_the_json_report(tmp_path, capsys):
     main(["--case", "llama3.1", "--json", str(tmp_path / "out.json")])
     report = json.loads((tmp_path / "out.json").read_text())
