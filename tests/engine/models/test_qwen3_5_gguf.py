@@ -113,6 +113,21 @@ def test_q8_0_gguf_computes_in_its_blocks_like_dequantized(name):
     assert (ours - reference).abs().max().item() < LAYOUT_ATOL
 
 
+def test_q8_0_gguf_through_the_engine_hits_and_decodes_like_a_cold_engine():
+    # the file's tokenizer and template, its matrices in blocks, the state cache
+    from tests.engine.models.test_qwen3_5_engine import _cached, _engine
+
+    loaded = load_gguf(quantized_gguf("qwen3_5", "Q8_0"))
+    base = list(loaded.tokenizer.apply_chat_template([{"role": "user", "content": "x"}]))
+    shared = (base * 8)[:40]
+    warm = _engine(loaded)
+    _cached(warm, shared + [11, 12, 13], "first")
+    hit, decoded = _cached(warm, shared + [21, 22, 23], "second")
+    assert hit == 32
+    cold = _engine(loaded, enable_prefix_caching=False)
+    assert _cached(cold, shared + [21, 22, 23], "cold")[1] == decoded
+
+
 def test_columns_moves_whole_blocks_or_dequantizes():
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
