@@ -64,11 +64,9 @@ def paged_decode_native(
             or written).
     """
     window = window_arg(window, "paged decode")
-    if query.device.type != "cpu" or k_cache.dtype not in KV_DTYPES or not (
-            query.dtype == out.dtype == torch.float32):
-        return False
     lib = library()
-    if lib is None:
+    if lib is None or query.device.type != "cpu" or k_cache.dtype not in KV_DTYPES or not (
+            query.dtype == out.dtype == torch.float32):
         return False
     _check_shapes(out, query, k_cache, v_cache, rows, pages, lengths, lse)
     num_q_heads, head_dim = query.shape[1], query.shape[2]

@@ -49,10 +49,8 @@ def paged_prefill_native(
             the pool or a window < 1 (checked before anything is read or written).
     """
     window = window_arg(window, "paged prefill")
-    if not takes_dtypes(out, query, k_cache, v_cache, pages):
-        return False
     lib = library()
-    if lib is None:
+    if lib is None or not takes_dtypes(out, query, k_cache, v_cache, pages):
         return False
     if heads_inconsistent(out, query, k_cache, v_cache) or pages.dim() != 1:
         raise ValueError(
