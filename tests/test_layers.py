@@ -151,6 +151,21 @@ def test_kernels_import_torch_triton_and_themselves_only():
         "kernels/ may import torch, triton and the stdlib only, nothing of ours outside kernels/"))
 
 
+# how the cache keeps its pages, queues, retention and state slots: only cache/ itself (the KV
+# manager and what it is made of) imports these; everything above goes through the manager and
+# the package's exported records (docs/design.md; issue 39, "one owner for the cache")
+CACHE_INTERNALS = tuple(f"prefixgate.cache.{name}" for name in (
+    "block_pool", "page", "free_queue", "retention", "state_slots", "manager", "sequence"))
+
+
+def test_only_the_kv_manager_touches_the_cache_internals():
+    for folder in ("gateway/", "agents/", "kernels/"):
+        _assert_none(_violations(
+            folder, lambda imp: _within(imp.module, *CACHE_INTERNALS),
+            f"{folder} must not import cache/ internals (block pool, pages, free queue, "
+            "retention, state slots, the manager module): use prefixgate.cache's exports"))
+
+
 def _module_file(module: str) -> Path | None:
     if not module.startswith("prefixgate."):
         return None

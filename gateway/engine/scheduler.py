@@ -16,8 +16,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from prefixgate.cache import HashedBlock, KVCacheManager, StateOps
-from prefixgate.cache.manager import PrefixMatch
+from prefixgate.cache import HashedBlock, KVCacheManager, PrefixMatch, StateOps
 from prefixgate.gateway.engine.config import ADMISSION_ORDERS
 from prefixgate.gateway.engine.drafter import NgramDrafter
 from prefixgate.gateway.engine.sequence import SeqStatus, Sequence, TierProbe
