@@ -13,7 +13,10 @@ import pytest
 
 from tests.gateway.tools.family_server import (
     CHAT_TOOLS,
+    MAX_TOKENS,
+    SCHEMA,
     USER,
+    check_call,
     family_server,
     forced_calls_on_responses_and_messages,
     forced_chat_calls,
@@ -65,6 +68,24 @@ def test_a_forced_call_closes_the_opened_span_first(oai):
     none = oai.chat.completions.create(model=MODEL, messages=USER, tools=CHAT_TOOLS,
                                        tool_choice="none", max_tokens=8, temperature=0)
     assert not none.choices[0].message.tool_calls
+
+
+def test_auto_and_a_streamed_responses_call(oai):
+    # auto: free text (here the random model's reasoning) until a call, which must be valid
+    auto = oai.chat.completions.create(model=MODEL, messages=USER, tools=CHAT_TOOLS,
+                                       tool_choice="auto", max_tokens=8, temperature=0)
+    for call in auto.choices[0].message.tool_calls or ():
+        check_call(call.function.name, call.function.arguments)
+    tools = [{"type": "function", "name": "get_weather", "parameters": SCHEMA}]
+    done = None
+    for event in oai.responses.create(model=MODEL, input=USER[0]["content"], tools=tools,
+                                      tool_choice="required", parallel_tool_calls=False,
+                                      max_output_tokens=MAX_TOKENS, temperature=0, stream=True):
+        if event.type == "response.completed":
+            done = event.response
+    assert done is not None
+    (call,) = [item for item in done.output if item.type == "function_call"]
+    check_call(call.name, call.arguments)
 
 
 def test_the_history_with_calls_extends_the_first_prompt(oai):
