@@ -51,6 +51,7 @@ ATTENTION_PTRS = {
     "partial_out_ptr": "*fp32",
     "partial_max_ptr": "*fp32",
     "partial_sum_ptr": "*fp32",
+    "sinks_ptr": "*fp32",
 }
 
 
@@ -102,6 +103,8 @@ def _kernels(windowed: bool) -> dict[str, tuple]:
         "COMPUTE_DTYPE": tl.bfloat16,
         "DOT_PRECISION": "tf32",
         "WINDOWED": windowed,
+        # gpt-oss's sliding layers carry attention sinks: the variants compile both together
+        "HAS_SINKS": windowed,
     }
     kernels = {
         "write_kv": (
@@ -149,6 +152,7 @@ def _kernels(windowed: bool) -> dict[str, tuple]:
                 "HEAD_DIM": D,
                 "BLOCK_D": D,
                 "WINDOWED": windowed,
+                "HAS_SINKS": windowed,
             },
             4,
         ),
