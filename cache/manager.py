@@ -419,13 +419,20 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ recurrent state
 
-    def can_start_sequence(self, blocks: Sequence[HashedBlock], match: PrefixMatch) -> bool:
+    def can_start_sequence(self, blocks: Sequence[HashedBlock], match: PrefixMatch,
+                           count: int = 1) -> bool:
         """Whether a new sequence with this prefix ``match`` (over its ``blocks``) can get its
-        working state slot; always without a state group."""
+        working state slot, ``count`` of them with its forks (n > 1); always without a state
+        group."""
         if self.state is None:
             return True
         hit = len(match.page_ids)
-        return self.state.can_start(blocks[hit - 1].block_hash if hit else None)
+        return self.state.can_start(blocks[hit - 1].block_hash if hit else None, count)
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """State slot copies ``(src, dst)`` the runner must make now (forks); [] without a
+        state group."""
+        return [] if self.state is None else self.state.take_copies()
 
     def state_ops(self, seq_id: Hashable) -> StateOps | None:
         """The state work of ``seq_id``'s chunk this step (None without a state group)."""

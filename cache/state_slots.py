@@ -71,6 +71,7 @@ class StateSlots:
         self._reading: dict[Hashable, int] = {}
         self._pending: dict[Hashable, dict[int, tuple[int, bytes]]] = {}  # seq -> block -> (slot, hash)
         self._step_saves: dict[Hashable, tuple[tuple[int, int], ...]] = {}
+        self._copies: list[tuple[int, int]] = []  # forks' (parent slot, child slot), see fork()
         self._checkpoints: OrderedDict[bytes, int] = OrderedDict()  # LRU first
         self.protected: Callable[[bytes], bool] = lambda _hash: False
         self.num_saved = 0  # checkpoints registered, ever
@@ -90,14 +91,16 @@ class StateSlots:
     def num_working(self) -> int:
         return len(self._working)
 
-    def can_start(self, restore_from: bytes | None = None) -> bool:
-        """Whether a new sequence restoring ``restore_from`` can get a working slot: a free
-        one, or a checkpoint to evict that no restore reads (nor its own)."""
-        if self._free:
+    def can_start(self, restore_from: bytes | None = None, count: int = 1) -> bool:
+        """Whether a new sequence restoring ``restore_from`` can get ``count`` working slots
+        (itself and its n - 1 forks): free ones, or checkpoints to evict that no restore reads
+        (nor its own)."""
+        if len(self._free) >= count:
             return True
         busy = {self._checkpoints.get(restore_from) if restore_from is not None else None,
                 *self._restore.values(), *self._reading.values()}
-        return any(slot not in busy for slot in self._checkpoints.values())
+        evictable = sum(1 for slot in self._checkpoints.values() if slot not in busy)
+        return len(self._free) + evictable >= count
 
     # ------------------------------------------------------------------ mutations
 
@@ -115,10 +118,19 @@ class StateSlots:
         return slot
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
-        """``child_id`` starts from ``parent_id``'s current state (copied before its next step)."""
-        parent = self._working[parent_id]
+        """``child_id`` starts from ``parent_id``'s current state: the copy is handed out by
+        :meth:`take_copies` and made at once, between steps.
+
+        NOTE: not as a restore before the child's first step: the parent runs in that step
+        too, and a fault-isolation re-run of the child alone would read the parent's slot
+        after the parent's own re-run had advanced it."""
         self._working[child_id] = self._take()
-        self._restore[child_id] = parent
+        self._copies.append((self._working[parent_id], self._working[child_id]))
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The ``(source slot, destination slot)`` copies forks need now."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def plan_saves(self, seq_id: Hashable, boundaries: Iterable[tuple[int, int, bytes, bool]]) -> None:
         """Checkpoint slots for the block ends this step crosses: ``(block, row, hash, evict)``

@@ -635,6 +635,9 @@ class LLMEngine:
             self.scheduler.fork(parent, child)
             children.append(child)
         parent.num_choices_to_fork = 0
+        copies = self.cache.take_state_copies()  # a hybrid model's children start from its state
+        if copies:
+            self.runner.copy_states(copies)
         return children
 
     # ------------------------------------------------------------------ update

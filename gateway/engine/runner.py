@@ -448,6 +448,14 @@ class ModelRunner:
         return RecurrentBatch(self._tensor(slots, torch.int64), list(query_start_loc), save_rows,
                               self._tensor(save_slots, torch.int64))
 
+    @torch.inference_mode()
+    def copy_states(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy state slot ``src`` into ``dst`` in every linear layer (a fork's child)."""
+        for src, dst in pairs:
+            for pool in self.states:
+                for tensor in (pool.conv, pool.matrix):
+                    tensor[dst] = tensor[src]
+
     def _restore_states(self, chunks: Sequence[RunnerChunk]) -> None:
         """Set each restoring chunk's working slot from its checkpoint (or zero) before the
         forward: re-run safely, since the checkpoint is not what the step writes."""

@@ -521,7 +521,7 @@ class Scheduler:
 
         NOTE: every slot is a live sequence's or a checkpoint another request is about to
         restore: the pages would fit, the state would not; one frees when a sequence ends."""
-        if self.cache.can_start_sequence(blocks, match):
+        if self.cache.can_start_sequence(blocks, match, 1 + seq.num_choices_to_fork):
             return False
         self.waiting.appendleft(seq)
         return True

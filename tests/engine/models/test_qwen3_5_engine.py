@@ -102,3 +102,18 @@ def test_tier_load_restores_pages_and_checkpoint_like_a_recompute(family_case):
     hit, out = session(engine)
     assert out == plain
     assert engine.tier.stats().pages_loaded > 0 and hit == 64 > plain_hit
+
+
+def test_n_choices_fork_the_state(family_case):
+    """n > 1: the prompt runs once, each choice's state is a copy of it (made between steps),
+    and every greedy choice decodes what a single cold request decodes."""
+    loaded = family_case("qwen3_5").loaded
+    prompt = tuple(range(700, 745))
+    warm = _engine(loaded)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, n=3)
+    out = run(warm, [GenerationRequest(prompt, params, request_id="n3")])["n3"]
+    warm.cache.check_integrity()
+    cold = _engine(loaded, enable_prefix_caching=False)
+    alone = _cached(cold, list(prompt), "alone")[1]
+    assert [tokens(out, choice) for choice in range(3)] == [alone] * 3
+    assert warm.cache.state.num_working == 0
