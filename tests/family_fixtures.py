@@ -60,14 +60,21 @@ def _build_once(target: Path, build: Callable[[Path], None]) -> Path:
     return target
 
 
-def _extract_sources(tmp: Path) -> None:
-    download = tmp / "sdist"
+def download_sdist(download: Path) -> Path:
+    """The llama-cpp-python sdist (``pip download``, the one network access) into ``download``;
+    returns the archive."""
     subprocess.run(
         [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
          "--disable-pip-version-check", "-q", "-d", str(download), LLAMA_CPP_PYTHON],
         check=True,
     )  # fmt: skip
     (archive,) = download.glob("*.tar.gz")
+    return archive
+
+
+def _extract_sources(tmp: Path) -> None:
+    download = tmp / "sdist"
+    archive = download_sdist(download)
     (tmp / "vocab").mkdir()
     (tmp / "templates").mkdir()
     with tarfile.open(archive) as tar:

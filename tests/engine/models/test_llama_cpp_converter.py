@@ -25,7 +25,13 @@ from prefixgate.gateway.engine.models import family_for
 from prefixgate.gateway.engine.runner import SeqChunk
 from tests.engine.models.conftest import make_runner
 from tests.engine.test_fidelity import PREFILL_ATOL, Pages
-from tests.family_fixtures import LLAMA_CPP_PYTHON, _build_once, family_fixture, fixture_root
+from tests.family_fixtures import (
+    LLAMA_CPP_PYTHON,
+    _build_once,
+    download_sdist,
+    family_fixture,
+    fixture_root,
+)
 
 pytestmark = [
     pytest.mark.slow,
@@ -41,12 +47,7 @@ _PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 
 def _extract_converter(tmp: Path) -> None:
     download = tmp / "sdist"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-         "--disable-pip-version-check", "-q", "-d", str(download), LLAMA_CPP_PYTHON],
-        check=True,
-    )  # fmt: skip
-    (archive,) = download.glob("*.tar.gz")
+    archive = download_sdist(download)
     with tarfile.open(archive) as tar:
         for member in tar:
             rel = member.name.split(_VENDOR, 1)[1] if _VENDOR in member.name else ""
