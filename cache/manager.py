@@ -447,7 +447,7 @@ class KVCacheManager:
         last one with a state checkpoint, ending at or before the last prompt token."""
         assert self.state is not None
         usable = min(num_pages, (num_tokens - 1) // self.page_size)
-        while usable > 0 and self.state.checkpoint(blocks[usable - 1].block_hash) is None:
+        while usable > 0 and not self.state.available(blocks[usable - 1].block_hash):
             usable -= 1
         return usable
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from prefixgate.cache.errors import IntegrityError, InvalidArgumentError, OutOfPagesError
 
@@ -45,6 +45,20 @@ class StateOps(NamedTuple):
     slot: int
     restore: int | None
     saves: tuple[tuple[int, int], ...]
+
+
+class StateSecondTier(Protocol):
+    """Where evicted checkpoints go (gateway/engine/state_tier.py: host memory)."""
+
+    def __contains__(self, block_hash: bytes) -> bool: ...
+
+    def spill(self, block_hash: bytes, slot: int) -> None: ...
+
+    def take(self, block_hash: bytes) -> Any: ...
+
+    def write(self, entry: Any, slot: int) -> None: ...
+
+    def clear(self) -> None: ...
 
 
 class StateSlots:
@@ -74,6 +88,9 @@ class StateSlots:
         self._copies: list[tuple[int, int]] = []  # forks' (parent slot, child slot), see fork()
         self._checkpoints: OrderedDict[bytes, int] = OrderedDict()  # LRU first
         self.protected: Callable[[bytes], bool] = lambda _hash: False
+        # evicted checkpoints are copied here, while their slot still holds them, and come
+        # back on a hit (None: evicted checkpoints are gone)
+        self.tier: StateSecondTier | None = None
         self.num_saved = 0  # checkpoints registered, ever
         self.num_evicted = 0
 
@@ -82,6 +99,10 @@ class StateSlots:
     def checkpoint(self, block_hash: bytes) -> int | None:
         """The slot holding the state after the block ``block_hash``, if one is kept."""
         return self._checkpoints.get(block_hash)
+
+    def available(self, block_hash: bytes) -> bool:
+        """Whether a checkpoint of ``block_hash`` is in a slot or in the second tier."""
+        return block_hash in self._checkpoints or (self.tier is not None and block_hash in self.tier)
 
     @property
     def num_checkpoints(self) -> int:
@@ -95,6 +116,8 @@ class StateSlots:
         """Whether a new sequence restoring ``restore_from`` can get ``count`` working slots
         (itself and its n - 1 forks): free ones, or checkpoints to evict that no restore reads
         (nor its own)."""
+        if restore_from is not None and restore_from not in self._checkpoints:
+            count += 1  # the checkpoint comes back from the second tier into a slot of its own
         if len(self._free) >= count:
             return True
         busy = {self._checkpoints.get(restore_from) if restore_from is not None else None,
@@ -109,6 +132,8 @@ class StateSlots:
         (the last hit block's hash) or zeroed, before its first chunk runs."""
         if seq_id in self._working:
             raise InvalidArgumentError(f"state: sequence {seq_id!r} already has a slot")
+        if restore_from is not None and restore_from not in self._checkpoints:
+            self._reinstall(restore_from)
         source = self._checkpoints.get(restore_from) if restore_from is not None else None
         if source is not None:
             self._checkpoints.move_to_end(restore_from)  # a hit renews it
@@ -144,7 +169,9 @@ class StateSlots:
         prefixes' checkpoints for its own middle blocks, which nothing else reads."""
         saves = []
         pending = self._pending.setdefault(seq_id, {})
-        for block, row, block_hash, evict in boundaries:
+        # the blocks that may evict first: a chunk's own cadence blocks must not take the free
+        # slots its last block needs
+        for block, row, block_hash, evict in sorted(boundaries, key=lambda b: not b[3]):
             if block_hash in self._checkpoints or block in pending:
                 continue
             slot = self._take(optional=True, evict=evict)
@@ -152,7 +179,7 @@ class StateSlots:
                 continue
             pending[block] = (slot, block_hash)
             saves.append((row, slot))
-        self._step_saves[seq_id] = tuple(saves)
+        self._step_saves[seq_id] = tuple(sorted(saves))
 
     def ops(self, seq_id: Hashable) -> StateOps:
         """The state work of ``seq_id``'s chunk this step (its restore is handed out once)."""
@@ -191,6 +218,8 @@ class StateSlots:
         dropped = len(self._checkpoints)
         self._free.extend(self._checkpoints.values())
         self._checkpoints.clear()
+        if self.tier is not None:
+            self.tier.clear()
         return dropped
 
     def check(self, live: Iterable[Hashable]) -> None:
@@ -204,6 +233,15 @@ class StateSlots:
             raise IntegrityError("state: working slots do not match the live sequences")
 
     # ------------------------------------------------------------------ internals
+
+    def _reinstall(self, block_hash: bytes) -> None:
+        """Bring a checkpoint back from the second tier into a slot (LRU end)."""
+        if self.tier is None or block_hash not in self.tier:
+            raise InvalidArgumentError("state: no checkpoint of the hit block in the slots or the tier")
+        entry = self.tier.take(block_hash)  # first: evictions below may spill into the tier
+        slot = self._take()
+        self.tier.write(entry, slot)
+        self._checkpoints[block_hash] = slot
 
     def _take(self, *, keep: int | None = None, optional: bool = False,
               evict: bool = True) -> int | None:
@@ -219,6 +257,8 @@ class StateSlots:
                 if slot not in busy and self.protected(block_hash) == protected_pass:
                     del self._checkpoints[block_hash]
                     self.num_evicted += 1
+                    if self.tier is not None:  # NOTE: the slot still holds it: copy it out now
+                        self.tier.spill(block_hash, slot)
                     return slot
         if optional:
             return None

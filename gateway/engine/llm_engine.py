@@ -69,6 +69,7 @@ from prefixgate.gateway.engine.sampler import (
 )
 from prefixgate.gateway.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from prefixgate.gateway.engine.sequence import SeqStatus, Sequence
+from prefixgate.gateway.engine.state_tier import StateTier
 from prefixgate.gateway.engine.step_counters import StepCounters, counter
 from prefixgate.gateway.engine.step_masks import StepMasks
 from prefixgate.gateway.engine.step_pacing import StepPacer
@@ -172,6 +173,8 @@ class LLMEngine:
         self.tier = KVTier(tier_store, runner.kv_pool) if tier_store is not None else None  # type: ignore[attr-defined]
         if self.tier is not None:
             self.cache.capture_evictions()
+            if self.cache.state is not None:  # a hybrid's evicted checkpoints go to host memory too
+                self.cache.state.tier = StateTier(runner.states, runner.num_state_slots)
         self.scheduler = self._build_scheduler()
         self._requests: dict[str, RequestState] = {}
         self.eos_token_ids = frozenset(getattr(tokenizer, "eos_token_ids", ()))

@@ -19,21 +19,22 @@ def test_slots_working_checkpoint_lru_and_reads() -> None:
     assert slots.start("a", None) == 0
     assert slots.ops("a") == (0, ZERO_STATE, ())
     slots.plan_saves("a", [(0, 3, b"h0", False), (1, 7, b"h1", True)])
-    assert slots.ops("a").saves == ((3, 1), (7, 2))
+    # the block that may evict (the chunk's last) takes a slot first; saves come in row order
+    assert slots.ops("a").saves == ((3, 2), (7, 1))
     slots.commit("a", 1)  # only block 0 is computed
-    assert slots.checkpoint(b"h0") == 1 and slots.checkpoint(b"h1") is None
+    assert slots.checkpoint(b"h0") == 2 and slots.checkpoint(b"h1") is None
     slots.commit("a", 2)
     slots.release("a")
     assert slots.num_checkpoints == 2 and slots.can_start()
     # b restores h1: h1 is renewed, h0 (least recently used) is evicted for b's working slot
     assert slots.start("b", b"h1") == 0  # the free slot first
-    assert slots.ops("b") == (0, 2, ())
-    assert slots.start("c", None) == 1 and slots.checkpoint(b"h0") is None
+    assert slots.ops("b") == (0, 1, ())
+    assert slots.start("c", None) == 2 and slots.checkpoint(b"h0") is None
     # h1 is read by b's scheduled restore until b's step commits: never evicted before that
     with pytest.raises(OutOfPagesError):
         slots.start("d", None)
     slots.commit("b", 0)
-    assert slots.start("d", None) == 2 and slots.num_evicted == 2
+    assert slots.start("d", None) == 1 and slots.num_evicted == 2
     slots.check(["b", "c", "d"])
 
 
@@ -117,11 +118,50 @@ def test_cadence_checkpoints_never_evict_only_chunk_ends_do() -> None:
     slots.commit("old", 1)
     slots.release("old")  # 3 free slots, 1 checkpoint
     slots.start("long", None)  # takes a free slot: 2 free left
-    # a long prompt's middle blocks take the free slots, then stop; its last block evicts
+    # its last block takes a free slot first, the middle blocks the rest, then stop: the
+    # shared prefix's checkpoint survives
     slots.plan_saves("long", [(b, 4 * b + 3, b"m%d" % b, False) for b in range(5)]
                      + [(5, 23, b"last", True)])
-    assert len(slots.ops("long").saves) == 3
-    assert slots.checkpoint(b"shared") is None  # the last block evicted the LRU one
+    assert [row for row, _ in slots.ops("long").saves] == [3, 23]
     slots.commit("long", 6)
-    assert slots.checkpoint(b"last") is not None and slots.checkpoint(b"m0") is not None
+    assert all(slots.checkpoint(h) is not None for h in (b"shared", b"last", b"m0"))
+    # with no free slot left, only a block that may evict takes one (the LRU checkpoint's)
+    slots.plan_saves("long", [(6, 27, b"m6", False), (7, 31, b"last2", True)])
+    assert [row for row, _ in slots.ops("long").saves] == [31]
+    assert slots.checkpoint(b"shared") is None
     slots.check(["long"])
+
+
+class _Tier(dict):
+    """A stand-in second tier: slot numbers instead of tensors."""
+
+    def spill(self, block_hash: bytes, slot: int) -> None:
+        self[block_hash] = slot
+
+    def take(self, block_hash: bytes) -> int:
+        return self.pop(block_hash)
+
+    def write(self, entry: int, slot: int) -> None:
+        self.written = (entry, slot)
+
+
+def test_evicted_checkpoints_spill_to_the_tier_and_come_back_for_a_hit() -> None:
+    slots = StateSlots(2)
+    slots.tier = tier = _Tier()
+    slots.start("a", None)
+    slots.plan_saves("a", [(0, 3, b"h0", True)])
+    slots.ops("a")
+    slots.commit("a", 1)
+    slots.release("a")
+    slots.start("b", None)  # free slot
+    slots.start("c", None)  # evicts h0: copied out while its slot still holds it
+    assert tier == {b"h0": 1} and not slots.checkpoint(b"h0") and slots.available(b"h0")
+    slots.release("b")
+    slots.release("c")
+    # a hit on h0 needs its working slot and one to bring the checkpoint back into
+    assert slots.can_start(b"h0") and not slots.can_start(b"h0", count=2)
+    working = slots.start("d", b"h0")
+    restore = slots.ops("d").restore
+    assert tier.written == (1, restore) and slots.checkpoint(b"h0") == restore != working
+    assert b"h0" not in tier
+    slots.check(["d"])

@@ -117,3 +117,26 @@ def test_n_choices_fork_the_state(family_case):
     alone = _cached(cold, list(prompt), "alone")[1]
     assert [tokens(out, choice) for choice in range(3)] == [alone] * 3
     assert warm.cache.state.num_working == 0
+
+
+def test_evicted_checkpoints_spill_to_host_memory_and_come_back(family_case):
+    """Slots for a handful of checkpoints only: a paused conversation's checkpoints are
+    evicted by other traffic into the state tier (host memory); when it returns, its pages
+    are still in the pool and its last checkpoint comes back from the tier, so it hits as far
+    as with ample slots and decodes what a cold engine decodes."""
+    from prefixgate.gateway.engine.state_tier import StateTier
+
+    loaded = family_case("qwen3_5").loaded
+    paused = list(range(300, 380))  # five full blocks
+    others = [list(range(500 + 50 * i, 540 + 50 * i)) for i in range(4)]
+    engine = _engine(loaded, num_pages=64, num_state_slots=4)
+    engine.cache.state.tier = tier = StateTier(engine.runner.states, 32)
+    first = _cached(engine, paused, "turn1")[1]
+    for i, other in enumerate(others):
+        _cached(engine, other, f"o{i}")
+    assert tier.num_spilled > 0
+    hit, back = _cached(engine, paused + first[:3] + [7], "turn2")
+    assert tier.num_loaded > 0 and hit >= 80
+    cold = _engine(loaded, enable_prefix_caching=False)
+    assert _cached(cold, paused + first[:3] + [7], "cold")[1] == back
+    engine.cache.check_integrity()
