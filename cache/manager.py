@@ -32,7 +32,7 @@ from prefixgate.cache.hashing import BlockHash, BlockHasher, HashedBlock, HashFn
 from prefixgate.cache.page import Page
 from prefixgate.cache.retention import TenantShareRetention
 from prefixgate.cache.sequence import CacheSequence, SequenceBlocks
-from prefixgate.cache.state_slots import StateOps, StateSlots
+from prefixgate.cache.state_slots import StateOps, StateSecondTier, StateSlots
 from prefixgate.cache.stats import CacheStats, CacheStatsCollector, fragmentation, top_prefixes
 
 
@@ -428,6 +428,12 @@ class KVCacheManager:
             return True
         hit = len(match.page_ids)
         return self.state.can_start(blocks[hit - 1].block_hash if hit else None, count)
+
+    def attach_state_tier(self, tier: StateSecondTier) -> None:
+        """Evicted state checkpoints go to ``tier`` and come back from it on a hit."""
+        if self.state is None:
+            raise InvalidArgumentError("attach_state_tier: this manager has no state group")
+        self.state.tier = tier
 
     def take_state_copies(self) -> list[tuple[int, int]]:
         """State slot copies ``(src, dst)`` the runner must make now (forks); [] without a

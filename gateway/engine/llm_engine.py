@@ -174,7 +174,7 @@ class LLMEngine:
         if self.tier is not None:
             self.cache.capture_evictions()
             if self.cache.state is not None:  # a hybrid's evicted checkpoints go to host memory too
-                self.cache.state.tier = StateTier(runner.states, runner.num_state_slots)
+                self.cache.attach_state_tier(StateTier(runner.states, runner.num_state_slots))
         self.scheduler = self._build_scheduler()
         self._requests: dict[str, RequestState] = {}
         self.eos_token_ids = frozenset(getattr(tokenizer, "eos_token_ids", ()))

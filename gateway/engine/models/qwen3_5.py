@@ -107,6 +107,7 @@ class HybridModel(DecoderModel):
         super().__init__(config, weights, **kwargs)
         # the backend's conv and recurrence, bound once (native CPU kernels where they build)
         self.delta_ops = kernels.gated_delta_ops(self.kernel_backend or "torch", self.native_ops)
+        self._recurrent = [kind == "recurrent" for kind in self.layer_kinds()]  # once, not per step
 
     def layer_kinds(self) -> list[str]:
         """Per layer ``"attention"`` (paged K/V) or ``"recurrent"`` (a state slot)."""
@@ -229,7 +230,7 @@ class HybridModel(DecoderModel):
         hidden = self._embed(batch.input_ids)  # [T, H]
         cos_sin = self.ropes[0].lookup(batch.positions)
         updates: list[tuple[int, tuple[torch.Tensor, ...]]] = []
-        states = [c for c, kind in zip(kv_caches, self.layer_kinds(), strict=True) if kind == "recurrent"]
+        states = [c for c, recurrent in zip(kv_caches, self._recurrent, strict=True) if recurrent]
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             x = self._norm(hidden, layer.input_norm)
             if isinstance(layer, _DeltaNet):

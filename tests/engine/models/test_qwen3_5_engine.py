@@ -130,7 +130,8 @@ def test_evicted_checkpoints_spill_to_host_memory_and_come_back(family_case):
     paused = list(range(300, 380))  # five full blocks
     others = [list(range(500 + 50 * i, 540 + 50 * i)) for i in range(4)]
     engine = _engine(loaded, num_pages=64, num_state_slots=4)
-    engine.cache.state.tier = tier = StateTier(engine.runner.states, 32)
+    tier = StateTier(engine.runner.states, 32)
+    engine.cache.attach_state_tier(tier)
     first = _cached(engine, paused, "turn1")[1]
     for i, other in enumerate(others):
         _cached(engine, other, f"o{i}")
