@@ -275,6 +275,9 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "pg_linear_q8_preferred": ([], _i32),
     "pg_linear_q8": ([_i32, _p, _i64, _p, _p, _p, _i64, _p, _i64, _i32, _i32, _i32, _i32], _i32),
     "pg_q8_rows_f32": ([_i32, _p, _i64, _i32, _p, _i64, _p, _i64, _i32], _i64),
+    # linear_mxfp4.c (path: 0 best, 1 C, 2 AVX2, 3 AVX-512; -2 where not built)
+    "pg_linear_mxfp4_best": ([], _i32),
+    "pg_linear_mxfp4": ([_p, _i64, _p, _p, _p, _p, _i64, _i32, _i32, _i32, _i32, _i32], _i32),
     # token_bitmask.c
     "pg_apply_token_bitmask_f32": ([_p, _i64, _p, _i64, _i64, _i64], None),
     # paged_prefill.c

@@ -1,0 +1,77 @@
+"""The native MXFP4 linear layer (kernels/cpu/csrc/linear_mxfp4.c) and the layer object that
+binds it, or the torch reference where the library is off, once at load.
+
+The activations stay fp32 (no int8 quantization): the kernel expands each block to exact fp32
+weights in registers, so it differs from "dequantize, then matmul" only in the fp32 summation
+order. Paths (the C file's): 0 the best this build has, 1 plain C, 2 AVX2, 3 AVX-512.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prefixgate.kernels.cpu.library import library
+from prefixgate.kernels.torch_cpu.mxfp4 import Mxfp4Tensor, linear_mxfp4_reference
+
+PATH_BEST, PATH_C, PATH_AVX2, PATH_AVX512 = 0, 1, 2, 3
+PATH_NAMES = {PATH_C: "c", PATH_AVX2: "avx2", PATH_AVX512: "avx512"}
+
+
+def mxfp4_native_path() -> int | None:
+    """The best native path this machine's library runs (1 C, 2 AVX2, 3 AVX-512), or None when
+    the library is unavailable."""
+    lib = library()
+    return None if lib is None else int(lib.pg_linear_mxfp4_best())
+
+
+def linear_mxfp4(x: torch.Tensor, weight: Mxfp4Tensor, bias: torch.Tensor | None = None, *,
+                 path: int = PATH_BEST) -> torch.Tensor:
+    """``x [M, K] @ W^T (+ bias)`` on the native kernel; fp32 ``[M, N]``.
+
+    Raises:
+        RuntimeError: no native library, or it lacks ``path``.
+        ValueError: shapes or dtypes that do not fit.
+    """
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the native CPU kernels are unavailable; use linear_mxfp4_reference")
+    rows, cols = weight.shape
+    if x.dim() != 2 or x.shape[1] != cols or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"linear_mxfp4: x must be fp32 [M, {cols}] on CPU, got {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}")
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (rows,)):
+        raise ValueError(f"linear_mxfp4: bias must be fp32 [{rows}]")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], rows, dtype=torch.float32)
+    rc = lib.pg_linear_mxfp4(
+        x.data_ptr(), x.stride(0), weight.nibbles.data_ptr(), weight.scales.data_ptr(),
+        bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0),
+        x.shape[0], rows, cols, path, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"pg_linear_mxfp4 failed ({rc}): path {path} not built here"
+                           if rc == -2 else f"pg_linear_mxfp4 failed ({rc})")
+    return out
+
+
+class Mxfp4Linear:
+    """One linear layer over an MXFP4 matrix, ``x [n, K] -> [n, N]`` (+ bias), in the
+    activations' dtype. ``native``: the native kernel (fp32 activations on CPU); else the torch
+    reference, which expands only this matrix, per call, and keeps nothing expanded."""
+
+    def __init__(self, weight: Mxfp4Tensor, bias: torch.Tensor | None, *, native: bool) -> None:
+        self.weight = weight
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.native = native and mxfp4_native_path() is not None
+        self.out_features, self.in_features = weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native and x.device.type == "cpu":
+            return linear_mxfp4(x.float(), self.weight, self.bias).to(x.dtype)
+        bias = None if self.bias is None else self.bias.to(x.device)
+        return linear_mxfp4_reference(x, self.weight.to(x.device), bias).to(x.dtype)
+
+
+__all__ = ["PATH_AVX2", "PATH_AVX512", "PATH_BEST", "PATH_C", "PATH_NAMES", "Mxfp4Linear",
+           "linear_mxfp4", "mxfp4_native_path"]
