@@ -9,7 +9,7 @@ import uvicorn
 
 from prefixgate.gateway.router.app import create_router_app
 from prefixgate.gateway.router.settings import RouterSettings
-from prefixgate.gateway.server.serve import BoundServer
+from prefixgate.gateway.server.serve import EVENT_LOOP, BoundServer
 from prefixgate.gateway.server.slow_clients import uvicorn_options
 
 logger = logging.getLogger("prefixgate.router")
@@ -31,7 +31,7 @@ class RouterServer(BoundServer):
 def router_server(settings: RouterSettings, app: Any = None) -> RouterServer:
     app = app if app is not None else create_router_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
-                            log_level=settings.log_level, lifespan="on",
+                            log_level=settings.log_level, lifespan="on", loop=EVENT_LOOP,
                             timeout_graceful_shutdown=5,
                             access_log=settings.log_level == "debug",
                             **uvicorn_options(settings.limits))

@@ -20,6 +20,12 @@ from prefixgate.gateway.server.slow_clients import uvicorn_options
 
 logger = logging.getLogger("prefixgate.server")
 
+# NOTE: uvicorn's default ("auto") picks uvloop whenever it is importable, and ray[serve]
+# (the dev extras, #40.2) installs it. The suite was validated on asyncio's loop (the stream
+# pacing, the engine's wakeups, the slow-client timers), so the servers pin it: installing a
+# package must never silently change the event loop (docs/fleet.md, "The event loop").
+EVENT_LOOP = "asyncio"
+
 
 class BoundServer(uvicorn.Server):
     """A uvicorn server that knows the address it actually bound (port 0 = any free port)."""
@@ -135,6 +141,7 @@ def uvicorn_config(app: Any, settings: ServerSettings) -> uvicorn.Config:
         port=settings.port,
         log_level=settings.log_level,
         lifespan="on",
+        loop=EVENT_LOOP,
         # Streams end when the engine stops; do not wait minutes for slow clients on shutdown.
         timeout_graceful_shutdown=5,
         access_log=settings.log_level == "debug",
