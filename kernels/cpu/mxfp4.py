@@ -57,20 +57,31 @@ def linear_mxfp4(x: torch.Tensor, weight: Mxfp4Tensor, bias: torch.Tensor | None
 
 class Mxfp4Linear:
     """One linear layer over an MXFP4 matrix, ``x [n, K] -> [n, N]`` (+ bias), in the
-    activations' dtype. ``native``: the native kernel (fp32 activations on CPU); else the torch
-    reference, which expands only this matrix, per call, and keeps nothing expanded."""
+    activations' dtype, bound once at load:
+      * ``native`` on CPU: the native kernel on the blocks (fp32 activations);
+      * else on CPU: the torch reference, expanding only this matrix per call (nothing kept);
+      * on another device (``device``): the matrix expanded once to ``dtype`` there (the GPU
+        path has no MXFP4 kernel: it keeps the checkpoint's values, not its size).
+    """
 
-    def __init__(self, weight: Mxfp4Tensor, bias: torch.Tensor | None, *, native: bool) -> None:
-        self.weight = weight
-        self.bias = None if bias is None else bias.float().contiguous()
-        self.native = native and mxfp4_native_path() is not None
+    def __init__(self, weight: Mxfp4Tensor, bias: torch.Tensor | None, *, native: bool,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        self.device = torch.device(device)
         self.out_features, self.in_features = weight.shape
+        on_cpu = self.device.type == "cpu"
+        self.weight = weight if on_cpu else None
+        self.expanded = None if on_cpu else weight.dequantize(dtype).to(self.device)
+        self.bias = None if bias is None else bias.to(self.device, torch.float32).contiguous()
+        self.native = on_cpu and native and mxfp4_native_path() is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native and x.device.type == "cpu":
+        if self.expanded is not None:
+            out = x @ self.expanded.T
+            return out if self.bias is None else out + self.bias.to(out.dtype)
+        assert self.weight is not None
+        if self.native:
             return linear_mxfp4(x.float(), self.weight, self.bias).to(x.dtype)
-        bias = None if self.bias is None else self.bias.to(x.device)
-        return linear_mxfp4_reference(x, self.weight.to(x.device), bias).to(x.dtype)
+        return linear_mxfp4_reference(x, self.weight, self.bias).to(x.dtype)
 
 
 __all__ = ["PATH_AVX2", "PATH_AVX512", "PATH_BEST", "PATH_C", "PATH_NAMES", "Mxfp4Linear",

@@ -18,7 +18,7 @@ blocks are reordered once at load, byte for byte, never expanded.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +108,41 @@ class Mxfp4Tensor:
         return blocks.contiguous(), self.scales.clone()
 
 
+@dataclass(frozen=True, slots=True)
+class Mxfp4Experts:
+    """A layer's experts in MXFP4, one ``[rows, cols]`` matrix per expert, read as the stacked
+    ``[E, rows, cols]`` weight they are (``shape``; ``dequantize()``; iterating gives the
+    experts)."""
+
+    parts: tuple[Mxfp4Tensor, ...]
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (len(self.parts), *self.parts[0].shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+    def __iter__(self) -> Iterator[Mxfp4Tensor]:
+        return iter(self.parts)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.stack([part.dequantize(dtype) for part in self.parts])
+
+    @classmethod
+    def from_hf(cls, blocks: torch.Tensor, scales: torch.Tensor) -> Mxfp4Experts:
+        """HF's stacked ``*_blocks`` ``[E, rows, K / 32, 16]`` and ``*_scales``."""
+        return cls(tuple(Mxfp4Tensor.from_hf(b, s) for b, s in zip(blocks, scales, strict=True)))
+
+    @classmethod
+    def from_rows(cls, stacked: Mxfp4Tensor, num_experts: int) -> Mxfp4Experts:
+        """An ``[E * rows, cols]`` matrix (a GGUF's stacked experts) split into its experts."""
+        rows = stacked.shape[0] // num_experts
+        return cls(tuple(stacked.rows(slice(e * rows, (e + 1) * rows))
+                         for e in range(num_experts)))
+
+
 def quantize_mxfp4(weight: torch.Tensor) -> Mxfp4Tensor:
     """``weight [rows, cols]`` as MXFP4, from the OCP MX spec as gguf-py's quantizer does it:
     per block, ``e = floor(log2(amax)) - 2 + 127`` (e2m1's largest exponent is 2), then each
@@ -140,5 +175,5 @@ def cat_rows_mxfp4(parts: Sequence[Mxfp4Tensor]) -> Mxfp4Tensor:
                        (sum(p.shape[0] for p in parts), parts[0].shape[1]))
 
 
-__all__ = ["E2M1_VALUES", "MXFP4_BLOCK", "Mxfp4Tensor", "cat_rows_mxfp4", "e8m0_to_float",
+__all__ = ["E2M1_VALUES", "MXFP4_BLOCK", "Mxfp4Experts", "Mxfp4Tensor", "cat_rows_mxfp4", "e8m0_to_float",
            "linear_mxfp4_reference", "quantize_mxfp4"]

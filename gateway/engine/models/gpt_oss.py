@@ -14,8 +14,10 @@ load into the stacked ``mlp.experts.{gate,up,down}_proj.weight`` (+ ``.bias``) a
 experts already split and stacked (``ffn_{gate,up,down}_exps`` + ``.bias``), the sinks as
 ``attn_sinks``, no layer pattern (llama.cpp fixes it: even layers slide) and no YaRN
 ``truncate`` (HF's gpt-oss config says false: the loader follows HF, as the logits test
-against transformers shows). Not yet: MXFP4 expert blocks (``*_blocks`` / ``*_scales`` in HF,
-ggml type MXFP4 in GGUF) are refused with a clear error.
+against transformers shows). MXFP4 experts (HF's ``*_blocks`` / ``*_scales`` with
+``quant_method: mxfp4``, as the released checkpoints ship; ggml type MXFP4 in GGUF) stay in
+their blocks (``Mxfp4Experts``, kernels/torch_cpu/mxfp4.py) and run on the native MXFP4 kernel
+(models/gpt_oss_moe.py); other quantization methods are refused with a clear error.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from prefixgate.gateway.engine.model_config import RopeScaling, UnsupportedModel
 from prefixgate.gateway.engine.models.decoder import DecoderModel
 from prefixgate.gateway.engine.models.registry import ModelFamily, register_family
 from prefixgate.kernels.quant import QuantizedTensor
+from prefixgate.kernels.torch_cpu.mxfp4 import Mxfp4Experts, Mxfp4Tensor
 
 _LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
 
@@ -40,9 +43,11 @@ def _hf_config(raw: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(types) - set(_LAYER_TYPES))
     if unknown:
         raise UnsupportedModelError(f"gpt-oss layer types {unknown} are not supported")
-    if (raw.get("quantization_config") or {}).get("quant_method") == "mxfp4":
+    method = (raw.get("quantization_config") or {}).get("quant_method")
+    if method not in (None, "mxfp4"):
         raise UnsupportedModelError(
-            "gpt-oss's MXFP4 expert blocks are not supported yet; a bf16 checkpoint is")
+            f"gpt-oss quantized with {method!r} is not supported; bf16/fp32 checkpoints and "
+            "MXFP4 experts (quant_method 'mxfp4', as openai/gpt-oss-20b and -120b ship) are")
     return {
         "layer_types": tuple(_LAYER_TYPES[t] for t in types),
         "sliding_window": int(raw.get("sliding_window") or 128),
@@ -81,11 +86,35 @@ def _plain(tensor: Any) -> torch.Tensor:
     return tensor.dequantize() if isinstance(tensor, QuantizedTensor) else tensor
 
 
-def _adapt_hf(weights: dict[str, Any], _config: Any, fmt: str) -> dict[str, Any]:
-    if fmt != "hf":
-        return weights
+def _mxfp4_hf(weights: dict[str, Any], out: dict[str, Any]) -> None:
+    """HF's MXFP4 experts (``*_blocks`` / ``*_scales``, kernels/torch_cpu/mxfp4.py) kept in
+    blocks: ``gate_up`` rows interleave gate (even) and up (odd), whole rows of blocks, so the
+    split is a row slice; ``down`` is already ``[E, H, I]``."""
+    for name in [n for n in weights if n.endswith("_proj_blocks")]:
+        stem, part = name.rsplit(".", 1)  # "...mlp.experts", "gate_up_proj_blocks"
+        proj = part.removesuffix("_blocks")
+        scales = weights.get(f"{stem}.{proj}_scales")
+        if scales is None:
+            raise UnsupportedModelError(f"{name} has no {proj}_scales beside it")
+        experts = Mxfp4Experts.from_hf(weights[name], scales)
+        if proj == "gate_up_proj":
+            for target, first in (("gate_proj", 0), ("up_proj", 1)):
+                out[f"{stem}.{target}.weight"] = Mxfp4Experts(
+                    tuple(e.rows(slice(first, None, 2)) for e in experts))
+        else:
+            out[f"{stem}.{proj}.weight"] = experts
+
+
+def _adapt_hf(weights: dict[str, Any], config: Any, fmt: str) -> dict[str, Any]:
+    if fmt != "hf":  # a GGUF's MXFP4 experts arrive as one [E * rows, cols] block matrix
+        return {name: Mxfp4Experts.from_rows(t, config.num_experts)
+                if isinstance(t, Mxfp4Tensor) and ".experts." in name else t
+                for name, t in weights.items()}  # fmt: skip
     out: dict[str, Any] = {}
+    _mxfp4_hf(weights, out)
     for name, tensor in weights.items():
+        if name.endswith(("_proj_blocks", "_proj_scales")):
+            continue
         if ".mlp.router." in name:
             out[name.replace(".mlp.router.", ".mlp.gate.")] = tensor
         elif name.endswith(".mlp.experts.gate_up_proj"):  # [E, H, 2I], gate|up interleaved

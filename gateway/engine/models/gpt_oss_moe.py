@@ -12,7 +12,9 @@ column; models/gpt_oss.py rewrites it at load into the stacked ``[E, I, H]`` gat
 ``[E, H, I]`` down matrices every MoE family here uses (plus ``*.bias`` tensors), so this
 module sees the usual layout (gate rows first). Each expert is two linear layers of the
 weight placer (models/weights.py: the native CPU GEMM with its bias fused on the native path),
-and only the chosen experts run, each once over all the step's tokens routed to it.
+and only the chosen experts run, each once over all the step's tokens routed to it. MXFP4
+experts (gpt-oss's released checkpoints) stay in their blocks: each expert is a pair of
+``Mxfp4Linear`` layers (kernels/cpu/mxfp4.py: the native MXFP4 kernel on CPU, fp32 activations).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from prefixgate.kernels.cpu.mxfp4 import Mxfp4Linear
 from prefixgate.kernels.torch_cpu.moe import grouped_by_expert
+from prefixgate.kernels.torch_cpu.mxfp4 import Mxfp4Experts, Mxfp4Tensor, cat_rows_mxfp4
 
 # x [n, in] -> [n, out] (+ bias): a models/linear.py Linear
 Projection = Callable[[torch.Tensor], torch.Tensor]
@@ -70,16 +74,33 @@ class GptOssMoE:
 def load_gpt_oss_moe(place: Any, prefix: str, *, top_k: int, alpha: float,
                      limit: float) -> GptOssMoE:
     """The layer's experts from the canonical names, each a pair of the placer's linear layers
-    (``place``: models/weights.py's WeightPlacer)."""
+    (``place``: models/weights.py's WeightPlacer), or of MXFP4 layers where the experts are in
+    MXFP4 blocks (kernels/cpu/mxfp4.py)."""
     names = [f"{prefix}experts.{part}_proj" for part in ("gate", "up", "down")]
-    gates, ups, downs = (place.expert_parts(n + ".weight") for n in names)
     gate_bias, up_bias, down_bias = (place.weights[n + ".bias"] for n in names)
-    experts = [
-        (place.linear([gate, up], [gate_bias[e], up_bias[e]]), place.linear([down], [down_bias[e]]))
-        for e, (gate, up, down) in enumerate(zip(gates, ups, downs, strict=True))
-    ]
+    if isinstance(place.weights[names[0] + ".weight"], Mxfp4Experts):
+        gates, ups, downs = (place.weights[n + ".weight"] for n in names)
+        experts = [
+            (_mxfp4_linear(place, cat_rows_mxfp4([gate, up]), torch.cat([gate_bias[e], up_bias[e]])),
+             _mxfp4_linear(place, down, down_bias[e]))
+            for e, (gate, up, down) in enumerate(zip(gates, ups, downs, strict=True))
+        ]  # fmt: skip
+    else:
+        gates, ups, downs = (place.expert_parts(n + ".weight") for n in names)
+        experts = [
+            (place.linear([gate, up], [gate_bias[e], up_bias[e]]),
+             place.linear([down], [down_bias[e]]))
+            for e, (gate, up, down) in enumerate(zip(gates, ups, downs, strict=True))
+        ]  # fmt: skip
     return GptOssMoE(place.tensor(prefix + "gate.weight"), place.tensor(prefix + "gate.bias"),
                      experts, top_k=top_k, alpha=alpha, limit=limit)
+
+
+def _mxfp4_linear(place: Any, weight: Mxfp4Tensor, bias: torch.Tensor) -> Mxfp4Linear:
+    """One expert matrix kept in MXFP4: the native kernel where the placer runs native CPU
+    kernels, else the torch reference (CPU) or the matrix expanded once (another device)."""
+    return Mxfp4Linear(weight, bias, native=place.native, device=place.device,
+                       dtype=place.dtype)
 
 
 __all__ = ["GptOssMoE", "load_gpt_oss_moe"]

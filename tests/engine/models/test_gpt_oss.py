@@ -115,14 +115,3 @@ def test_alone_equals_batched_and_the_torch_path_agrees(case):
     table = Pages(torch_runner).take(len(prompt) + NEW_TOKENS)
     first = torch_runner.execute([SeqChunk(prompt, 0, table, True)])[0]
     assert _greedy(torch_runner, prompt, table, first) == alone
-
-
-
-def test_an_mxfp4_checkpoint_is_refused_with_a_clear_error():
-    from prefixgate.gateway.engine.model_config import UnsupportedModelError
-    from prefixgate.gateway.engine.models.gpt_oss import _hf_config
-
-    raw = {"num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
-           "intermediate_size": 48, "quantization_config": {"quant_method": "mxfp4"}}
-    with pytest.raises(UnsupportedModelError, match="MXFP4"):
-        _hf_config(raw)
