@@ -67,7 +67,7 @@ from benchmarks.server_process import memory_mb
 from benchmarks.serving import prefixgate_process
 from prefixgate.agents.report import percentile
 from prefixgate.gateway.server.fields import MAX_TEXT_CHARS
-from prefixgate.gateway.server.limits import MIB
+from prefixgate.gateway.http.limits import MIB
 
 TARGET_P99_S = 0.5  # issue #27.1
 BODY_KINDS = ("chat", "responses", "messages", "chat_tokenized")

@@ -28,7 +28,7 @@ MAX_LABEL_CHARS = 256  # `user` / X-Agent-Id / cache_salt: they key stats and ha
 MAX_MESSAGES = 2048
 MAX_TOOLS = 128
 # one tool's description: Claude Code 2.1's longest (Workflow) is 18,780 characters; the whole
-# request stays bounded by MAX_TOOLS and the body-size limit (server/limits.py)
+# request stays bounded by MAX_TOOLS and the body-size limit (gateway/http/limits.py)
 MAX_DESCRIPTION_CHARS = 32 * 1024
 MAX_MODEL_ALIASES = 32  # --model-alias globs: each request's model is matched against them all
 MAX_ALIAS_CHARS = 256

@@ -1,4 +1,4 @@
-"""Enforcing :class:`gateway.server.limits.ConnectionLimits`: header and body read deadlines, a
+"""Enforcing :class:`gateway.http.limits.ConnectionLimits`: header and body read deadlines, a
 connection cap, a body-size cap.
 
 uvicorn alone leaves three holes: a connection that never finishes its headers is never
@@ -36,7 +36,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from prefixgate.gateway.server.errors import ANTHROPIC_PATH, anthropic_error_body, error_body
-from prefixgate.gateway.server.limits import ConnectionLimits
+from prefixgate.gateway.http.limits import ConnectionLimits
 
 logger = logging.getLogger("prefixgate.server")
 

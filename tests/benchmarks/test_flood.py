@@ -7,7 +7,7 @@ import os
 import pytest
 
 from benchmarks import flood as bench
-from prefixgate.gateway.server.limits import MIB
+from prefixgate.gateway.http.limits import MIB
 
 
 def test_a_maximal_body_fills_the_body_limit_with_capped_messages():

@@ -9,13 +9,9 @@ import pytest
 
 from prefixgate.gateway import cli
 from prefixgate.gateway.engine.config import SERVE_KV_TIER, STEP_TOKEN_BUDGET, EngineConfig
-from prefixgate.gateway.server.settings import (
-    ServerSettings,
-    env_var,
-    load_api_keys_file,
-    merge_api_keys,
-    parse_api_key,
-)
+from prefixgate.gateway.http.api_keys import load_api_keys_file, merge_api_keys, parse_api_key
+from prefixgate.gateway.server.settings import ServerSettings
+from prefixgate.gateway.setting import env_var
 
 
 def test_env_var_names():
@@ -131,7 +127,8 @@ def test_env_mirrors_every_flag_and_cli_wins(tmp_path):
 
 def test_every_serve_flag_has_a_default_entry():
     parser = cli.build_parser()
-    dests = {a.dest for a in cli._serve_actions(parser)}
+    sub = next(a for a in parser._actions if a.dest == "command")
+    dests = {a.dest for a in sub.choices["serve"]._actions if a.option_strings and a.dest != "help"}
     assert dests == set(cli.DEFAULTS)
 
 

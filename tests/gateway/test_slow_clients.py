@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from prefixgate.gateway.server import ServerSettings, create_app
-from prefixgate.gateway.server.limits import ConnectionLimits
+from prefixgate.gateway.http.limits import ConnectionLimits
 from prefixgate.gateway.server.serve import GatewayServer, ServersThread, uvicorn_config
 from prefixgate.gateway.server.slow_clients import (
     JSON_ESCAPE_BYTES,

@@ -9,10 +9,8 @@ from pathlib import Path
 import yaml
 
 from prefixgate.gateway import cli
-from prefixgate.gateway.router.cli import route_settings
 from prefixgate.gateway.router.settings import normalize_url
 from prefixgate.gateway.scaleout.publisher import PublisherConfig
-from prefixgate.gateway.server.settings import env_var
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((REPO / "compose.yaml").read_text())
@@ -54,18 +52,17 @@ def test_services_ports_and_dependencies():
 
 
 def test_every_variable_is_a_flag_of_the_command_the_service_runs():
-    parser = cli.build_parser()
     for name, service in SERVICES.items():
         if name == "redis":
             continue
         command = service["command"][0]
-        known = {env_var(a.option_strings[0]) for a in cli._serve_actions(parser, command)}
+        known = {knob.spec.env for knob in cli.command_knobs(command)}
         unknown = set(service["environment"]) - known
         assert not unknown, f"{name}: {sorted(unknown)} are not read by `prefixgate {command}`"
 
 
 def test_the_environment_parses_into_a_consistent_fleet():
-    router = route_settings(resolved("router"))
+    router = cli.route_settings(resolved("router"))
     replicas = {}
     for name in ("replica-a", "replica-b"):
         engine, settings = cli.configs(resolved(name))
@@ -126,7 +123,7 @@ def test_the_client_settings_reach_every_replica():
                for k, v in SERVICES[name]["environment"].items()}
         command = SERVICES[name]["command"][0]
         values = cli.resolve(parser.parse_args([command]), parser, env, command)
-        assert values["parse_special_tokens"] == "on"
+        assert values["parse_special_tokens"] == "on"  # a CLI value, keyed by the field
         if command == "serve":
             engine, settings = cli.configs(values)
             assert settings.model_aliases == ("claude-*", "gpt-5*")

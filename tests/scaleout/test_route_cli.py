@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from prefixgate.gateway import cli
-from prefixgate.gateway.router.cli import ROUTE_DEFAULTS, route_settings
 from prefixgate.gateway.router.settings import RouterSettings, normalize_url
 from prefixgate.gateway.scaleout.publisher import default_advertise_url
 
@@ -13,7 +12,7 @@ from prefixgate.gateway.scaleout.publisher import default_advertise_url
 def route(argv: list[str], env: dict[str, str]) -> RouterSettings:
     parser = cli.build_parser()
     args = parser.parse_args(["route", *argv])
-    return route_settings(cli.resolve(args, parser, env, "route"))
+    return cli.route_settings(cli.resolve(args, parser, env, "route"))
 
 
 def test_flags_and_environment():
@@ -35,8 +34,11 @@ def test_flags_and_environment():
 
 
 def test_every_route_flag_has_a_default():
+    assert {k.name for k in cli.command_knobs("route")} == set(cli.ROUTE_DEFAULTS)
     parser = cli.build_parser()
-    assert {a.dest for a in cli._serve_actions(parser, "route")} == set(ROUTE_DEFAULTS)
+    sub = next(a for a in parser._actions if a.dest == "command")
+    dests = {a.dest for a in sub.choices["route"]._actions if a.option_strings and a.dest != "help"}
+    assert dests == set(cli.ROUTE_DEFAULTS)
 
 
 @pytest.mark.parametrize("argv, env, message", [
