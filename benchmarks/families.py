@@ -11,7 +11,9 @@ Workload (every size is a flag):
     over whole projections; Qwen3.5's hybrid layers (3 Gated DeltaNet layers in 4: 4 q/k heads
     and 8 value heads of 64; gated attention with partial rotary in the 4th); gpt-oss's attention sinks, q/k/v/o biases, sliding (its 128)
     and full layers alternating, and Qwen3-MoE's expert shape with its biased router and
-    clamped SwiGLU experts. Random fp32 weights (speed does not depend on
+    clamped SwiGLU experts; ``gpt_oss_mxfp4`` the same with its expert matrices in MXFP4 blocks
+    (as gpt-oss ships them: the native MXFP4 kernel, fp32 activations), against ``gpt_oss``
+    (the expanded fp32 reference, same shape). Random fp32 weights (speed does not depend on
     the values; no download), CPU, fp32, the runner's defaults (native CPU kernels where the
     library builds). ``smollm2`` is the Llama family at that shape: the reference row.
   * prefill: one sequence of ``--prefill`` random token ids into an empty cache (one
@@ -35,6 +37,7 @@ the parameters a token reads (an MoE's chosen experts only).
     python -m benchmarks.families --json out/families.json
     python -m benchmarks.families --families smollm2 gemma3 --prefill 256 --steps 4
     python -m benchmarks.families --families smollm3 granite olmo2 --torch-reference
+    python -m benchmarks.families --families gpt_oss gpt_oss_mxfp4 --torch-reference
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from prefixgate.gateway.engine.model_config import (
     expected_weight_shapes,
 )
 from prefixgate.gateway.engine.runner import ZERO_STATE, ChunkState, ModelRunner, SeqChunk
+from prefixgate.kernels.torch_cpu.mxfp4 import Mxfp4Experts, quantize_mxfp4
 
 FIRST_ORDINARY_TOKEN = 100
 
@@ -116,7 +120,22 @@ def family_configs(window: int) -> dict[str, ModelConfig]:
                                  for i in range(SMOLLM2.num_layers)),
         },
     }  # fmt: skip
+    options["gpt_oss_mxfp4"] = options["gpt_oss"]  # its experts in MXFP4 (MXFP4_ROWS)
     return {name: dataclasses.replace(SMOLLM2, name=name, **o) for name, o in options.items()}
+
+
+# rows whose expert matrices are MXFP4 blocks, as gpt-oss ships them (the native MXFP4 kernel,
+# kernels/cpu/csrc/linear_mxfp4.c; its torch reference with --torch-reference); the row they
+# are measured against, with the same shape in fp32 (the expanded reference), is the value
+MXFP4_ROWS = {"gpt_oss_mxfp4": "gpt_oss"}
+
+
+def mxfp4_experts(weights: dict[str, Any]) -> dict[str, Any]:
+    """The stacked expert matrices quantized to MXFP4 (kernels/torch_cpu/mxfp4.py), the rest
+    as they are."""
+    return {name: Mxfp4Experts(tuple(quantize_mxfp4(expert) for expert in tensor))
+            if ".mlp.experts." in name and name.endswith(".weight") else tensor
+            for name, tensor in weights.items()}  # fmt: skip
 
 
 def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -159,7 +178,10 @@ def measure(config: ModelConfig, args: Any, native: bool = True) -> dict[str, fl
     ``native``: the native CPU kernels, else the torch reference path."""
     capacity = args.context + args.steps * (args.repeats + 1) + 1
     pages_per_seq = -(-max(capacity, args.prefill) // 16)
-    runner = ModelRunner(config, random_weights(config), num_pages=pages_per_seq * args.batch,
+    weights = random_weights(config)
+    if config.name in MXFP4_ROWS:
+        weights = mxfp4_experts(weights)
+    runner = ModelRunner(config, weights, num_pages=pages_per_seq * args.batch,
                          page_size=16, device="cpu", dtype=torch.float32,
                          native_kernels=native)  # fmt: skip
     gen = torch.Generator().manual_seed(args.seed)
@@ -217,11 +239,26 @@ def main() -> None:
                   f"{results[name]['prefill_tok_s'] / reference[name]['prefill_tok_s']:.2f} | "
                   f"{results[name]['decode_tok_s'] / reference[name]['decode_tok_s']:.2f}")
                  for name in names]  # fmt: skip
+    rows += _mxfp4_rows(results)
     print_table(f"families at SmolLM2-135M's shape, CPU fp32, {torch.get_num_threads()} threads "
                 f"(prefill {args.prefill}; decode b={args.batch} at {args.context})", rows)
     write_json(args.json, {"args": {k: v for k, v in vars(args).items() if k != "json"},
                            "threads": torch.get_num_threads(), "families": results,
                            "torch_reference": reference})
+
+
+def _mxfp4_rows(results: dict[str, dict[str, float]]) -> list[tuple[str, Any]]:
+    """Each MXFP4 row's tokens/s over its expanded fp32 reference's (native paths, same shape);
+    stored in ``results`` as ``{phase}_vs_expanded``."""
+    rows: list[tuple[str, Any]] = []
+    for name, expanded in MXFP4_ROWS.items():
+        if name in results and expanded in results:
+            for phase in ("prefill", "decode"):
+                ratio = results[name][f"{phase}_tok_s"] / results[expanded][f"{phase}_tok_s"]
+                results[name][f"{phase}_vs_expanded"] = ratio
+                rows.append((f"{name} / {expanded} (fp32 experts), {phase} tok/CPU-s",
+                             f"{ratio:.2f}"))
+    return rows
 
 
 def _rows(results: dict[str, dict[str, float]], path: str) -> list[tuple[str, Any]]:

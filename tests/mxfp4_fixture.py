@@ -67,6 +67,7 @@ def _build(tmp: Path) -> None:
     model.generation_config.save_pretrained(str(tmp))
     config = json.loads((tmp / "config.json").read_text(encoding="utf-8"))
     config["quantization_config"] = QUANTIZATION_CONFIG
+    config["architectures"] = ["GptOssForCausalLM"]  # model.save_pretrained would write it
     (tmp / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(harmony_tokenizer_dir() / name, tmp / name)

@@ -2,7 +2,8 @@
 
 Matrices in Q4_0, Q4_1 or Q8_0 stay in their ggml blocks (``QuantizedTensor``, kernels/quant.py:
 the native CPU kernel computes on them, and they are 5-6x smaller than fp32; the model
-dequantizes them exactly where it computes otherwise); every other tensor is dequantised to
+dequantizes them exactly where it computes otherwise), and so do gpt-oss's MXFP4 experts
+(``Mxfp4Tensor``, kernels/torch_cpu/mxfp4.py); every other tensor is dequantised to
 fp32 with ``gguf.quants``. All are renamed to Hugging Face parameter names. llama.cpp's converter permutes the rows of Q and K of llama-arch models (it interleaves
 the two rotary halves of every head); we undo that so the model code uses HF's rotate-half RoPE.
 The metadata (the tokenizer's 150k-entry arrays included) is parsed by
@@ -39,6 +40,7 @@ from prefixgate.gateway.engine.models.registry import (
 )
 from prefixgate.gateway.engine.tokenizer import GGUFVocab, Tokenizer
 from prefixgate.kernels.quant import QuantizedTensor
+from prefixgate.kernels.torch_cpu.mxfp4 import Mxfp4Tensor
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +48,15 @@ _Q = GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES: tuple[GGMLQuantizationType, ...] = (
     _Q.F32, _Q.F16, _Q.BF16,
     _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0,
-    _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K,
+    _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K, _Q.MXFP4,
 )  # fmt: skip
 
 # kept in their blocks (see the module docstring); the K-quants are not (yet): their 256-weight
 # super-blocks with 6-bit sub-scales need their own kernel
 KEPT_QUANTIZED: dict[GGMLQuantizationType, str] = {_Q.Q4_0: "Q4_0", _Q.Q4_1: "Q4_1", _Q.Q8_0: "Q8_0"}
+# families whose MoE runs MXFP4 experts in their blocks (models/gpt_oss_moe.py); elsewhere
+# MXFP4 tensors are dequantised like the K-quants
+MXFP4_FAMILIES = frozenset({"gpt_oss"})
 
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -275,14 +280,19 @@ def _check_tensors(
 
 def _read_tensor(
     tensor: ReaderTensor, shape: tuple[int, ...], keep_quantized: bool,
-    unpermute_heads: int | None,
-) -> torch.Tensor | QuantizedTensor:
+    unpermute_heads: int | None, keep_mxfp4: bool = False,
+) -> torch.Tensor | QuantizedTensor | Mxfp4Tensor:
     """One GGUF tensor as fp32, or (``keep_quantized``, a kept type) as its ggml blocks.
 
     ``unpermute_heads``: undo llama.cpp's Q/K row permutation for this many heads.
+    ``keep_mxfp4``: stacked MXFP4 experts stay in blocks (families whose MoE runs them).
     """
     qtype = KEPT_QUANTIZED.get(tensor.tensor_type) if keep_quantized else None
     rows = int(np.prod(shape[:-1]))  # MoE experts [E, I, H]: E * I rows of blocks
+    if keep_mxfp4 and tensor.tensor_type == _Q.MXFP4 and len(shape) == 3:
+        # gpt-oss's experts: kept in blocks for the MXFP4 kernel (kernels/torch_cpu/mxfp4.py)
+        data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
+        return Mxfp4Tensor.from_gguf(data, (rows, shape[-1]))
     if qtype is not None and len(shape) in (2, 3):
         array = np.asarray(tensor.data).reshape(rows, -1)  # a row's blocks, as bytes
     else:
@@ -349,7 +359,8 @@ def load_gguf(
             unpermute_heads = config.num_heads
         elif family.gguf_permuted_qk and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
             unpermute_heads = config.num_kv_heads
-        weights[name] = _read_tensor(tensor, shape, keep_quantized, unpermute_heads)
+        weights[name] = _read_tensor(tensor, shape, keep_quantized, unpermute_heads,
+                                     keep_quantized and family.name in MXFP4_FAMILIES)
     bar.close()
     weights = family.adapt_weights(weights, config, "gguf")
     check_weights(config, weights, source=path.name)
