@@ -247,7 +247,7 @@ class PromptCounter:
         self.loaded = load_tokenizer_only(None)
 
     def ids(self, messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]]) -> list[int]:
-        from prefixgate.gateway.server.openai.protocol import ChatCompletionRequest
+        from prefixgate.gateway.server.openai.schemas import ChatCompletionRequest
         from prefixgate.gateway.server.tokenization import template_inputs
 
         chat = ChatCompletionRequest.model_validate(

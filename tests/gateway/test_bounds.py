@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from prefixgate.gateway.server import fields as p
-from prefixgate.gateway.server.openai.protocol import (
+from prefixgate.gateway.server.openai.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     TokenizeRequest,

@@ -11,7 +11,7 @@ from prefixgate.gateway.engine.model_config import (
     parse_rope_override,
     with_rope_override,
 )
-from prefixgate.gateway.server.anthropic.models import MessagesRequest
+from prefixgate.gateway.server.anthropic.schemas import MessagesRequest
 from prefixgate.gateway.server.clients import (
     ClientCounters,
     is_attribution,

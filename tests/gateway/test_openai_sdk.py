@@ -210,7 +210,7 @@ def test_content_parts_and_tool_messages(sdk, gateway, client):
     )
     plain = client.post("/tokenize", json={"messages": messages}).json()
     # SmolLM2's template does not render tools, so the counts match here; which tools reach
-    # the template is checked in test_protocol.py.
+    # the template is checked in test_openai_schemas.py.
     assert without.usage.prompt_tokens == plain["count"]
     same_rule = client.post(
         "/tokenize", json={"messages": messages, "tools": tools, "tool_choice": "none"}

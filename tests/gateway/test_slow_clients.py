@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from prefixgate.gateway.server import ServerSettings, create_app
 from prefixgate.gateway.http.limits import ConnectionLimits
+from prefixgate.gateway.server import ServerSettings, create_app
 from prefixgate.gateway.server.serve import GatewayServer, ServersThread, uvicorn_config
 from prefixgate.gateway.server.slow_clients import (
     JSON_ESCAPE_BYTES,

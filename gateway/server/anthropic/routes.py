@@ -9,7 +9,7 @@ import uuid
 
 from fastapi import APIRouter, Depends, Request
 
-from prefixgate.gateway.server.anthropic.models import CountTokensRequest, MessagesRequest
+from prefixgate.gateway.server.anthropic.schemas import CountTokensRequest, MessagesRequest
 from prefixgate.gateway.server.anthropic.serving import MessagesWriter
 from prefixgate.gateway.server.auth import Principal, authenticate
 from prefixgate.gateway.server.serving import respond

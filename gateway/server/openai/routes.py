@@ -13,7 +13,8 @@ from fastapi import APIRouter, Depends, Request
 
 from prefixgate.gateway.engine.kernel_report import engine_kernel_report
 from prefixgate.gateway.server.auth import Principal, authenticate, require_admin
-from prefixgate.gateway.server.openai.protocol import (
+from prefixgate.gateway.server.openai.render import RenderedPrompt, render
+from prefixgate.gateway.server.openai.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -25,7 +26,6 @@ from prefixgate.gateway.server.openai.protocol import (
     TokenizeResponse,
     template_tools,
 )
-from prefixgate.gateway.server.openai.render import RenderedPrompt, render
 from prefixgate.gateway.server.openai.serving import ChatWriter, CompletionWriter
 from prefixgate.gateway.server.routes_cache import PinResponse, pin_prefix
 from prefixgate.gateway.server.serving import respond

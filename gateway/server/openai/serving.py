@@ -1,5 +1,5 @@
 """``/v1/chat/completions`` and ``/v1/completions`` written from the shared turn: OpenAI's
-chunks (``data: {...}`` ... ``data: [DONE]``) and whole responses (protocol.py models)."""
+chunks (``data: {...}`` ... ``data: [DONE]``) and whole responses (the schemas/ models)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from prefixgate.gateway.engine.api import EngineError, TokenLogprob, Usage
 from prefixgate.gateway.server.errors import engine_error_body, error_body
-from prefixgate.gateway.server.openai.protocol import (
+from prefixgate.gateway.server.openai.schemas import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,

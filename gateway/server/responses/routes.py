@@ -17,7 +17,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from prefixgate.gateway.engine.api import InvalidRequestError
 from prefixgate.gateway.server.auth import Principal, authenticate
 from prefixgate.gateway.server.errors import NotFoundError
-from prefixgate.gateway.server.responses.models import ResponsesRequest
+from prefixgate.gateway.server.responses.schemas import ResponsesRequest
 from prefixgate.gateway.server.responses.serving import ResponsesWriter, store_of
 from prefixgate.gateway.server.serving import respond
 from prefixgate.gateway.server.state import server_state

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from prefixgate.gateway.engine.api import EngineError
 from prefixgate.gateway.server.auth import Principal
 from prefixgate.gateway.server.errors import engine_error_body, error_body
-from prefixgate.gateway.server.responses.models import ResponsesRequest, dumps, output_messages
+from prefixgate.gateway.server.responses.schemas import ResponsesRequest, dumps, output_messages
 from prefixgate.gateway.server.responses.store import ResponseStore, StoredResponse
 from prefixgate.gateway.server.serving import TurnWriter
 from prefixgate.gateway.server.sse import sse_named_event

@@ -169,7 +169,7 @@ def test_thinking_blocks_beside_cache_control_are_answered(client, gateway, role
 
 
 def test_cache_ttl_reads_every_block_that_can_carry_one():
-    from prefixgate.gateway.server.anthropic.models import MessagesRequest
+    from prefixgate.gateway.server.anthropic.schemas import MessagesRequest
 
     hour = {"type": "ephemeral", "ttl": "1h"}
     request = MessagesRequest.model_validate({"max_tokens": 1, "messages": [{"role": "user", "content": [
@@ -213,7 +213,7 @@ def _cap_cases() -> list[tuple[str, dict, dict]]:
 def test_text_blocks_have_the_chat_content_caps(client, field, inside, outside):
     """Text blocks, string content, system and tool results have chat content's bounds: just
     inside validates, just outside is a 400 in Anthropic's envelope naming the field."""
-    from prefixgate.gateway.server.anthropic.models import MessagesRequest
+    from prefixgate.gateway.server.anthropic.schemas import MessagesRequest
 
     MessagesRequest.model_validate({"max_tokens": 1, **inside})
     response = client.post("/v1/messages", json={"max_tokens": 1, **outside})

@@ -203,7 +203,7 @@ def _cap_cases() -> list[tuple[str, dict, dict]]:
 def test_input_text_has_the_chat_content_caps(client, param, inside, outside):
     """A Responses input string, message content and tool output have chat content's bounds:
     just inside validates, just outside is a 400 in OpenAI's envelope naming the field."""
-    from prefixgate.gateway.server.responses.models import ResponsesRequest
+    from prefixgate.gateway.server.responses.schemas import ResponsesRequest
 
     ResponsesRequest.model_validate(inside)
     response = client.post("/v1/responses", json={**outside, "max_output_tokens": 1})

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from prefixgate.gateway.engine.api import Usage
 from prefixgate.gateway.engine.chat_template import ChatTemplate
 from prefixgate.gateway.server.anthropic.serving import MessagesWriter
-from prefixgate.gateway.server.responses.models import ResponsesRequest
+from prefixgate.gateway.server.responses.schemas import ResponsesRequest
 from prefixgate.gateway.server.responses.serving import ResponsesWriter
 from prefixgate.gateway.server.serving import stream_turn
 from prefixgate.gateway.server.settings import TOOL_CALL_FORMATS
@@ -219,8 +219,8 @@ def test_a_template_without_a_system_turn_gets_the_tools_in_the_first_turn():
 
 
 def test_earlier_reasoning_goes_back_to_the_template_from_every_surface():
-    from prefixgate.gateway.server.anthropic.models import MessagesRequest
-    from prefixgate.gateway.server.openai.protocol import ChatCompletionRequest
+    from prefixgate.gateway.server.anthropic.schemas import MessagesRequest
+    from prefixgate.gateway.server.openai.schemas import ChatCompletionRequest
 
     chat = ChatCompletionRequest.model_validate({"messages": [
         {"role": "user", "content": "hi"},
@@ -240,7 +240,7 @@ def test_earlier_reasoning_goes_back_to_the_template_from_every_surface():
          "content": [{"type": "reasoning_text", "text": "greet"}]},
         {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}]})
     assert responses.input_messages()[1]["reasoning_content"] == "greet"
-    from prefixgate.gateway.server.responses.models import output_messages
+    from prefixgate.gateway.server.responses.schemas import output_messages
 
     stored = output_messages("", [{"id": "c1"}], "greet")  # what a stored response continues
     assert stored == [{"role": "assistant", "content": "", "tool_calls": [{"id": "c1"}],

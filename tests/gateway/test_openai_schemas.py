@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from prefixgate.gateway.server.openai.protocol import (
+from prefixgate.gateway.server.openai.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     TokenizeRequest,
