@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from prefixgate.gateway.engine.api import TokenizerLike
-from prefixgate.gateway.engine.tokenizer import GGUFVocab, Tokenizer, TokenizerError
+from prefixgate.gateway.engine.gguf_vocab import GGUFVocab
+from prefixgate.gateway.engine.tokenizer import Tokenizer, TokenizerError
 
 pytestmark = pytest.mark.slow
 

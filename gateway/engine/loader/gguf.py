@@ -24,6 +24,7 @@ from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from tqdm import tqdm
 
+from prefixgate.gateway.engine.gguf_vocab import GGUFVocab
 from prefixgate.gateway.engine.loader.gguf_reader import FastGGUFReader, field_value
 from prefixgate.gateway.engine.loader.loaded_model import LoadedModel
 from prefixgate.gateway.engine.model_config import (
@@ -38,7 +39,7 @@ from prefixgate.gateway.engine.models.registry import (
     not_supported,
     supported_architectures,
 )
-from prefixgate.gateway.engine.tokenizer import GGUFVocab, Tokenizer
+from prefixgate.gateway.engine.tokenizer import Tokenizer
 from prefixgate.kernels.quant import QuantizedTensor
 from prefixgate.kernels.torch_cpu.mxfp4 import Mxfp4Tensor
 
