@@ -51,11 +51,11 @@ from prefixgate.gateway.engine.engine import AsyncEngine
 from prefixgate.gateway.engine.factory import create_llm_engine
 from prefixgate.gateway.engine.loader import load_model
 from prefixgate.gateway.router.app import create_router_app
-from prefixgate.gateway.router.serve import router_server
+from prefixgate.gateway.router.launch import router_server
 from prefixgate.gateway.router.settings import RouterSettings
 from prefixgate.gateway.scaleout.kv_events.config import parse_kv_events_config
 from prefixgate.gateway.server import ServerSettings, create_app
-from prefixgate.gateway.server.serve import GatewayServer, ServersThread, uvicorn_config
+from prefixgate.gateway.server.launch import GatewayServer, ServersThread, uvicorn_config
 
 POLICIES = ("cache_aware", "round_robin", "random", "dynamo")
 DEFAULT_POLICIES = ("cache_aware", "round_robin", "random")
@@ -125,7 +125,7 @@ def dynamo_server(servers: list[GatewayServer], tokenizer: Any, model_id: str) -
     import uvicorn
 
     from benchmarks.dynamo_router import DynamoWorker, create_dynamo_router_app
-    from prefixgate.gateway.server.serve import BoundServer
+    from prefixgate.gateway.server.launch import BoundServer
 
     workers = [DynamoWorker(s.base_url, s.config.app.state.kv_events.endpoint,
                             s.config.app.state.kv_events.replay_endpoint) for s in servers]

@@ -111,8 +111,8 @@ from prefixgate.gateway.engine.loader import load_model
 from prefixgate.gateway.engine.sampler import SampleRow, sample
 from prefixgate.gateway.engine.step_masks import row_bitmask
 from prefixgate.gateway.server import ServerSettings, create_app
+from prefixgate.gateway.server.launch import GatewayServer, ServersThread, uvicorn_config
 from prefixgate.gateway.server.openai.schemas import ChatCompletionRequest
-from prefixgate.gateway.server.serve import GatewayServer, ServersThread, uvicorn_config
 from prefixgate.gateway.server.tools import grammar as tool_grammar_module
 from prefixgate.kernels.token_bitmask import apply_token_bitmask
 

@@ -95,7 +95,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     except ValueError as exc:
         parser.error(str(exc))
     _log_to_stderr(settings.log_level)
-    from prefixgate.gateway.server.serve import serve  # uvicorn and the app only when serving
+    from prefixgate.gateway.server.launch import serve  # uvicorn and the app only when serving
 
     try:
         serve(engine_config, settings)
@@ -119,7 +119,7 @@ def _route(
     except ValueError as exc:
         parser.error(str(exc))
     _log_to_stderr(settings.log_level)
-    from prefixgate.gateway.router.serve import (
+    from prefixgate.gateway.router.launch import (
         serve_router,  # uvicorn, the tokenizer only when routing
     )
 

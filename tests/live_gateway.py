@@ -20,7 +20,7 @@ import pytest
 
 from prefixgate.gateway.engine.config import EngineConfig
 from prefixgate.gateway.server import ServerSettings, create_app
-from prefixgate.gateway.server.serve import GatewayServer, uvicorn_config
+from prefixgate.gateway.server.launch import GatewayServer, uvicorn_config
 
 PAGE_SIZE = 16
 NUM_PAGES = 384  # ~290 MB of fp32 KV for SmolLM2-135M; plenty for the 50-stream test

@@ -4,7 +4,7 @@ text completions, OpenAI Responses, Anthropic Messages).
 A surface translates its wire request into a :class:`ChatTurn` (chat-template messages or raw
 prompts, neutral tools, tool choice, sampling), opens it with :func:`open_turn`, and encodes
 what the :class:`TurnStream` yields (per-choice deltas split into text and tool-call events,
-then a :class:`TurnEnd`) in its own format (gateway/server/serving.py runs the stream). Prompt
+then a :class:`TurnEnd`) in its own format (gateway/server/turn_writer.py runs the stream). Prompt
 rendering, grammars, tenancy, ``cache_salt``, retention and stats are therefore identical
 whichever surface a request arrives on.
 """

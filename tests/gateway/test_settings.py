@@ -283,7 +283,7 @@ def test_bf16_on_a_cpu_without_bf16_instructions_is_a_usage_error(monkeypatch, c
 
 
 def test_the_redis_tier_needs_its_secret():
-    from prefixgate.gateway.server.serve import tier_store
+    from prefixgate.gateway.server.launch import tier_store
 
     engine, settings = resolve(["serve", "--kv-tier", "redis", "--redis-url", "redis://127.0.0.1:1/0"], {})
     with pytest.raises(SystemExit, match="--kv-tier-secret"):

@@ -15,7 +15,7 @@ import pytest
 
 from prefixgate.gateway.http.limits import ConnectionLimits
 from prefixgate.gateway.server import ServerSettings, create_app
-from prefixgate.gateway.server.serve import GatewayServer, ServersThread, uvicorn_config
+from prefixgate.gateway.server.launch import GatewayServer, ServersThread, uvicorn_config
 from prefixgate.gateway.server.slow_clients import (
     JSON_ESCAPE_BYTES,
     NON_PROMPT_BYTES,

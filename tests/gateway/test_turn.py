@@ -1,4 +1,4 @@
-"""The one turn pipeline (gateway/server/turn.py, turn_stream.py, serving.py) against the live
+"""The one turn pipeline (gateway/server/turn.py, turn_stream.py, turn_writer.py) against the live
 gateway on the real default model: every surface reads the same generated call, and a text
 completion of several prompts with n choices each comes back on the right indices."""
 

@@ -26,11 +26,11 @@ import redis
 
 from prefixgate.gateway.engine.config import EngineConfig
 from prefixgate.gateway.router.app import create_router_app
-from prefixgate.gateway.router.serve import router_server
+from prefixgate.gateway.router.launch import router_server
 from prefixgate.gateway.router.settings import RouterSettings
 from prefixgate.gateway.scaleout.keys import RedisKeys
 from prefixgate.gateway.server import ServerSettings, create_app
-from prefixgate.gateway.server.serve import GatewayServer, ServersThread, uvicorn_config
+from prefixgate.gateway.server.launch import GatewayServer, ServersThread, uvicorn_config
 
 PAGE_SIZE = 16
 NUM_PAGES = 256

@@ -1,14 +1,14 @@
 """The gateway's and the router's uvicorn servers run on asyncio's loop even where uvloop is
 installed (ray[serve] installs it): installing a package must not change the event loop the
-suite was validated on (gateway/server/serve.py, EVENT_LOOP)."""
+suite was validated on (gateway/server/launch.py, EVENT_LOOP)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from prefixgate.gateway.router.serve import router_server
+from prefixgate.gateway.router.launch import router_server
 from prefixgate.gateway.router.settings import RouterSettings
-from prefixgate.gateway.server.serve import EVENT_LOOP, uvicorn_config
+from prefixgate.gateway.server.launch import EVENT_LOOP, uvicorn_config
 from prefixgate.gateway.server.settings import ServerSettings
 
 

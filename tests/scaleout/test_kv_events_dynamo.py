@@ -12,7 +12,7 @@ import pytest
 
 from prefixgate.gateway.scaleout.kv_events.config import parse_kv_events_config
 from prefixgate.gateway.server import ServerSettings, create_app
-from prefixgate.gateway.server.serve import GatewayServer, ServersThread, uvicorn_config
+from prefixgate.gateway.server.launch import GatewayServer, ServersThread, uvicorn_config
 from tests.scaleout.conftest import PAGE_SIZE, make_engine
 
 pytestmark = pytest.mark.slow
@@ -115,7 +115,7 @@ def test_the_benchmark_front_door_places_with_dynamo(replicas, loaded_model):
     import uvicorn
 
     from benchmarks.dynamo_router import DynamoWorker, create_dynamo_router_app
-    from prefixgate.gateway.server.serve import BoundServer
+    from prefixgate.gateway.server.launch import BoundServer
     from tests.scaleout.conftest import free_port
 
     workers = [DynamoWorker(s.base_url, s.config.app.state.kv_events.endpoint,

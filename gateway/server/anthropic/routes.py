@@ -1,6 +1,6 @@
 """``POST /v1/messages`` and ``/v1/messages/count_tokens`` (Anthropic's wire protocol).
 
-The message and its stream events are written in serving.py, from the shared turn.
+The message and its stream events are written in writer.py, from the shared turn.
 """
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import uuid
 from fastapi import APIRouter, Depends, Request
 
 from prefixgate.gateway.server.anthropic.schemas import CountTokensRequest, MessagesRequest
-from prefixgate.gateway.server.anthropic.serving import MessagesWriter
+from prefixgate.gateway.server.anthropic.writer import MessagesWriter
 from prefixgate.gateway.server.auth import Principal, authenticate
-from prefixgate.gateway.server.serving import respond
 from prefixgate.gateway.server.state import server_state
 from prefixgate.gateway.server.turn import open_turn
+from prefixgate.gateway.server.turn_writer import respond
 
 router = APIRouter()
 

@@ -1,5 +1,5 @@
 """Anthropic Messages wire format: request models (validated, bounded) and the translation to
-a neutral :class:`ChatTurn`; response and stream-event shapes are plain dicts in serving.py.
+a neutral :class:`ChatTurn`; response and stream-event shapes are plain dicts in writer.py.
 
 Accepted: ``system`` (a string or text blocks), ``messages`` with ``text``, ``tool_use`` and
 ``tool_result`` blocks, ``tools`` (``input_schema``), ``tool_choice`` auto / any / tool / none

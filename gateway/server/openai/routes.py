@@ -4,7 +4,7 @@ cache pin / unpin (they take /tokenize's inputs; what pinning does is routes_cac
 Routes stay thin: validate (pydantic), authenticate (tenant), translate the request into the
 neutral turn and open it (gateway/server/turn.py: errors surface here, before any byte is
 sent), then let the shared serving path stream SSE chunks or collect one JSON response, written
-by serving.py.
+by writer.py.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from prefixgate.gateway.server.openai.schemas import (
     TokenizeResponse,
     template_tools,
 )
-from prefixgate.gateway.server.openai.serving import ChatWriter, CompletionWriter
+from prefixgate.gateway.server.openai.writer import ChatWriter, CompletionWriter
 from prefixgate.gateway.server.routes_cache import PinResponse, pin_prefix
-from prefixgate.gateway.server.serving import respond
 from prefixgate.gateway.server.state import ServerState, server_state
 from prefixgate.gateway.server.turn import open_turn
+from prefixgate.gateway.server.turn_writer import respond
 
 router = APIRouter()
 

@@ -4,7 +4,7 @@ State: with ``store`` (the default) the response and the conversation it ended a
 (responses/store.py), so the next turn sends ``previous_response_id`` and only its new items.
 The server rebuilds the conversation exactly (the same messages, rendered the same way), so
 the next prompt extends this one's tokens and every full block of it hits the cache. The
-Response object and its events are written in serving.py.
+Response object and its events are written in writer.py.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from prefixgate.gateway.engine.api import InvalidRequestError
 from prefixgate.gateway.server.auth import Principal, authenticate
 from prefixgate.gateway.server.errors import NotFoundError
 from prefixgate.gateway.server.responses.schemas import ResponsesRequest
-from prefixgate.gateway.server.responses.serving import ResponsesWriter, store_of
-from prefixgate.gateway.server.serving import respond
+from prefixgate.gateway.server.responses.writer import ResponsesWriter, store_of
 from prefixgate.gateway.server.state import server_state
 from prefixgate.gateway.server.turn import open_turn
+from prefixgate.gateway.server.turn_writer import respond
 
 logger = logging.getLogger("prefixgate.server")
 router = APIRouter()

@@ -13,10 +13,9 @@ from pydantic import ValidationError
 
 from prefixgate.gateway.engine.api import Usage
 from prefixgate.gateway.engine.chat_template import ChatTemplate
-from prefixgate.gateway.server.anthropic.serving import MessagesWriter
+from prefixgate.gateway.server.anthropic.writer import MessagesWriter
 from prefixgate.gateway.server.responses.schemas import ResponsesRequest
-from prefixgate.gateway.server.responses.serving import ResponsesWriter
-from prefixgate.gateway.server.serving import stream_turn
+from prefixgate.gateway.server.responses.writer import ResponsesWriter
 from prefixgate.gateway.server.settings import TOOL_CALL_FORMATS
 from prefixgate.gateway.server.tools import CallEnd, ReasoningPiece, TextPiece
 from prefixgate.gateway.server.tools.dialect import ToolDialect, choose_dialect
@@ -28,6 +27,7 @@ from prefixgate.gateway.server.tools.formats.reasoning import (
 )
 from prefixgate.gateway.server.tools.records import FunctionTool
 from prefixgate.gateway.server.turn_stream import ChoiceDelta, ChoiceOutput, OutputSplitter, TurnEnd
+from prefixgate.gateway.server.turn_writer import stream_turn
 from tests.family_fixtures import template
 
 WEATHER = FunctionTool("get_weather", None, {"type": "object", "properties": {

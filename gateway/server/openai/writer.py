@@ -30,7 +30,6 @@ from prefixgate.gateway.server.openai.schemas import (
     TopLogprobEntry,
     UsageInfo,
 )
-from prefixgate.gateway.server.serving import TurnWriter
 from prefixgate.gateway.server.sse import SSE_DONE, sse_event
 from prefixgate.gateway.server.tools import (
     CallArguments,
@@ -40,6 +39,7 @@ from prefixgate.gateway.server.tools import (
     TextPiece,
 )
 from prefixgate.gateway.server.turn_stream import ChoiceDelta, ChoiceOutput, TurnEnd
+from prefixgate.gateway.server.turn_writer import TurnWriter
 
 
 def usage_info(usage: Usage) -> UsageInfo:

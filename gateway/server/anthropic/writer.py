@@ -14,7 +14,6 @@ from typing import Any
 
 from prefixgate.gateway.engine.api import EngineError, Usage
 from prefixgate.gateway.server.errors import anthropic_error_body
-from prefixgate.gateway.server.serving import TurnWriter
 from prefixgate.gateway.server.sse import sse_named_event
 from prefixgate.gateway.server.tools import (
     CallArguments,
@@ -25,6 +24,7 @@ from prefixgate.gateway.server.tools import (
     TextPiece,
 )
 from prefixgate.gateway.server.turn_stream import ChoiceDelta, TurnEnd
+from prefixgate.gateway.server.turn_writer import TurnWriter
 
 
 def _event(name: str, payload: dict[str, Any]) -> bytes:

@@ -15,7 +15,6 @@ from prefixgate.gateway.server.auth import Principal
 from prefixgate.gateway.server.errors import engine_error_body, error_body
 from prefixgate.gateway.server.responses.schemas import ResponsesRequest, dumps, output_messages
 from prefixgate.gateway.server.responses.store import ResponseStore, StoredResponse
-from prefixgate.gateway.server.serving import TurnWriter
 from prefixgate.gateway.server.sse import sse_named_event
 from prefixgate.gateway.server.tools import (
     CallArguments,
@@ -26,6 +25,7 @@ from prefixgate.gateway.server.tools import (
     TextPiece,
 )
 from prefixgate.gateway.server.turn_stream import ChoiceDelta, TurnEnd
+from prefixgate.gateway.server.turn_writer import TurnWriter
 
 logger = logging.getLogger("prefixgate.server")
 

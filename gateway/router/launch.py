@@ -9,7 +9,7 @@ import uvicorn
 
 from prefixgate.gateway.router.app import create_router_app
 from prefixgate.gateway.router.settings import RouterSettings
-from prefixgate.gateway.server.serve import EVENT_LOOP, BoundServer
+from prefixgate.gateway.server.launch import EVENT_LOOP, BoundServer
 from prefixgate.gateway.server.slow_clients import uvicorn_options
 
 logger = logging.getLogger("prefixgate.router")
