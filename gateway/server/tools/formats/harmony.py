@@ -30,9 +30,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from prefixgate.gateway.engine.api import GrammarSpec
+from prefixgate.gateway.engine.grammar.schema_bounds import has_regex
 from prefixgate.gateway.server.tools.formats.base import ParsedCall, ToolCallFormat
 from prefixgate.gateway.server.tools.formats.registry import register_format
-from prefixgate.gateway.server.tools.grammar import tool_grammar
+from prefixgate.gateway.server.tools.grammar import schema_grammar, tool_grammar
 from prefixgate.gateway.server.tools.parser import (
     CallArguments,
     CallEnd,
@@ -165,20 +166,38 @@ class HarmonyFormat(ToolCallFormat):
         """Harmony's message structure with calls in it, per ``tool_choice``:
 
         * ``auto``: messages separated by ``<|start|>assistant``: analysis, final, calls in
-          either header spelling; at most one call, which ends the turn (``<|call|>``);
+          either header spelling; at most one call, which ends the turn (``<|call|>``); with a
+          JSON ``response_format`` the final message's content follows it;
         * ``required`` / a function: the call, right away, in the template's spelling (as
           every format's forced call: analysis first could run to ``max_tokens`` and leave the
           turn without the call it must have);
-        * ``none`` (or no tools): ``response_format`` alone, as for every format.
+        * ``none`` with tools: the messages of ``auto`` without calls (analysis, preambles, the
+          final answer);
+        * a JSON ``response_format`` under ``none`` or without tools: the final message right
+          away, ``<|channel|>final<|message|>`` + the JSON + ``<|return|>``, as the forced call
+          (and as a reasoning span is closed empty before a JSON answer, tools/dialect.py):
+          the answer lands in the channel every surface shows as content;
+        * no tools and no JSON format: free (the parser splits whatever channels it writes); a
+          client's own regex / EBNF / choice grammar writes the whole output, as elsewhere.
         """
-        if not tools or choice.mode == "none":
-            return response_format
-        one = ToolChoice(choice.mode, choice.name, parallel=False)
-        if choice.mode != "auto":
-            return tool_grammar(tools, one, None, parameters_param, scope, fmt=self)
-        spec = tool_grammar(tools, one, None, parameters_param, scope, fmt=self)
-        assert spec is not None
-        return _auto(spec, tools, scope, parameters_param, self)
+        json_format = response_format if _is_json(response_format) else None
+        if tools and choice.mode != "none":
+            one = ToolChoice(choice.mode, choice.name, parallel=False)
+            spec = tool_grammar(tools, one, None, parameters_param, scope, fmt=self)
+            assert spec is not None
+            if choice.mode != "auto":
+                return spec
+            return _auto(spec, tools, scope, parameters_param, self, json_format)
+        if json_format is not None:
+            final = {"type": "tag", "begin": f"{CHANNEL}final{MESSAGE}",
+                     "content": _format_of(json_format, scope), "end": RETURN}
+            return _wrap(_json_spec(json_format), final)
+        if tools and response_format is None:  # none: no calls, the answer in messages
+            grammar = {"type": "tags_with_separator", "tags": _messages(),
+                       "separator": NEXT_MESSAGE, "at_least_one": True}
+            return _wrap(GrammarSpec("structural_tag", param="tool_choice",
+                                     forced_text_finite=True), grammar)
+        return response_format
 
     # ---- parsing ---------------------------------------------------------------------------
 
@@ -217,29 +236,62 @@ def _wrap(spec: GrammarSpec, grammar: dict[str, Any]) -> GrammarSpec:
                        forced_text_finite=spec.forced_text_finite)
 
 
+def _is_json(spec: GrammarSpec | None) -> bool:
+    return spec is not None and spec.kind in ("json_schema", "json_object")
+
+
+def _format_of(response_format: GrammarSpec, scope: str) -> dict[str, Any]:
+    """A JSON ``response_format`` as a structural-tag element (tools/grammar.py's schema
+    grammar: canonical JSON, the 400 naming the field for a bad schema)."""
+    if response_format.kind == "json_object":
+        return {"type": "grammar", "grammar": schema_grammar(
+            {"type": "object"}, response_format.param, strict=False, scope=scope)}
+    return {"type": "grammar", "grammar": schema_grammar(
+        json.loads(response_format.source), response_format.param,
+        strict=response_format.strict, scope=scope)}  # fmt: skip
+
+
+def _json_spec(response_format: GrammarSpec) -> GrammarSpec:
+    """The parameters of a grammar that wraps a JSON ``response_format`` (its field for
+    errors; whether every text it can force is finite, as tools/grammar.py judges a schema)."""
+    schema = json.loads(response_format.source) if response_format.kind == "json_schema" else {}
+    return GrammarSpec("structural_tag", param=response_format.param,
+                       forced_text_finite=not has_regex(schema))
+
+
+def _messages(final_content: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Harmony's non-call messages: analysis, the final answer (its content free text, or
+    ``final_content``), a commentary preamble."""
+    text = {"type": "any_text", "excludes": [m for m in MARKERS if m not in (END, RETURN)]}
+    return [
+        _analysis_tag(),
+        {"type": "tag", "begin": f"{CHANNEL}final{MESSAGE}", "content": final_content or text,
+         "end": [END, RETURN]},
+        {"type": "tag", "begin": f"{CHANNEL}commentary{MESSAGE}", "content": text, "end": END},
+    ]  # fmt: skip
+
+
 def _auto(spec: GrammarSpec, tools: Sequence[FunctionTool], scope: str,
-          parameters_param: Callable[[int], str], fmt: HarmonyFormat) -> GrammarSpec:
+          parameters_param: Callable[[int], str], fmt: HarmonyFormat,
+          json_format: GrammarSpec | None = None) -> GrammarSpec:
     """Messages (analysis, final, commentary preambles) separated by ``<|start|>assistant``,
-    and at most one call, in either header spelling, which ends the turn."""
+    and at most one call, in either header spelling, which ends the turn; the final message's
+    content follows ``json_format`` when one is given."""
     calls = []
     for index, tool in enumerate(tools):
         content = fmt.content(tool, parameters_param(index), scope)
         for header in (template_call_header(tool.name), harmony_call_header(tool.name)):
             calls.append({"type": "tag", "begin": header, "content": content, "end": CALL})
-    text = {"type": "any_text", "excludes": [m for m in MARKERS if m not in (END, RETURN)]}
-    messages = [
-        _analysis_tag(),
-        {"type": "tag", "begin": f"{CHANNEL}final{MESSAGE}", "content": text,
-         "end": [END, RETURN]},
-        {"type": "tag", "begin": f"{CHANNEL}commentary{MESSAGE}", "content": text, "end": END},
-    ]  # fmt: skip
+    final = _format_of(json_format, scope) if json_format is not None else None
     one_call = {"type": "tags_with_separator", "tags": calls, "separator": NEXT_MESSAGE,
                 "at_least_one": True, "stop_after_first": True}
-    some_messages = {"type": "tags_with_separator", "tags": messages, "separator": NEXT_MESSAGE,
-                     "at_least_one": True}
+    some_messages = {"type": "tags_with_separator", "tags": _messages(final),
+                     "separator": NEXT_MESSAGE, "at_least_one": True}
     grammar = {"type": "or", "elements": [
         some_messages, one_call,
         {"type": "sequence", "elements": [some_messages, _const(NEXT_MESSAGE), one_call]}]}
+    if json_format is not None and not _json_spec(json_format).forced_text_finite:
+        spec = GrammarSpec(spec.kind, spec.source, param=spec.param, forced_text_finite=False)
     return _wrap(spec, grammar)
 
 
@@ -303,6 +355,10 @@ class HarmonyParser:
         recipient = _RECIPIENT.search(header)
         self._channel = channel.group(1) if channel else ""
         self._recipient = recipient.group(1) if recipient else None
+        if self._recipient is not None and not self._recipient.startswith("functions."):
+            # a built-in tool (browser.*, python): never declared by the gateway, so never a
+            # call a client could run; its message is shown as text (docs/tool-formats.md)
+            self._recipient = None
         self._state = "body"
         return True
 

@@ -9,6 +9,7 @@ import json
 import pytest
 import xgrammar as xgr
 
+from prefixgate.gateway.engine.api import GrammarSpec
 from prefixgate.gateway.engine.grammar.compiler import CompileLimits, GrammarCompiler
 from prefixgate.gateway.server.tools.dialect import choose_dialect
 from prefixgate.gateway.server.tools.formats.harmony import HARMONY
@@ -80,7 +81,46 @@ def test_the_grammar_enforces_calls_in_harmony_for_every_tool_choice(tokenizer, 
     assert not accepts(TEMPLATE_CALL + NEXT + TEMPLATE_CALL)  # one call per turn (the template)
     assert accepts(HARMONY_CALL) == (mode == "auto")  # forced: the template's spelling
     assert accepts(ANALYSIS + NEXT + FINAL) == (mode == "auto")
-    assert HARMONY.grammar([WEATHER], ToolChoice("none")) is None
+    assert HARMONY.grammar([], ToolChoice("auto")) is None  # no tools, no format: free
+
+
+def _accepts(tokenizer, compiled, text: str) -> bool:
+    matcher = xgr.GrammarMatcher(compiled)
+    return all(matcher.accept_token(t) for t in tokenizer.encode(text))
+
+
+JSON_FORMAT = GrammarSpec("json_schema", json.dumps(WEATHER.schema))
+FINAL_JSON = f"<|channel|>final<|message|>{ARGS}<|return|>"
+
+
+@pytest.mark.parametrize("tools", [[], [WEATHER]])
+def test_a_json_answer_is_written_in_the_final_channel(tokenizer, compiler, tools):
+    """Under ``none`` or without tools, a JSON response_format is the final message, right
+    away (not bare JSON where gpt-oss writes a channel header), ended by ``<|return|>``."""
+    compiled = compiler.compile(HARMONY.grammar(tools, ToolChoice("none"), JSON_FORMAT))
+    assert _accepts(tokenizer, compiled, FINAL_JSON)
+    assert not _accepts(tokenizer, compiled, ARGS)  # bare JSON
+    assert not _accepts(tokenizer, compiled, FINAL_JSON.replace("3}", '"x"}'))  # the schema
+    assert not _accepts(tokenizer, compiled, TEMPLATE_CALL)
+    assert not _accepts(tokenizer, compiled, ANALYSIS + NEXT + FINAL_JSON)  # right away
+    plain = HARMONY.grammar(tools, ToolChoice("none"), GrammarSpec("regex", "a+"))
+    assert plain == GrammarSpec("regex", "a+")  # a client's own grammar writes everything
+
+
+def test_none_with_tools_writes_messages_but_no_call(tokenizer, compiler):
+    compiled = compiler.compile(HARMONY.grammar([WEATHER], ToolChoice("none")))
+    assert _accepts(tokenizer, compiled, ANALYSIS + NEXT + FINAL)
+    assert _accepts(tokenizer, compiled, FINAL)
+    assert not _accepts(tokenizer, compiled, TEMPLATE_CALL)
+    assert not _accepts(tokenizer, compiled, ANALYSIS + NEXT + TEMPLATE_CALL)
+    assert not _accepts(tokenizer, compiled, HARMONY_CALL)
+
+
+def test_auto_with_a_json_format_constrains_the_final_message(tokenizer, compiler):
+    compiled = compiler.compile(HARMONY.grammar([WEATHER], ToolChoice("auto"), JSON_FORMAT))
+    assert _accepts(tokenizer, compiled, ANALYSIS + NEXT + FINAL_JSON)
+    assert _accepts(tokenizer, compiled, ANALYSIS + NEXT + TEMPLATE_CALL)
+    assert not _accepts(tokenizer, compiled, ANALYSIS + NEXT + FINAL)  # free text
 
 
 def _events(parser, text: str, *, streamed: bool):
@@ -107,6 +147,22 @@ def test_channels_split_and_calls_parse_whole_and_streamed(tokenizer, streamed, 
     events = _events(answer, ANALYSIS + NEXT + FINAL.removesuffix("<|return|>"), streamed=streamed)
     assert "".join(e.text for e in events if isinstance(e, TextPiece)) == "It is sunny."
     assert "".join(e.text for e in events if isinstance(e, ReasoningPiece)).startswith("The user")
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_the_final_json_answer_is_content_and_a_builtin_recipient_is_no_call(tokenizer,
+                                                                            streamed):
+    dialect = choose_dialect(tokenizer.chat_template)
+    parser = dialect.parser(None, None)
+    events = _events(parser, FINAL_JSON.removesuffix("<|return|>"), streamed=streamed)
+    assert "".join(e.text for e in events if isinstance(e, TextPiece)) == ARGS
+    # a model trained on harmony's built-in tools may address one; none is ever declared here
+    builtin = ('<|channel|>commentary to=python <|constrain|>code<|message|>print(1)<|call|>')
+    parser = dialect.parser([WEATHER], None)
+    events = _events(parser, ANALYSIS + NEXT + builtin.removesuffix("<|call|>"),
+                     streamed=streamed)
+    assert not [e for e in events if isinstance(e, CallEnd)]
+    assert "".join(e.text for e in events if isinstance(e, TextPiece)) == "print(1)"
 
 
 def test_unstructured_text_is_content():
