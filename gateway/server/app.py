@@ -57,12 +57,14 @@ def create_app(
                                             clients=state.clients.snapshot)
     kv_events = None
     if settings.kv_events is not None and settings.kv_events.enabled:
+        from prefixgate.gateway.scaleout.kv_events.metrics import KVEventsCollector
         from prefixgate.gateway.scaleout.kv_events.publisher import (
             publisher_from_settings as kv_events_publisher,
         )
 
         kv_events = kv_events_publisher(engine, settings.kv_events, state.model_name,
                                         DEFAULT_TENANT)
+        state.metrics.registry.register(KVEventsCollector(kv_events.status, state.model_name))
     app = FastAPI(
         title="prefixgate",
         description="Prefix-caching OpenAI-compatible gateway",

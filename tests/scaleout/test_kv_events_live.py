@@ -108,3 +108,25 @@ def test_the_stream_follows_the_pool_and_the_host_tier(replica):
     assert late.blocks == sub.index.blocks and late.next_seq == publisher.status.batches
     assert all(m.pod and m.model == server.config.app.state.server.model_name for m in sub.decoded)
     sub.close()
+
+
+def test_metrics_carry_the_publisher_counters(replica):
+    """/metrics shows the publisher's own counters (published, omitted, dropped, resyncs)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    server, _ = replica
+    publisher = server.config.app.state.kv_events
+    with httpx.Client(base_url=server.base_url, timeout=120) as client:
+        _complete(client, "Metrics note: " + " ".join(f"m{j}" for j in range(40)))
+        wait_for(lambda: publisher.status.stored > 0, 10, "a published block")
+        text = client.get("/metrics").text
+    values = {sample.name: sample.value for family in text_string_to_metric_families(text)
+              for sample in family.samples if sample.name.startswith("prefixgate:kv_events_")}
+    status = publisher.status
+    assert values["prefixgate:kv_events_stored_blocks_total"] > 0
+    assert values["prefixgate:kv_events_resyncs_total"] >= 1  # the first batch is one
+    for name in ("batches", "stored_blocks", "removed_blocks", "omitted_salted", "dropped",
+                 "resyncs", "replays", "errors"):
+        assert f"prefixgate:kv_events_{name}_total" in values, name
+    # counters only grow: what was read before the scrape is a lower bound
+    assert values["prefixgate:kv_events_batches_total"] <= status.batches
