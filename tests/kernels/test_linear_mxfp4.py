@@ -127,3 +127,12 @@ def test_a_malformed_matrix_is_refused():
     with pytest.raises(ValueError, match="multiple of 32"):
         Mxfp4Tensor(torch.zeros(2, 1, 16, dtype=torch.uint8), torch.zeros(2, 1, dtype=torch.uint8),
                     (2, 48))
+
+
+def test_on_another_device_the_matrix_is_expanded_once_in_the_compute_dtype():
+    weight, bias = _weight(16, 64), torch.randn(16)
+    layer = Mxfp4Linear(weight, bias, native=True, device="meta", dtype=torch.bfloat16)
+    assert not layer.native and layer.weight is None
+    assert layer.expanded.device.type == "meta" and layer.expanded.dtype == torch.bfloat16
+    out = layer(torch.empty(3, 64, device="meta", dtype=torch.bfloat16))
+    assert out.shape == (3, 16) and out.dtype == torch.bfloat16
