@@ -22,9 +22,9 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from prefixgate.gateway.http.auth import KeyTable
 from prefixgate.gateway.router.prompt import PromptHasher
 from prefixgate.gateway.router.proxy import ProxyResponse, build_request, upstream_headers
-from prefixgate.gateway.server.auth import KeyTable
 
 
 class DynamoWorker(NamedTuple):
@@ -35,11 +35,14 @@ class DynamoWorker(NamedTuple):
 
 def create_dynamo_router_app(workers: Sequence[DynamoWorker], *, tokenizer: Any, model_id: str,
                              served_model: str, page_size: int, hash_seed: int = 0) -> FastAPI:
-    """The app; ``app.state.decisions`` lists the worker index chosen per request."""
+    """The app; ``app.state.decisions`` lists the worker index chosen per request and
+    ``app.state.overlaps`` (the most blocks any worker held, the blocks the chosen one held)
+    per request: whether Dynamo saw the prefix, and whether it placed by it."""
     from dynamo.llm import SelectionService  # the optional dependency, only when used
 
     hasher = PromptHasher(tokenizer, model_id, page_size, hash_seed, KeyTable({}, None))
     decisions: list[int] = []
+    overlaps: list[tuple[int, int]] = []
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -61,6 +64,7 @@ def create_dynamo_router_app(workers: Sequence[DynamoWorker], *, tokenizer: Any,
 
     app = FastAPI(lifespan=lifespan)
     app.state.decisions = decisions
+    app.state.overlaps = overlaps
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
@@ -73,10 +77,13 @@ def create_dynamo_router_app(workers: Sequence[DynamoWorker], *, tokenizer: Any,
         ids, _, _ = await asyncio.to_thread(hasher.token_ids, path, json.loads(body))
         selection_id = uuid.uuid4().hex
         service = request.app.state.service
+        scores = await service.overlap_scores({"model_name": served_model, "token_ids": ids})
         picked = await service.select_and_reserve({
             "model_name": served_model, "token_ids": ids, "selection_id": selection_id})
         index = int(picked["worker_id"]) - 1
         decisions.append(index)
+        best = max((int(w["device_blocks"]) for w in scores["workers"]), default=0)
+        overlaps.append((best, int(picked["overlap"]["longest_matched"]) // page_size))
         client: httpx.AsyncClient = request.app.state.client
         upstream = await client.send(build_request(
             client, "POST", workers[index].url + path,

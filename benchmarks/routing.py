@@ -20,6 +20,20 @@ one replica keeps its prefixes cached; one that sprays requests makes every repl
 system prompt and conversation, and evicts. That is where placement decides the hit rate of a
 fleet running at capacity.
 
+--workload hot: the same agents behind ONE system prompt (groups = 1, agents = groups x
+agents-per-group): the worst case of prefix affinity, where every request matches the replica
+that computed the shared prompt first. --workload trace: a Mooncake-format trace replayed over
+HTTP as benchmarks.trace replays it (its flags: --trace, --mode, --sessions, --quick, ...), the
+pool --pool-fraction of the trace's working set (distinct blocks + outputs).
+
+Policies: cache_aware (ours, Redis index), round_robin, random, dynamo (NVIDIA Dynamo's
+SelectionService fed by the replicas' KV events, benchmarks/dynamo_router.py; --dynamo-env
+DYN_...=V sets its KvRouterConfig through Dynamo's variables). For dynamo the run also reports
+dynamo_overlap_seen (requests whose prefix Dynamo's index found on some replica) and
+dynamo_best_overlap_chosen (of those, the share placed on the replica with the longest overlap):
+a hashing mismatch shows as the first near 0, a cost function that outweighs overlap with load
+as the second near 1/2.
+
 Measured per policy, in one run:
   hit_rate        sum(usage cached_tokens) / sum(usage prompt_tokens) over all requests
   prefill_tokens  prompt tokens the replicas actually computed (engine counters, both replicas)
@@ -125,7 +139,7 @@ def dynamo_server(servers: list[GatewayServer], tokenizer: Any, model_id: str) -
     import uvicorn
 
     from benchmarks.dynamo_router import DynamoWorker, create_dynamo_router_app
-    from prefixgate.gateway.server.launch import BoundServer
+    from prefixgate.gateway.http.bound_server import BoundServer
 
     workers = [DynamoWorker(s.base_url, s.config.app.state.kv_events.endpoint,
                             s.config.app.state.kv_events.replay_endpoint) for s in servers]
@@ -136,61 +150,105 @@ def dynamo_server(servers: list[GatewayServer], tokenizer: Any, model_id: str) -
                                       log_level="warning", lifespan="on"))
 
 
-def run_policy(policy: str, urls: list[str], redis_url: str, engines: list[AsyncEngine],
-               tokenizer: Any, model_id: str, config: SwarmConfig,
-               replica_servers: list[GatewayServer] | None = None) -> dict[str, Any]:
-    with httpx.Client(timeout=120) as client:
-        for url in urls:
-            client.post(url + "/v1/cache/reset").raise_for_status()
+def open_front(policy: str, urls: list[str], redis_url: str, tokenizer: Any, model_id: str,
+               seed: int, replica_servers: list[GatewayServer]) -> tuple[Any, Any]:
+    """(the front door's server, our router's state or None) for one policy."""
     if policy == "dynamo":
-        assert replica_servers is not None
-        server = dynamo_server(replica_servers, tokenizer, model_id)
-    else:
-        settings = RouterSettings(replicas=tuple(urls), redis_url=redis_url, port=0,
-                                  policy=policy, page_size=PAGE_SIZE, log_level="warning",
-                                  seed=config.seed)
-        app = create_router_app(settings, tokenizer=tokenizer, model_id=model_id)
-        server = router_server(settings, app)
-    thread = ServersThread([server], [])
-    thread.start_and_wait()
-    try:
-        if policy != "dynamo":
-            router = app.state.router
-            wait_until(lambda: all(r.heartbeat_fresh for r in router.fleet), 30, "heartbeats")
-        before = prefill_computed(engines)
-        result: RunResult = asyncio.run(run_workload(
-            build_workload(config), Endpoint(policy, server.base_url), page_size=PAGE_SIZE,
-            tokenize=False))
-        for engine in engines:
-            engine.wait_idle(60)
-        prefill = prefill_computed(engines) - before
-        if policy == "dynamo":
-            decisions = [_Decision(urls[i], "dynamo") for i in server.config.app.state.decisions]
-        else:
-            decisions = list(router.decisions)
-    finally:
-        thread.stop()
+        return dynamo_server(replica_servers, tokenizer, model_id), None
+    settings = RouterSettings(replicas=tuple(urls), redis_url=redis_url, port=0, policy=policy,
+                              page_size=PAGE_SIZE, log_level="warning", seed=seed)
+    app = create_router_app(settings, tokenizer=tokenizer, model_id=model_id)
+    return router_server(settings, app), app.state.router
+
+
+def run_load(base_url: str, label: str, config: SwarmConfig | None,
+             replay: list[Any] | None, mode: str) -> dict[str, Any]:
+    """Send the swarm (``config``) or the trace (``replay``) through ``base_url``."""
+    if replay is not None:
+        from benchmarks.trace import replay_requests, summarise
+
+        wall_s, outcomes = asyncio.run(replay_requests(base_url, None, replay, mode))
+        figures = summarise(outcomes, wall_s)
+        return {key: figures[key] for key in ("hit_rate", "prompt_tokens", "wall_s",
+                                              "ttft_p50_s", "ttft_p90_s", "errors")}
+    result: RunResult = asyncio.run(run_workload(
+        build_workload(config), Endpoint(label, base_url), page_size=PAGE_SIZE, tokenize=False))
     ok = [r for r in result.records if r.ok]
     prompt = sum(r.prompt_tokens or 0 for r in ok)
     cached = sum(r.cached_tokens or 0 for r in ok)
-    shares = Counter(d.replica for d in decisions)
     ttfts = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
     return {
         "hit_rate": cached / prompt if prompt else 0.0,
-        "prefill_tokens": prefill,
         "prompt_tokens": prompt,
-        "max_load_share": max(shares.values()) / len(decisions),
-        "requests_per_replica": dict(sorted(shares.items())),
         "wall_s": result.wall_s,
         "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
         "ttft_p90_s": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))] if ttfts else None,
         "errors": len(result.records) - len(ok),
-        "reasons": dict(sorted(Counter(d.reason for d in decisions).items())),
     }
 
 
-def main() -> None:
+def dynamo_figures(app: Any) -> dict[str, Any]:
+    """Whether Dynamo saw each prompt's prefix somewhere, and whether it placed by it."""
+    overlaps = app.state.overlaps
+    seen = [(best, chosen) for best, chosen in overlaps if best > 0]
+    return {"dynamo_overlap_seen": len(seen) / len(overlaps) if overlaps else None,
+            "dynamo_best_overlap_chosen": (sum(chosen == best for best, chosen in seen)
+                                           / len(seen)) if seen else None}
+
+
+def run_policy(policy: str, urls: list[str], redis_url: str, engines: list[AsyncEngine],
+               tokenizer: Any, model_id: str, config: SwarmConfig | None,
+               replica_servers: list[GatewayServer], replay: list[Any] | None = None,
+               mode: str = "closed") -> dict[str, Any]:
+    with httpx.Client(timeout=120) as client:
+        for url in urls:
+            client.post(url + "/v1/cache/reset").raise_for_status()
+    seed = config.seed if config is not None else 0
+    server, router = open_front(policy, urls, redis_url, tokenizer, model_id, seed,
+                                replica_servers)
+    thread = ServersThread([server], [])
+    thread.start_and_wait()
+    extra: dict[str, Any] = {}
+    try:
+        if router is not None:
+            wait_until(lambda: all(r.heartbeat_fresh for r in router.fleet), 30, "heartbeats")
+        before = prefill_computed(engines)
+        figures = run_load(server.base_url, policy, config, replay, mode)
+        for engine in engines:
+            engine.wait_idle(60)
+        figures["prefill_tokens"] = prefill_computed(engines) - before
+        if router is None:
+            app = server.config.app
+            decisions = [_Decision(urls[i], "dynamo") for i in app.state.decisions]
+            extra = dynamo_figures(app)
+        else:
+            decisions = list(router.decisions)
+    finally:
+        thread.stop()
+    shares = Counter(d.replica for d in decisions)
+    figures.update({
+        "max_load_share": max(shares.values()) / len(decisions),
+        "requests_per_replica": dict(sorted(shares.items())),
+        "reasons": dict(sorted(Counter(d.reason for d in decisions).items())),
+        **extra,
+    })
+    return figures
+
+
+def trace_pages(replay: list[Any], pool_fraction: float) -> tuple[int, int]:
+    """(KV pages per replica, the trace's working set in pages incl. outputs)."""
+    from benchmarks.trace_workload import describe
+
+    shape = describe(replay, PAGE_SIZE)
+    working_set = -(-(shape["working_set_tokens"] + shape["output_tokens"]) // PAGE_SIZE)
+    return max(64, round(pool_fraction * working_set)), working_set
+
+
+def parse_args() -> Any:
     parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=("swarm", "hot", "trace"), default="swarm",
+                        help="swarm: the agent swarm; hot: the same agents sharing ONE system "
+                        "prompt; trace: a Mooncake-format trace replay (benchmarks.trace flags)")
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--agents-per-group", type=int, default=4)
     parser.add_argument("--turns", type=int, default=3)
@@ -200,7 +258,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--pool-fraction", type=float, default=0.5,
-                        help="KV pages per replica, as a fraction of the swarm's working set")
+                        help="KV pages per replica, as a fraction of the workload's working set")
     parser.add_argument("--num-pages", type=int, default=None, help="KV pages per replica "
                         "(overrides --pool-fraction)")
     parser.add_argument("--seed", type=int, default=0)
@@ -209,17 +267,18 @@ def main() -> None:
     parser.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES), choices=POLICIES,
                         help="dynamo: NVIDIA Dynamo's SelectionService fed by the replicas' KV "
                         "events (needs ai-dynamo-runtime)")
-    args = parser.parse_args()
-    torch.set_num_threads(args.torch_threads)
-    config = SwarmConfig(groups=args.groups, agents_per_group=args.agents_per_group,
-                         turns=args.turns, system_tokens=args.system_tokens,
-                         task_tokens=args.task_tokens, followup_tokens=args.followup_tokens,
-                         max_tokens=args.max_tokens, concurrency=args.concurrency,
-                         temperature=0.0, seed=args.seed)
-    loaded = load_model(None)
-    working_set = working_set_pages(config, loaded.tokenizer)
-    num_pages = args.num_pages or max(64, round(args.pool_fraction * working_set))
-    redis_process, redis_url = start_redis()
+    parser.add_argument("--dynamo-env", nargs="*", default=[], metavar="DYN_X=VALUE",
+                        help="Dynamo KvRouterConfig overrides through its DYN_* variables, e.g. "
+                        "DYN_ROUTER_PREFILL_LOAD_SCALE=4")
+    from benchmarks.trace import add_workload_arguments
+
+    add_workload_arguments(parser)
+    return parser.parse_args()
+
+
+def start_replicas(num_pages: int, loaded: Any, redis_url: str
+                   ) -> tuple[list[AsyncEngine], list[GatewayServer], list[str], dict[str, Any]]:
+    """Two replicas in this process (one loaded model, an engine and pool each)."""
     engines, servers, urls = [], [], []
     for index in range(2):
         core, info = create_llm_engine(EngineConfig(num_pages=num_pages, page_size=PAGE_SIZE,
@@ -235,6 +294,37 @@ def main() -> None:
         servers.append(GatewayServer(uvicorn_config(app, settings), engine, settings))
         engines.append(engine)
         urls.append(f"http://127.0.0.1:{port}")
+    return engines, servers, urls, info
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.torch_threads)
+    for assignment in args.dynamo_env:
+        name, _, value = assignment.partition("=")
+        os.environ[name] = value
+    config = SwarmConfig(groups=args.groups, agents_per_group=args.agents_per_group,
+                         turns=args.turns, system_tokens=args.system_tokens,
+                         task_tokens=args.task_tokens, followup_tokens=args.followup_tokens,
+                         max_tokens=args.max_tokens, concurrency=args.concurrency,
+                         temperature=0.0, seed=args.seed)
+    if args.workload == "hot":  # every agent behind one system prompt
+        config = SwarmConfig(**{**config.to_dict(), "groups": 1,
+                                "agents_per_group": args.groups * args.agents_per_group})
+    loaded = load_model(None)
+    replay, shape = None, {}
+    if args.workload == "trace":
+        from benchmarks.trace import build_from_args
+
+        replay, shape = build_from_args(args)
+        pages, working_set = trace_pages(replay, args.pool_fraction)
+        config = None
+    else:
+        working_set = working_set_pages(config, loaded.tokenizer)
+        pages = max(64, round(args.pool_fraction * working_set))
+    num_pages = args.num_pages or pages
+    redis_process, redis_url = start_redis()
+    engines, servers, urls, info = start_replicas(num_pages, loaded, redis_url)
     thread = ServersThread(servers, engines)
     thread.start_and_wait()
     per_policy: dict[str, dict[str, Any]] = {}
@@ -242,19 +332,25 @@ def main() -> None:
         for policy in args.policies:
             print(f"running {policy} ...", flush=True)
             per_policy[policy] = run_policy(policy, urls, redis_url, engines, loaded.tokenizer,
-                                            loaded.name, config, servers)
+                                            loaded.name, config, servers, replay, args.mode)
     finally:
         thread.stop()
         redis_process.kill()
+    report(args, config, shape, per_policy, num_pages, working_set, info)
+
+
+def report(args: Any, config: SwarmConfig | None, shape: dict[str, Any],
+           per_policy: dict[str, dict[str, Any]], num_pages: int, working_set: int,
+           info: dict[str, Any]) -> None:
     results: dict[str, Any] = {
-        "workload": config.to_dict(),
-        "num_requests": build_workload(config).num_requests,
-        "num_pages_per_replica": num_pages,
-        "working_set_pages": working_set,
-        "page_size": PAGE_SIZE,
-        "replicas": 2,
-        "torch_threads": args.torch_threads,
-        "device": info["device"],
+        "workload_kind": args.workload,
+        "workload": config.to_dict() if config is not None else shape,
+        "num_requests": build_workload(config).num_requests if config is not None
+        else shape["requests"],
+        "num_pages_per_replica": num_pages, "working_set_pages": working_set,
+        "page_size": PAGE_SIZE, "replicas": 2, "torch_threads": args.torch_threads,
+        "device": info["device"], "dynamo_env": args.dynamo_env,
+        "load_average": os.getloadavg(),
     }
     for policy, figures in per_policy.items():
         for key, value in figures.items():
@@ -266,12 +362,12 @@ def main() -> None:
                                    and per_policy["cache_aware"]["max_load_share"] <= 0.65)
     rows = []
     for key in ("hit_rate", "prefill_tokens", "max_load_share", "wall_s", "ttft_p50_s",
-                "ttft_p90_s", "errors"):
-        for policy in per_policy:
-            rows.append((f"{key}_{policy}", per_policy[policy][key]))
+                "ttft_p90_s", "errors", "dynamo_overlap_seen", "dynamo_best_overlap_chosen"):
+        rows += [(f"{key}_{policy}", figures[key]) for policy, figures in per_policy.items()
+                 if key in figures]
     rows += [(k, results[k]) for k in ("hit_rate_gain_vs_round_robin", "goal_met")
              if k in results]
-    print_table("routing (benchmarks.routing): 2 replicas, "
+    print_table(f"routing (benchmarks.routing, {args.workload}): 2 replicas, "
                 f"{results['num_requests']} requests per policy", rows)
     write_json(args.json, results)
 

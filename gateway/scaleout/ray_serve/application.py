@@ -15,7 +15,9 @@ from prefixgate.gateway.scaleout.ray_serve.replica import PrefixgateReplica, Rep
 # --router: ours, Ray Serve LLM's character-prefix router, Ray's default (power of two choices)
 ROUTERS = {
     "prefix": "prefixgate.gateway.scaleout.ray_serve.request_router.PrefixAwareRequestRouter",
-    "prefix_cache_affinity": "ray.serve.llm.request_router.PrefixCacheAffinityRouter",
+    # (its public alias, ray.serve.llm.request_router, imports ray.serve.llm: pyarrow and more)
+    "prefix_cache_affinity": "ray.llm._internal.serve.routing_policies.prefix_aware."
+    "prefix_aware_router.PrefixCacheAffinityRouter",
     "pow2": "ray.serve._private.request_router.pow_2_router.PowerOfTwoChoicesRequestRouter",
 }
 
