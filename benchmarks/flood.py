@@ -66,8 +66,8 @@ from benchmarks.common import base_parser, write_json
 from benchmarks.server_process import memory_mb
 from benchmarks.serving import prefixgate_process
 from prefixgate.agents.report import percentile
-from prefixgate.gateway.server.fields import MAX_TEXT_CHARS
 from prefixgate.gateway.http.limits import MIB
+from prefixgate.gateway.server.fields import MAX_TEXT_CHARS
 
 TARGET_P99_S = 0.5  # issue #27.1
 BODY_KINDS = ("chat", "responses", "messages", "chat_tokenized")
@@ -86,7 +86,7 @@ SMALL_CHAT = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens"
               "temperature": 0}
 # the server's 400 for a text that cannot fit names the byte bound (PromptTooLongError)
 BYTE_BOUND_RE = re.compile(r"spell at most (\d+) bytes")
-# a one-prompt route's 413 names its cap (gateway/server/slow_clients.py prompt_body_caps)
+# a one-prompt route's 413 names its cap (gateway/http/slow_clients.py prompt_body_caps)
 ROUTE_CAP_RE = re.compile(r"limit of (\d+) bytes of this route")
 MEMORY_SAMPLE_S = 0.2
 

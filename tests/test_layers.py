@@ -244,3 +244,34 @@ def test_a_rule_names_the_file_the_import_and_the_rule(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "all_imports", lambda: (planted,))
     message = _violations("cache/", lambda imp: _top(imp.module) == "torch", "no torch in cache")
     assert message == ["cache/planted.py:3 imports torch  (rule: no torch in cache)"]
+
+
+# what the router may take from gateway/server (issue 39): the surfaces' wire formats, parsed as
+# a replica parses them, and what renders a prompt exactly as a replica does (tokenization,
+# tools, the settings' format names), the dashboard page, the cache-stats JSON and the agent
+# header's name. HTTP plumbing (auth, errors, request ids, limits, metric labels, the bound
+# uvicorn server) comes from gateway/http, which both import; nothing else of a surface.
+ROUTER_MAY_USE = (*(f"prefixgate.gateway.server.{name}.schemas" for name in SURFACES),
+                  *(f"prefixgate.gateway.server.{name}" for name in (
+                      "tokenization", "tools", "settings", "dashboard", "routes_cache", "state")))
+
+
+def test_the_router_imports_no_server_internals():
+    def internal(imp: Import) -> bool:
+        # ``from prefixgate.gateway.server import dashboard`` names the package and the module
+        if imp.module == "prefixgate.gateway.server":
+            return False
+        return (_within(imp.module, "prefixgate.gateway.server")
+                and not _within(imp.module, *ROUTER_MAY_USE))
+
+    _assert_none(_violations(
+        "gateway/router/", internal,
+        "gateway/router imports from gateway/server only the surfaces' schemas and the prompt "
+        "rendering; shared HTTP pieces live in gateway/http"))
+
+
+def test_the_shared_http_module_imports_no_server_or_router():
+    _assert_none(_violations(
+        "gateway/http/", lambda imp: _within(imp.module, "prefixgate.gateway.server",
+                                             "prefixgate.gateway.router"),
+        "gateway/http is shared by the server and the router: it imports neither"))

@@ -26,6 +26,12 @@ from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from prefixgate.gateway.engine.api import EngineError
+from prefixgate.gateway.http.auth import Principal, authenticate, require_admin
+from prefixgate.gateway.http.disconnect import ClientDisconnected, until_disconnect
+from prefixgate.gateway.http.errors import install_exception_handlers
+from prefixgate.gateway.http.metric_labels import CONTENT_TYPE
+from prefixgate.gateway.http.request_id import RequestIdMiddleware
+from prefixgate.gateway.http.slow_clients import BodyLimitMiddleware
 from prefixgate.gateway.router.fleet import ReplicaState
 from prefixgate.gateway.router.prompt import (
     CHAT_PATH,
@@ -46,12 +52,6 @@ from prefixgate.gateway.router.settings import RouterSettings
 from prefixgate.gateway.router.state import RouterState
 from prefixgate.gateway.router.stats import fleet_stats_json
 from prefixgate.gateway.server import dashboard
-from prefixgate.gateway.server.auth import Principal, authenticate, require_admin
-from prefixgate.gateway.server.errors import install_exception_handlers
-from prefixgate.gateway.server.generation import ClientDisconnected, until_disconnect
-from prefixgate.gateway.server.metrics import CONTENT_TYPE
-from prefixgate.gateway.server.request_id import RequestIdMiddleware
-from prefixgate.gateway.server.slow_clients import BodyLimitMiddleware
 
 logger = logging.getLogger("prefixgate.router")
 router = APIRouter()
@@ -360,7 +360,7 @@ def create_router_app(settings: RouterSettings, *, tokenizer: Any = None,
     app = FastAPI(title="prefixgate router", description="Cache-aware router over prefixgate "
                   "replicas", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.router = state
-    app.state.keys = state.keys  # read by gateway.server.auth
+    app.state.keys = state.keys  # read by gateway.http.auth
     install_exception_handlers(app)
     app.include_router(router)
     # The replicas' dashboard, polling the fleet-wide /v1/cache/stats above.

@@ -7,10 +7,10 @@ from typing import Any
 
 import uvicorn
 
+from prefixgate.gateway.http.bound_server import EVENT_LOOP, BoundServer
+from prefixgate.gateway.http.slow_clients import uvicorn_options
 from prefixgate.gateway.router.app import create_router_app
 from prefixgate.gateway.router.settings import RouterSettings
-from prefixgate.gateway.server.launch import EVENT_LOOP, BoundServer
-from prefixgate.gateway.server.slow_clients import uvicorn_options
 
 logger = logging.getLogger("prefixgate.router")
 

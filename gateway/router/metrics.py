@@ -14,9 +14,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from prefixgate.cache.stats import HitStats
+from prefixgate.gateway.http.metric_labels import StickyLabeler
 from prefixgate.gateway.router.fleet import Fleet
 from prefixgate.gateway.scaleout.fleet_stats import FleetStats
-from prefixgate.gateway.server.metrics import StickyLabeler
 
 PREFIX = "prefixgate:"
 

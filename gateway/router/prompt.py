@@ -16,11 +16,11 @@ from typing import Any, NamedTuple
 from pydantic import ValidationError
 
 from prefixgate.cache.hashing import BlockHasher, make_extra_keys
+from prefixgate.gateway.http.api_keys import DEFAULT_TENANT
+from prefixgate.gateway.http.auth import KeyTable
 from prefixgate.gateway.server.anthropic.schemas import MessagesRequest
-from prefixgate.gateway.server.auth import KeyTable
 from prefixgate.gateway.server.openai.schemas import ChatCompletionRequest, CompletionRequest
 from prefixgate.gateway.server.responses.schemas import ResponsesRequest
-from prefixgate.gateway.server.settings import DEFAULT_TENANT
 from prefixgate.gateway.server.state import AGENT_HEADER
 from prefixgate.gateway.server.tokenization import template_inputs
 from prefixgate.gateway.server.tools.dialect import choose_dialect

@@ -4,7 +4,7 @@ sent it (status, headers, and the body's raw bytes, streamed chunk by chunk).
 * Streaming is preserved byte for byte: ``aiter_raw`` hands over exactly what arrived.
 * A client that goes away closes the upstream response, which closes the connection: the
   replica sees the disconnect and aborts the request (frees its pages). Before the response
-  starts, :func:`gateway.server.generation.until_disconnect` watches for it; after, Starlette cancels the body.
+  starts, :func:`gateway.http.disconnect.until_disconnect` watches for it; after, Starlette cancels the body.
 * If the replica dies mid-stream, an SSE stream ends with an error event and ``[DONE]``
   (when it was cut between events), as a replica itself does when its engine fails.
 """
@@ -20,7 +20,7 @@ import httpx
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from prefixgate.gateway.server.errors import REQUEST_ID_HEADER, error_body
+from prefixgate.gateway.http.errors import REQUEST_ID_HEADER, error_body
 
 # RFC 9110 connection-specific headers, plus those the HTTP stack sets itself.
 _HOP_BY_HOP = frozenset({

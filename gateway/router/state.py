@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from prefixgate.gateway.http.auth import KeyTable
 from prefixgate.gateway.router.fleet import Fleet, HashFacts, ReplicaState
 from prefixgate.gateway.router.index import IndexReader
 from prefixgate.gateway.router.metrics import RouterMetrics
@@ -27,10 +28,8 @@ from prefixgate.gateway.router.policy import Candidate, Decision, least_loaded, 
 from prefixgate.gateway.router.prompt import RESPONSES_PATH, PromptHasher, PromptKey
 from prefixgate.gateway.router.recent import RecentRoutes, SessionTable
 from prefixgate.gateway.router.settings import RouterSettings
-from prefixgate.gateway.scaleout.keys import RedisKeys
+from prefixgate.gateway.scaleout.keys import RESPONSE_KEY_PREFIX, RedisKeys
 from prefixgate.gateway.scaleout.redis_client import REDIS_ERRORS
-from prefixgate.gateway.server.auth import KeyTable
-from prefixgate.gateway.server.responses.store import REDIS_KEY_PREFIX as RESPONSE_KEY_PREFIX
 
 logger = logging.getLogger("prefixgate.router")
 

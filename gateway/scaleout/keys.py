@@ -17,6 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_NAMESPACE = "prefixgate"
+# stored Responses API responses (previous_response_id), written by a replica's response store
+# and read by the router, which places a continuation where its conversation's prefix lives;
+# outside the fleet namespace: a response id is unique on its own
+RESPONSE_KEY_PREFIX = "prefixgate:response:"
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,13 +11,14 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from prefixgate.gateway.engine.api import EngineLike
+from prefixgate.gateway.http.auth import KeyTable
+from prefixgate.gateway.http.errors import REQUEST_ID_HEADER, install_exception_handlers
+from prefixgate.gateway.http.request_id import RequestIdMiddleware
+from prefixgate.gateway.http.slow_clients import BodyLimitMiddleware, prompt_body_caps
 from prefixgate.gateway.server import dashboard, routes_cache, routes_ops
 from prefixgate.gateway.server.anthropic import routes as anthropic_routes
-from prefixgate.gateway.server.auth import KeyTable
-from prefixgate.gateway.server.errors import REQUEST_ID_HEADER, install_exception_handlers
 from prefixgate.gateway.server.metrics import GatewayMetrics
 from prefixgate.gateway.server.openai import routes as openai_routes
-from prefixgate.gateway.server.request_id import RequestIdMiddleware
 from prefixgate.gateway.server.responses import routes as responses_routes
 from prefixgate.gateway.server.responses.store import (
     MemoryResponseStore,
@@ -25,7 +26,6 @@ from prefixgate.gateway.server.responses.store import (
     ResponseStore,
 )
 from prefixgate.gateway.server.settings import DEFAULT_TENANT, ServerSettings
-from prefixgate.gateway.server.slow_clients import BodyLimitMiddleware, prompt_body_caps
 from prefixgate.gateway.server.state import ServerState
 from prefixgate.gateway.server.tokenization import Tokenization
 

@@ -14,36 +14,12 @@ import uvicorn
 from prefixgate.gateway.engine.api import EngineLike
 from prefixgate.gateway.engine.config import EngineConfig
 from prefixgate.gateway.engine.kernel_report import engine_kernel_report
+from prefixgate.gateway.http.bound_server import EVENT_LOOP, BoundServer
+from prefixgate.gateway.http.slow_clients import uvicorn_options
 from prefixgate.gateway.server.app import create_app
 from prefixgate.gateway.server.settings import ServerSettings
-from prefixgate.gateway.server.slow_clients import uvicorn_options
 
 logger = logging.getLogger("prefixgate.server")
-
-# NOTE: uvicorn's default ("auto") picks uvloop whenever it is importable, and ray[serve]
-# (the dev extras, #40.2) installs it. The suite was validated on asyncio's loop (the stream
-# pacing, the engine's wakeups, the slow-client timers), so the servers pin it: installing a
-# package must never silently change the event loop (docs/fleet.md, "The event loop").
-EVENT_LOOP = "asyncio"
-
-
-class BoundServer(uvicorn.Server):
-    """A uvicorn server that knows the address it actually bound (port 0 = any free port)."""
-
-    @property
-    def bound_port(self) -> int:
-        """The port actually bound (differs from the configured one when that was 0)."""
-        for server in self.servers:
-            for sock in server.sockets:
-                return sock.getsockname()[1]
-        raise RuntimeError("the server has not bound a socket yet")
-
-    @property
-    def base_url(self) -> str:
-        host = self.config.host
-        shown = f"[{host}]" if ":" in host else host
-        return f"http://{shown}:{self.bound_port}"
-
 
 class ServersThread(threading.Thread):
     """uvicorn servers (and the engines they use) on one event loop in a daemon thread: for

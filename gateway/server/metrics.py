@@ -24,11 +24,10 @@ from prometheus_client.registry import Collector
 from prefixgate.cache.stats import CacheStats, HitStats
 from prefixgate.cache.ttl_policy import RecomputeCost
 from prefixgate.gateway.engine.api import Delta, EngineLike, EngineStats, Usage
+from prefixgate.gateway.http.metric_labels import StickyLabeler
 
 PREFIX = "prefixgate:"
 VLLM_PREFIX = "vllm:"  # the few series named as vLLM names them, for external routers
-OTHER_LABEL = "__other__"
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _TTFT_BUCKETS = (
     0.001,
@@ -100,37 +99,6 @@ _E2E_BUCKETS = (
     1920.0,
     7680.0,
 )
-
-
-class StickyLabeler:
-    """Maps an unbounded set of keys onto at most ``max_labels`` label values plus ``__other__``."""
-
-    def __init__(self, max_labels: int):
-        self.max_labels = max_labels
-        self._labelled: set[str] = set()
-        self._overflow: set[str] = set()
-
-    def admit(self, keys_busiest_first: Iterable[str]) -> None:
-        for key in keys_busiest_first:
-            if key in self._labelled or key in self._overflow:
-                continue
-            if len(self._labelled) < self.max_labels and key != OTHER_LABEL:
-                self._labelled.add(key)
-            else:
-                self._overflow.add(key)
-
-    def label(self, key: str) -> str:
-        return key if key in self._labelled else OTHER_LABEL
-
-    def fold(self, per_key: Mapping[str, HitStats]) -> dict[str, tuple[int, int]]:
-        """``{key: stats}`` → ``{label: (query_tokens, hit_tokens)}`` with overflow summed."""
-        self.admit(sorted(per_key, key=lambda k: -per_key[k].query_tokens))
-        folded: dict[str, tuple[int, int]] = {}
-        for key, stats in per_key.items():
-            label = self.label(key)
-            queries, hits = folded.get(label, (0, 0))
-            folded[label] = (queries + stats.query_tokens, hits + stats.hit_tokens)
-        return folded
 
 
 class EngineCollector(Collector):

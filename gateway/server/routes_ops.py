@@ -7,8 +7,8 @@ import asyncio
 
 from fastapi import APIRouter, Request, Response
 
-from prefixgate.gateway.server.auth import require_admin
-from prefixgate.gateway.server.metrics import CONTENT_TYPE
+from prefixgate.gateway.http.auth import require_admin
+from prefixgate.gateway.http.metric_labels import CONTENT_TYPE
 from prefixgate.gateway.server.state import server_state
 
 router = APIRouter()

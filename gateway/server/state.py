@@ -10,9 +10,9 @@ from fastapi import Request
 
 from prefixgate.cache.stats import CacheStats
 from prefixgate.gateway.engine.api import EngineLike, EngineStats, InvalidRequestError
-from prefixgate.gateway.server.auth import KeyTable
+from prefixgate.gateway.http.auth import KeyTable
+from prefixgate.gateway.http.errors import ModelNotFoundError
 from prefixgate.gateway.server.clients import ClientCounters, model_served
-from prefixgate.gateway.server.errors import ModelNotFoundError
 from prefixgate.gateway.server.fields import MAX_LABEL_CHARS
 from prefixgate.gateway.server.metrics import GatewayMetrics
 from prefixgate.gateway.server.settings import ServerSettings

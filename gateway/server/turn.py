@@ -25,9 +25,10 @@ from prefixgate.gateway.engine.api import (
     GrammarSpec,
     SamplingParams,
 )
-from prefixgate.gateway.server.auth import Principal
+from prefixgate.gateway.http.auth import Principal
+from prefixgate.gateway.http.disconnect import ClientDisconnected
 from prefixgate.gateway.server.clients import ClientCounters
-from prefixgate.gateway.server.generation import ClientDisconnected, open_streams
+from prefixgate.gateway.server.generation import open_streams
 from prefixgate.gateway.server.retention import (
     note_arrival,
     retain_later,

@@ -14,12 +14,8 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 
 from prefixgate.gateway.engine.api import Delta, TokenLogprob, Usage
-from prefixgate.gateway.server.generation import (
-    DeltaStream,
-    merge_streams,
-    sum_usage,
-    until_disconnect,
-)
+from prefixgate.gateway.http.disconnect import until_disconnect
+from prefixgate.gateway.server.generation import DeltaStream, merge_streams, sum_usage
 from prefixgate.gateway.server.metrics import RequestTimer
 from prefixgate.gateway.server.tools import Event, ReasoningPiece, TextPiece, ToolCallOutput
 from prefixgate.gateway.server.tools.repeats import GuardedParser

@@ -14,8 +14,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from prefixgate.gateway.engine.api import EngineError
-from prefixgate.gateway.server.errors import request_id_of
-from prefixgate.gateway.server.generation import ClientDisconnected
+from prefixgate.gateway.http.disconnect import ClientDisconnected
+from prefixgate.gateway.http.errors import request_id_of
 from prefixgate.gateway.server.sse import SSEResponse
 from prefixgate.gateway.server.turn_stream import ChoiceDelta, TurnEnd, TurnStream
 

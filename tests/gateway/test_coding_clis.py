@@ -212,8 +212,8 @@ def test_claude_codes_full_default_turns_are_accepted_and_extend(npm_bin, gatewa
     """The full default request (what the two-turn test above trims with --tools, to keep the
     prefill short on CPU): recorded from the real CLI, then counted by the gateway (validation,
     bounds, template; no prefill), and hashed as the router does: turn 2 reads turn 1's blocks."""
+    from prefixgate.gateway.http.auth import KeyTable
     from prefixgate.gateway.router.prompt import MESSAGES_PATH, PromptHasher
-    from prefixgate.gateway.server.auth import KeyTable
 
     served = httpx.get(gateway_url + "/v1/models", timeout=30).json()["data"][0]["id"]
     first, second = _record_default_turns(npm_bin, tmp_path, served)

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from prefixgate.gateway.server.request_id import RequestIdMiddleware
+from prefixgate.gateway.http.request_id import RequestIdMiddleware
 
 pytestmark = pytest.mark.slow
 

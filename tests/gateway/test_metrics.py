@@ -94,7 +94,7 @@ def test_metrics_parse_and_count(client, gateway):
 
 def test_agent_labels_are_bounded_and_sticky():
     from prefixgate.cache.stats import HitStats
-    from prefixgate.gateway.server.metrics import OTHER_LABEL, StickyLabeler
+    from prefixgate.gateway.http.metric_labels import OTHER_LABEL, StickyLabeler
 
     labeler = StickyLabeler(max_labels=2)
     first = {"a": HitStats(1, 100, 10), "b": HitStats(1, 300, 30), "c": HitStats(1, 200, 20)}
@@ -115,7 +115,8 @@ def test_retention_series_per_tenant_and_agent_fold_like_the_hits():
 
     from prefixgate.cache.stats import CacheStats, HitStats
     from prefixgate.gateway.engine.api import EngineStats, Usage
-    from prefixgate.gateway.server.metrics import OTHER_LABEL, EngineCollector, GatewayMetrics
+    from prefixgate.gateway.http.metric_labels import OTHER_LABEL
+    from prefixgate.gateway.server.metrics import EngineCollector, GatewayMetrics
 
     hits = {"a": HitStats(2, 300, 200, 1, 64), "b": HitStats(1, 200, 0), "c": HitStats(1, 100, 50, 1, 32)}
     cache = CacheStats(

@@ -14,14 +14,14 @@ import httpx
 import pytest
 
 from prefixgate.gateway.http.limits import ConnectionLimits
-from prefixgate.gateway.server import ServerSettings, create_app
-from prefixgate.gateway.server.launch import GatewayServer, ServersThread, uvicorn_config
-from prefixgate.gateway.server.slow_clients import (
+from prefixgate.gateway.http.slow_clients import (
     JSON_ESCAPE_BYTES,
     NON_PROMPT_BYTES,
     ONE_PROMPT_ROUTES,
     prompt_body_caps,
 )
+from prefixgate.gateway.server import ServerSettings, create_app
+from prefixgate.gateway.server.launch import GatewayServer, ServersThread, uvicorn_config
 
 HEADER_TIMEOUT_S = 1.5
 BODY_TIMEOUT_S = 1.5

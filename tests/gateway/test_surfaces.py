@@ -8,13 +8,13 @@ import json
 
 import pytest
 
+from prefixgate.gateway.http.auth import KeyTable
 from prefixgate.gateway.router.prompt import (
     CHAT_PATH,
     MESSAGES_PATH,
     RESPONSES_PATH,
     PromptHasher,
 )
-from prefixgate.gateway.server.auth import KeyTable
 
 pytestmark = pytest.mark.slow
 

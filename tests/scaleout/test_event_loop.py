@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
+from prefixgate.gateway.http.bound_server import EVENT_LOOP
 from prefixgate.gateway.router.launch import router_server
 from prefixgate.gateway.router.settings import RouterSettings
-from prefixgate.gateway.server.launch import EVENT_LOOP, uvicorn_config
+from prefixgate.gateway.server.launch import uvicorn_config
 from prefixgate.gateway.server.settings import ServerSettings
 
 

@@ -115,7 +115,7 @@ def test_the_benchmark_front_door_places_with_dynamo(replicas, loaded_model):
     import uvicorn
 
     from benchmarks.dynamo_router import DynamoWorker, create_dynamo_router_app
-    from prefixgate.gateway.server.launch import BoundServer
+    from prefixgate.gateway.http.bound_server import BoundServer
     from tests.scaleout.conftest import free_port
 
     workers = [DynamoWorker(s.base_url, s.config.app.state.kv_events.endpoint,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from prefixgate.gateway.http.auth import KeyTable
 from prefixgate.gateway.router.prompt import CHAT_PATH, COMPLETIONS_PATH, PromptHasher
-from prefixgate.gateway.server.auth import KeyTable
 from tests.scaleout.conftest import PAGE_SIZE
 
 pytestmark = pytest.mark.slow

@@ -9,9 +9,9 @@ import uuid
 
 from fastapi import APIRouter, Depends, Request
 
+from prefixgate.gateway.http.auth import Principal, authenticate
 from prefixgate.gateway.server.anthropic.schemas import CountTokensRequest, MessagesRequest
 from prefixgate.gateway.server.anthropic.writer import MessagesWriter
-from prefixgate.gateway.server.auth import Principal, authenticate
 from prefixgate.gateway.server.state import server_state
 from prefixgate.gateway.server.turn import open_turn
 from prefixgate.gateway.server.turn_writer import respond

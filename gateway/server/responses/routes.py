@@ -15,8 +15,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request, Response
 
 from prefixgate.gateway.engine.api import InvalidRequestError
-from prefixgate.gateway.server.auth import Principal, authenticate
-from prefixgate.gateway.server.errors import NotFoundError
+from prefixgate.gateway.http.auth import Principal, authenticate
+from prefixgate.gateway.http.errors import NotFoundError
 from prefixgate.gateway.server.responses.schemas import ResponsesRequest
 from prefixgate.gateway.server.responses.writer import ResponsesWriter, store_of
 from prefixgate.gateway.server.state import server_state

@@ -17,9 +17,9 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-logger = logging.getLogger("prefixgate.server")
+from prefixgate.gateway.scaleout.keys import RESPONSE_KEY_PREFIX
 
-REDIS_KEY_PREFIX = "prefixgate:response:"
+logger = logging.getLogger("prefixgate.server")
 
 
 @dataclass(slots=True)
@@ -86,19 +86,19 @@ class RedisResponseStore:
         return await asyncio.wait_for(coroutine, self.timeout_s)
 
     async def get(self, response_id: str, tenant: str) -> StoredResponse | None:
-        raw = await self._call(self.redis.get(REDIS_KEY_PREFIX + response_id))
+        raw = await self._call(self.redis.get(RESPONSE_KEY_PREFIX + response_id))
         if raw is None:
             return None
         stored = StoredResponse(**json.loads(raw))
         return stored if stored.tenant == tenant else None
 
     async def put(self, stored: StoredResponse) -> None:
-        await self._call(self.redis.set(REDIS_KEY_PREFIX + stored.id,
+        await self._call(self.redis.set(RESPONSE_KEY_PREFIX + stored.id,
                                         json.dumps(asdict(stored), ensure_ascii=False),
                                         px=max(1, int(self.ttl_s * 1000))))
 
     async def delete(self, response_id: str, tenant: str) -> bool:
         if await self.get(response_id, tenant) is None:
             return False
-        return bool(await self._call(self.redis.delete(REDIS_KEY_PREFIX + response_id)))
+        return bool(await self._call(self.redis.delete(RESPONSE_KEY_PREFIX + response_id)))
 

@@ -11,8 +11,8 @@ from typing import Any
 from starlette.requests import Request
 
 from prefixgate.gateway.engine.api import EngineError
-from prefixgate.gateway.server.auth import Principal
-from prefixgate.gateway.server.errors import engine_error_body, error_body
+from prefixgate.gateway.http.auth import Principal
+from prefixgate.gateway.http.errors import engine_error_body, error_body
 from prefixgate.gateway.server.responses.schemas import ResponsesRequest, dumps, output_messages
 from prefixgate.gateway.server.responses.store import ResponseStore, StoredResponse
 from prefixgate.gateway.server.sse import sse_named_event

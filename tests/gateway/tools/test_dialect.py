@@ -265,8 +265,8 @@ def test_granite_sees_its_calls_in_the_history():
 
 def test_the_router_hashes_with_the_replicas_dialect():
     from prefixgate.gateway.engine.loader.hf import _load_tokenizer
+    from prefixgate.gateway.http.auth import KeyTable
     from prefixgate.gateway.router.prompt import PromptHasher
-    from prefixgate.gateway.server.auth import KeyTable
     from tests.family_fixtures import family_fixture
 
     tokenizer = _load_tokenizer(family_fixture("llama3").hf_dir)

@@ -10,11 +10,22 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from fastapi import Request
 
-from prefixgate.gateway.server.errors import AuthenticationError, PermissionDeniedError
-from prefixgate.gateway.server.settings import DEFAULT_TENANT, ServerSettings
+from prefixgate.gateway.http.api_keys import DEFAULT_TENANT
+from prefixgate.gateway.http.errors import AuthenticationError, PermissionDeniedError
+
+
+class KeySettings(Protocol):
+    """What the key table reads from ServerSettings and RouterSettings alike."""
+
+    @property
+    def api_keys(self) -> Mapping[str, str]: ...
+
+    @property
+    def admin_key(self) -> str | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +53,8 @@ class KeyTable:
         return self._admin is not None
 
     @classmethod
-    def from_settings(cls, settings: ServerSettings) -> KeyTable:
+    def from_settings(cls, settings: KeySettings) -> KeyTable:
+        """The table of a server's or a router's settings (both carry api_keys and admin_key)."""
         return cls(settings.api_keys, settings.admin_key)
 
     def principal(self, key: str) -> Principal | None:

@@ -35,8 +35,8 @@ import h11
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from prefixgate.gateway.http.errors import ANTHROPIC_PATH, anthropic_error_body, error_body
 from prefixgate.gateway.http.limits import ConnectionLimits
-from prefixgate.gateway.server.errors import ANTHROPIC_PATH, anthropic_error_body, error_body
 
 logger = logging.getLogger("prefixgate.server")
 

@@ -14,7 +14,7 @@ import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from prefixgate.gateway.server.errors import REQUEST_ID_HEADER, error_body
+from prefixgate.gateway.http.errors import REQUEST_ID_HEADER, error_body
 
 logger = logging.getLogger("prefixgate.server")
 
