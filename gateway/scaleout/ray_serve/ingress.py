@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from prefixgate.gateway.http.auth import KeyTable
 from prefixgate.gateway.router.prompt import PROMPT_PATHS, PromptHasher
 from prefixgate.gateway.scaleout.kv_events.wire import u64
 from prefixgate.gateway.scaleout.ray_serve.forwarded import (
@@ -28,7 +29,6 @@ from prefixgate.gateway.scaleout.ray_serve.forwarded import (
     ResponseHead,
     message_texts,
 )
-from prefixgate.gateway.server.auth import KeyTable
 
 REPLICA_HEADER = "x-prefixgate-replica"  # which Ray replica served the request
 
