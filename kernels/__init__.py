@@ -6,7 +6,8 @@ A folder per backend, registered in kernels/dispatch.py and chosen once per runn
     torch_cpu/  the torch backend: production on CPU, where it hands fp32 rows to cpu/
     cpu/        the native CPU kernels (C under cpu/csrc, ctypes wrappers) and huge-page memory
     (here)      what every backend shares: the backend interface (backend.py), the registry
-                (dispatch.py), the KV layout (layout.py), input checks (checks.py), the torch
+                (dispatch.py), the registry of a model's layer ops, bound at load
+                (layer_ops.py), the KV layout (layout.py), input checks (checks.py), the torch
                 backend's step plan (attention_plan.py) and gather buffers (workspace.py), the
                 quantized weight format (quant.py) and the grammar-mask op (token_bitmask.py)
 
@@ -34,7 +35,10 @@ Public API (layout in kernels/layout.py; backends in kernels/backend.py, kernels
         kernels/cpu/library.py): the decode and prefill attention kernels the torch backend
         uses for fp32 rows over fp32 or bf16 pages (kernels/cpu/decode.py,
         kernels/cpu/prefill.py) and fused per-token layer ops (kernels/cpu/ops.py: RMSNorm,
-        SiLU-and-multiply, in-place RoPE, the K/V scatter, the linear layer)
+        SiLU-and-multiply, in-place RoPE, the K/V scatter; kernels/cpu/linear*.py: the linear
+        layers)
+    kernels.layer_ops.LayerOps(KernelChoice(...), device, act_dtype): a model's norm,
+        activation, RoPE and linear ops, each picked once at load (kernels/layer_ops.py)
 
 ``triton`` is optional: it is imported only when the Triton backend is first used.
 """

@@ -7,10 +7,15 @@ first use and called through ctypes, plus the CPU-only memory they read (huge pa
     cascade.py      the shared run of cascade (shared-prefix) decode, merged with each
                     member's own pages (csrc/paged_cascade.c)
     attention_inputs.py  the dtype, head-layout and overlap checks the three share
-    ops.py          fused per-token layer ops and the linear layers (csrc/cpu_ops.c, linear.c,
-                    linear_quant.c)
+    ops.py          fused per-token layer ops (csrc/cpu_ops.c): RMSNorm, SiLU-and-multiply,
+                    RoPE, the K/V scatter
+    linear.py       the fp32 linear layer (csrc/linear.c) and the bound native linear op
+    linear_bf16.py  the bf16 mode's linear layer (csrc/linear_bf16.c)
+    linear_quant.py GGUF-block linear layers: weight-only (csrc/linear_quant.c, linear_amx.c)
+                    and the q8 mode's int8 activations (csrc/linear_q8.c)
     host_memory.py  CPU tensors in transparent huge pages (the KV pool, packed weights)
 
-Every entry point declines (returns False) what it does not handle, and the torch backend
-(kernels/torch_cpu/attention.py) runs instead; nothing here is chosen by the dispatch directly.
+Every one-off entry point declines (returns None / False) what it does not handle, and the
+torch path runs instead. A model's layers do not call those: the kernel registry
+(kernels/layer_ops.py) binds the ops here (``Native*`` classes) once, at load, where they apply.
 """

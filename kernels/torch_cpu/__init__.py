@@ -5,4 +5,6 @@
     windowed.py   a sliding layer's attention on the native kernels with their window
     backend.py    the backend object: plans a step once (kernels/attention_plan.py), binds the
                   native K/V writer at start-up, validates the layout once per step
+    linear.py     the linear layers without a native kernel (oneDNN's blocked layout, F.linear,
+                  the bf16 mode's), chosen at load by kernels/layer_ops.py
 """

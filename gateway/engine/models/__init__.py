@@ -13,6 +13,7 @@ from prefixgate.gateway.engine.model_config import ModelConfig
 from prefixgate.gateway.engine.models.decoder import DecoderModel
 from prefixgate.gateway.engine.models.forward_batch import ForwardBatch
 from prefixgate.gateway.engine.models.registry import families, family_for
+from prefixgate.kernels.layer_ops import KernelChoice
 
 # every family module registers itself on import; the Llama family first, so messages that
 # list the supported architectures start with the common ones
@@ -37,19 +38,12 @@ def build_model(
     quantized_weights: bool = True,
     int8_activations: bool = False,
 ) -> Any:
-    """Instantiate the model class of ``config.architecture``'s family on ``device``."""
+    """Instantiate the model class of ``config.architecture``'s family on ``device``, its
+    kernels chosen from the rest (``KernelChoice``, kernels/layer_ops.py)."""
     cls = family_for(config.architecture).model_class
-    return cls(
-        config,
-        weights,
-        device=device,
-        dtype=dtype,
-        max_positions=max_positions,
-        kernel_backend=kernel_backend,
-        native_ops=native_ops,
-        quantized_weights=quantized_weights,
-        int8_activations=int8_activations,
-    )
+    choice = KernelChoice(kernel_backend, native_ops, quantized_weights, int8_activations)
+    return cls(config, weights, device=device, dtype=dtype, max_positions=max_positions,
+               kernels=choice)
 
 
 __all__ = ["DecoderModel", "ForwardBatch", "build_model", "families", "family_for"]

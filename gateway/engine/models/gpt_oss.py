@@ -30,8 +30,8 @@ import torch
 from prefixgate.gateway.engine.model_config import RopeScaling, UnsupportedModelError
 from prefixgate.gateway.engine.models.decoder import DecoderModel
 from prefixgate.gateway.engine.models.registry import ModelFamily, register_family
+from prefixgate.kernels.layer_ops import Mxfp4Experts, Mxfp4Tensor
 from prefixgate.kernels.quant import QuantizedTensor
-from prefixgate.kernels.torch_cpu.mxfp4 import Mxfp4Experts, Mxfp4Tensor
 
 _LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
 

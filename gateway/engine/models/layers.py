@@ -1,34 +1,20 @@
 """The pieces every decoder layer is made of: RMSNorm, the gated MLP, the activation dtype.
 
-Flat layout: ``[num_tokens, hidden]`` for the whole step. On CPU in fp32 (``native``) the norm
-and SiLU-and-multiply run as fused native ops (kernels/cpu/ops.py) where the library builds;
-each falls back to its torch ops otherwise, with the same math.
+Flat layout: ``[num_tokens, hidden]`` for the whole step. Which implementation each piece runs
+(the fused native ops of kernels/cpu/ on CPU in fp32 where the library builds, torch ops
+otherwise, with the same math) is chosen once at load by the kernel registry
+(kernels/layer_ops.py): a layer holds the bound op.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from prefixgate.gateway.engine.models.linear import Linear
-from prefixgate.kernels.cpu.ops import rms_norm_native, silu_mul_native
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, native: bool = False) -> torch.Tensor:
-    """``weight * x / rms(x)`` over the last dim, computed in fp32 (as the reference does).
-
-    ``native``: fp32 CPU rows go through one fused native pass when it is available.
-    """
-    if native:
-        out = rms_norm_native(x, weight, eps)
-        if out is not None:
-            return out
-    dtype = x.dtype
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
+from prefixgate.kernels.layer_ops import rms_norm
 
 
 def activation_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
@@ -41,30 +27,19 @@ def activation_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
 
 
 class DenseMLP(NamedTuple):
-    """``down(act(gate) * up)``: SwiGLU (``silu``) or Gemma's GeGLU (``gelu_tanh``)."""
+    """``down(act(gate) * up)``: SwiGLU (``silu``) or Gemma's GeGLU (``gelu_tanh``); ``act`` is
+    the registry's gated activation (``LayerOps.gated_activation``), bound at load."""
 
     gate_up: Linear  # H -> 2I (gate rows first)
     down: Linear  # I -> H
-    activation: str  # "silu" or "gelu_tanh"
-    native: bool = False  # fused native SiLU-and-multiply (CPU fp32)
-
-    def _hidden(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, I]
-        gate_up = self.gate_up(x)  # [T, 2I]
-        if self.native and self.activation == "silu":
-            act = silu_mul_native(gate_up)
-            if act is not None:
-                return act
-        inter = gate_up.shape[1] // 2
-        gate = gate_up[:, :inter]
-        act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
-        return act * gate_up[:, inter:]
+    act: Callable[[torch.Tensor], torch.Tensor]  # [T, 2I] -> [T, I]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        return self.down(self._hidden(x))
+        return self.down(self.act(self.gate_up(x)))
 
     def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + mlp(x)``, the add fused into the down projection."""
-        return self.down.add_to(self._hidden(x), residual)
+        return self.down.add_to(self.act(self.gate_up(x)), residual)
 
 
 __all__ = ["DenseMLP", "activation_dtype", "rms_norm"]

@@ -1,57 +1,33 @@
-"""A linear layer whose weight is laid out once for the fastest GEMM on its device.
+"""A linear layer whose weight is laid out once, at load, for the GEMM the kernel registry
+picks for it (kernels/layer_ops.py, ``bind_linear``: the table of weight forms and kernels).
 
-With the native CPU kernels on (fp32), the weight is packed for kernels/cpu/csrc/linear.c (16-column
-blocks streamed k-major; faster than oneDNN for decode-sized batches, equal for prefill; see
-there). Otherwise, on x86 CPUs the weight is reordered into oneDNN's blocked format
-(``torch.ops.mkldnn._reorder_linear_weight``) and applied with ``_linear_pointwise``: faster
-than MKL's sgemm for decode-sized batches (M = 1..32) and for prefill (docs/benchmarks.md),
-and it fuses the residual add. Elsewhere (GPU, a
-torch without oneDNN, non-fp32) it is plain ``F.linear`` / ``addmm``. Both compute in the
-weight's dtype with fp32 accumulation; results differ only in summation order.
+fp32 weights run on the native CPU kernel (kernels/cpu/csrc/linear.c) with the native ops on,
+else oneDNN's blocked layout on x86 CPUs, else ``F.linear``. A weight still in ggml blocks (a
+GGUF's Q4_0/Q4_1/Q8_0) runs natively in its blocks (linear_quant.c: a decode step streams
+~96 MB instead of 540 MB of fp32 for SmolLM2), or with ``int8_activations`` (the ``--dtype q8``
+mode, docs/precision.md) on int8-quantized inputs (linear_q8.c); elsewhere it is dequantized
+once, exactly. A bf16 weight on CPU (the ``--dtype bf16`` mode) takes fp32 activations and
+returns fp32: the input is rounded to bf16 for the GEMM only (linear_bf16.c natively, else
+oneDNN's bf16 GEMM or ``F.linear``, widened before the fp32 bias and residual).
 
-A weight still in ggml blocks (:class:`~prefixgate.kernels.quant.QuantizedTensor`, from a GGUF
-file) runs natively in its blocks (kernels/cpu/csrc/linear_quant.c: a decode step streams ~96 MB
-instead of 540 MB of fp32 for SmolLM2) when ``native`` is set and the kernel is built here;
-otherwise it is dequantized once, exactly, and takes the paths above. With ``int8_activations``
-(the ``--dtype q8`` mode, docs/precision.md) such a weight is repacked for
-kernels/cpu/csrc/linear_q8.c instead: each input row is quantized to int8 per 32 k and the block
-products are summed in integers (AVX512-VNNI), output, bias and residual in fp32.
-
-A bf16 weight on CPU (the ``--dtype bf16`` mode, docs/precision.md) takes fp32 activations and
-returns fp32: the input is rounded to bf16 for the GEMM only, products are summed in fp32, and
-bias and residual stay fp32. Natively (kernels/cpu/csrc/linear_bf16.c: AMX tiles, or
-AVX512-BF16 where AMX is absent) that is one call with the epilogue fused; otherwise oneDNN's
-bf16 GEMM (or ``F.linear``), whose bf16 output is widened before the fp32 bias and residual.
+:class:`Linear` holds the bound op and forwards each call to it: nothing is chosen per call.
 """
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
-import torch.nn.functional as F
 
-from prefixgate.kernels.cpu.host_memory import HugePageArena
-from prefixgate.kernels.cpu.ops import (
-    linear_bf16_native,
-    linear_native,
-    linear_q8_native,
-    linear_quant_native,
-    pack_bf16_weight,
-    pack_linear_weight,
-    pack_q8_weight,
-    pack_quant_weight,
-    q8_rows_native,
-    quant_rows_native,
+from prefixgate.kernels.layer_ops import (
+    HugePageArena,
+    LinearOp,
+    bind_linear,
+    linear_form,
+    onednn_linear_available,
 )
 from prefixgate.kernels.quant import QuantizedTensor
-
-# oneDNN picks its blocked layout for this many rows; the choice barely matters between 16 and
-# 128 rows, and this one also serves 1-row decode and 2048-row prefill best (docs/benchmarks.md)
-_PACK_BATCH_HINT = 64
-
 
 # Layers built over the same source tensors with the same flags, shared by every model built
 # over them: packing the quantized blocks is seconds of CPU per model, and a process may build
@@ -83,19 +59,6 @@ def shared_linear(
     return layer
 
 
-@functools.cache
-def onednn_linear_available() -> bool:
-    """Whether this torch can run oneDNN-packed fp32 linear layers on CPU."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        weight = torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 8), _PACK_BATCH_HINT)
-        out = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8), weight, None, "none", [], "")
-    except (RuntimeError, AttributeError):
-        return False
-    return bool(torch.all(out == 8))
-
-
 class Linear:
     """``y = x @ weight.T (+ bias)`` for ``x [T, in]``; ``weight [out, in]``.
 
@@ -105,16 +68,19 @@ class Linear:
             compute only), kept as they are with ``native``.
         bias: ``[out_features]`` or None.
         pack: reorder for oneDNN (CPU fp32 / bf16 only; ignored where unavailable).
-        native: pack for the native CPU kernel (kernels/cpu/ops.py) when it is available;
-            takes precedence over ``pack``.
+        native: the native CPU kernel where it takes the weight; takes precedence over ``pack``.
         arena: where the natively packed weight is allocated (huge pages; see
             kernels/cpu/host_memory.py); None: an ordinary allocation.
         int8_activations: a natively run ggml-block weight multiplies int8-quantized inputs
             (linear_q8.c, the q8 mode) where that kernel is built; other weights ignore it.
+
+    Attributes (what the registry chose, for reports and tests): ``native`` the natively
+    packed weight or None, ``packed`` oneDNN's or None, ``weight`` the plain one or None,
+    ``quant`` the ggml type kept in blocks, ``q8`` int8 activations, ``bf16`` a bf16 weight.
     """
 
     __slots__ = (
-        "bf16", "bias", "in_features", "native", "out_features", "packed", "q8", "quant",
+        "_op", "bf16", "bias", "in_features", "native", "out_features", "packed", "q8", "quant",
         "weight",
     )
 
@@ -129,116 +95,27 @@ class Linear:
         int8_activations: bool = False,
     ):
         self.out_features, self.in_features = weight.shape
-        self.quant: str | None = None  # the ggml type of a natively packed quantized weight
-        # a bf16 weight on CPU: activations enter and leave in fp32 (rounded for the GEMM only)
-        self.bf16 = (
-            isinstance(weight, torch.Tensor)
-            and weight.dtype == torch.bfloat16
-            and weight.device.type == "cpu"
-        )
-        self.native = None
-        self.q8 = False  # the block weight's products take int8 activations (linear_q8.c)
-        if isinstance(weight, QuantizedTensor):
-            if native and int8_activations:
-                self.native = pack_q8_weight(weight, arena)
-                self.q8 = self.native is not None
-            if native and not self.q8:
-                self.native = pack_quant_weight(weight, arena)
-            if self.native is not None:
-                self.quant = weight.qtype
-            else:
-                weight = weight.dequantize()
-        elif native:
-            pack_native = pack_bf16_weight if self.bf16 else pack_linear_weight
-            self.native = pack_native(weight, arena)
-        # the native kernel reads the bias as one dense row
-        self.bias = bias.contiguous() if bias is not None and self.native is not None else bias
-        use_onednn = (
-            self.native is None
-            and pack
-            and weight.device.type == "cpu"
-            and weight.dtype in (torch.float32, torch.bfloat16)
-            and onednn_linear_available()
-        )
-        self.packed = (
-            torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_BATCH_HINT)
-            if use_onednn
-            else None
-        )
-        # BLAS takes the transposed view as is; no second copy of the weight
-        self.weight = None if use_onednn or self.native is not None else weight
+        self._op: LinearOp = bind_linear(weight, bias, native=native, pack=pack,
+                                         int8_activations=int8_activations, arena=arena)
+        form = linear_form(self._op)
+        self.native, self.packed, self.weight = form.native, form.packed, form.weight
+        self.quant, self.q8, self.bf16 = form.quant, form.q8, form.bf16
+        self.bias = form.bias if form.native is not None else bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        if self.native is not None:
-            return self._native(x, None)
-        if self.bf16:
-            out = self._bf16_product(x)
-            return out if self.bias is None else out + self.bias
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        return self._op(x)
 
     def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + x @ weight.T`` (+ bias), the add fused into the GEMM."""
-        if self.native is not None:
-            return self._native(x, residual)
-        if self.bf16:
-            out = residual + self._bf16_product(x)
-            return out if self.bias is None else out + self.bias
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise.binary(
-                x, residual, self.packed, self.bias, "add"
-            )
-        out = torch.addmm(residual, x, self.weight.t())
-        return out if self.bias is None else out + self.bias
-
-    def _bf16_product(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ weight.T`` of a bf16 weight without its native kernel, in ``x``'s dtype."""
-        xb = x.to(torch.bfloat16)
-        if self.packed is not None:
-            out = torch.ops.mkldnn._linear_pointwise(xb, self.packed, None, "none", [], "")
-        else:
-            out = F.linear(xb, self.weight)
-        return out.to(x.dtype)
+        return self._op.add_to(x, residual)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """``weight[ids]`` (``[T, in]``) of a natively packed quantized weight: the embedding
         lookup from the tied LM head's blocks, so no fp32 table is kept beside them."""
-        if self.quant is None:
+        rows = getattr(self._op, "rows", None)
+        if rows is None:
             raise TypeError("rows(): only for a natively packed quantized weight")
-        gather = q8_rows_native if self.q8 else quant_rows_native
-        out = gather(ids, self.native, self.quant, (self.out_features, self.in_features))
-        if out is None:
-            raise ValueError(f"rows(): ids {ids.dtype} on {ids.device} must be 1-D int64 on CPU")
-        return out
-
-    def _native(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        assert self.native is not None
-        out = self._native_once(x, residual)
-        if out is None:  # a column stride other than 1: one dense copy, then the same kernel
-            x = x.contiguous()
-            residual = None if residual is None else residual.contiguous()
-            out = self._native_once(x, residual)
-        if out is None:
-            raise ValueError(
-                f"linear: input {tuple(x.shape)} {x.dtype} on {x.device} does not fit the "
-                f"[{self.out_features}, {self.in_features}] "
-                f"{'bf16' if self.bf16 else 'fp32'} CPU weight (fp32 activations)"
-            )
-        return out
-
-    def _native_once(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
-        if self.q8:
-            return linear_q8_native(
-                x, self.native, self.quant, self.out_features, self.bias, residual
-            )
-        if self.quant is not None:
-            return linear_quant_native(
-                x, self.native, self.quant, self.out_features, self.bias, residual
-            )
-        if self.bf16:
-            return linear_bf16_native(x, self.native, self.out_features, self.bias, residual)
-        return linear_native(x, self.native, self.out_features, self.bias, residual)
+        return rows(ids)
 
 
-__all__ = ["Linear", "onednn_linear_available"]
+__all__ = ["Linear", "onednn_linear_available", "shared_linear"]

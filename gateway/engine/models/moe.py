@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from prefixgate.kernels.layer_ops import grouped_by_expert
 from prefixgate.kernels.quant import QuantizedTensor
-from prefixgate.kernels.torch_cpu.moe import grouped_by_expert
 
 # x [n, in] -> [n, out]: a Linear (models/linear.py), or any callable computing one
 Projection = Callable[[torch.Tensor], torch.Tensor]

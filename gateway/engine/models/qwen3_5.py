@@ -27,7 +27,6 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from prefixgate import kernels
 from prefixgate.gateway.engine.model_config import (
     LinearAttentionConfig,
     ModelConfig,
@@ -48,24 +47,24 @@ _L2_EPS = 1e-6  # transformers' (and FLA's) l2norm epsilon
 
 
 class _GatedAttention(NamedTuple):
-    input_norm: torch.Tensor  # [H]
+    input_norm: Callable[[torch.Tensor], torch.Tensor]  # bound RMSNorm [T, H] -> [T, H]
     qkvg: Linear  # H -> Q + 2KV + Q (q, k, v, then the output gate)
     q_norm: torch.Tensor  # [D]
     k_norm: torch.Tensor  # [D]
     o: Linear  # Q -> H
-    mlp_norm: torch.Tensor
+    mlp_norm: Callable[[torch.Tensor], torch.Tensor]
     mlp: Any  # DenseMLP | MoEMLP | SharedExpertMoE
 
 
 class _DeltaNet(NamedTuple):
-    input_norm: torch.Tensor  # [H]
+    input_norm: Callable[[torch.Tensor], torch.Tensor]  # bound RMSNorm
     proj: Linear  # H -> C + Hv*Dv + 2Hv (conv inputs q|k|v, z, b, a)
     conv_weight: torch.Tensor  # [C, K]
     decay_rate: torch.Tensor  # [Hv] fp32, -exp(A_log)
     dt_bias: torch.Tensor  # [Hv] fp32
     out_norm: torch.Tensor  # [Dv], plain w (not 1 + w)
     out: Linear  # Hv*Dv -> H
-    mlp_norm: torch.Tensor
+    mlp_norm: Callable[[torch.Tensor], torch.Tensor]
     mlp: Any
     state: int  # index of this layer's state in the runner's state pool
 
@@ -106,7 +105,7 @@ class HybridModel(DecoderModel):
         self._num_states = 0
         super().__init__(config, weights, **kwargs)
         # the backend's conv and recurrence, bound once (native CPU kernels where they build)
-        self.delta_ops = kernels.gated_delta_ops(self.kernel_backend or "torch", self.native_ops)
+        self.delta_ops = self.ops.gated_delta()
         self._recurrent = [kind == "recurrent" for kind in self.layer_kinds()]  # once, not per step
 
     def layer_kinds(self) -> list[str]:
@@ -120,25 +119,25 @@ class HybridModel(DecoderModel):
         if not self.linear.layers[index]:
             attn = p + "self_attn."
             return _GatedAttention(
-                input_norm=place.norm(p + "input_layernorm.weight"),
+                input_norm=self._bound_norm(place, p + "input_layernorm.weight"),
                 qkvg=place.named_linear([attn + f"{n}_proj.weight" for n in ("q", "k", "v", "gate")]),
                 q_norm=place.norm(attn + "q_norm.weight"),
                 k_norm=place.norm(attn + "k_norm.weight"),
                 o=place.named_linear([attn + "o_proj.weight"]),
-                mlp_norm=place.norm(p + "post_attention_layernorm.weight"),
+                mlp_norm=self._bound_norm(place, p + "post_attention_layernorm.weight"),
                 mlp=self._hybrid_mlp(place, p + "mlp."),
             )
         attn = p + "linear_attn."
         state, self._num_states = self._num_states, self._num_states + 1
         return _DeltaNet(
-            input_norm=place.norm(p + "input_layernorm.weight"),
+            input_norm=self._bound_norm(place, p + "input_layernorm.weight"),
             proj=place.named_linear([attn + f"in_proj_{n}.weight" for n in ("qkv", "z", "b", "a")]),
             conv_weight=place.place(place.weights[attn + "conv1d.weight"], torch.float32),
             decay_rate=-place.place(place.weights[attn + "A_log"], torch.float32).exp(),
             dt_bias=place.place(place.weights[attn + "dt_bias"], torch.float32),
             out_norm=place.place(place.weights[attn + "norm.weight"]),
             out=place.named_linear([attn + "out_proj.weight"]),
-            mlp_norm=place.norm(p + "post_attention_layernorm.weight"),
+            mlp_norm=self._bound_norm(place, p + "post_attention_layernorm.weight"),
             mlp=self._hybrid_mlp(place, p + "mlp."),
             state=state,
         )
@@ -153,7 +152,7 @@ class HybridModel(DecoderModel):
             shared=DenseMLP(
                 place.named_linear([shared + "gate_proj.weight", shared + "up_proj.weight"]),
                 place.named_linear([shared + "down_proj.weight"]),
-                self.config.activation, place.native,
+                self.ops.gated_activation(self.config.activation),
             ),  # fmt: skip
             gate=place.tensor(prefix + "shared_expert_gate.weight"),
         )
@@ -232,14 +231,14 @@ class HybridModel(DecoderModel):
         updates: list[tuple[int, tuple[torch.Tensor, ...]]] = []
         states = [c for c, recurrent in zip(kv_caches, self._recurrent, strict=True) if recurrent]
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x = self._norm(hidden, layer.input_norm)
+            x = layer.input_norm(hidden)
             if isinstance(layer, _DeltaNet):
                 mixed = self._delta_net(layer, x, recurrent, cache, updates)
                 hidden = layer.out.add_to(mixed, hidden)
             else:
                 hidden = layer.o.add_to(self._gated_attention(layer, x, batch, cache, cos_sin), hidden)
-            hidden = layer.mlp.add_to(self._norm(hidden, layer.mlp_norm), hidden)
-        last = self._norm(hidden.index_select(0, batch.logits_indices), self.final_norm)
+            hidden = layer.mlp.add_to(layer.mlp_norm(hidden), hidden)
+        last = self._final_norm(hidden.index_select(0, batch.logits_indices))
         logits = self.lm_head(last).float()
         self._write_states(recurrent, states, updates)
         return logits

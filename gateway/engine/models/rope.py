@@ -12,6 +12,7 @@ import math
 import torch
 
 from prefixgate.gateway.engine.model_config import ModelConfig, RopeScaling
+from prefixgate.kernels.layer_ops import rotate_half
 
 
 def _yarn(
@@ -118,12 +119,6 @@ class RotaryEmbedding:
         """cos, sin for ``positions [T]``, shaped ``[T, 1, D/2]`` to broadcast over heads."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
-    @staticmethod
-    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x [T, H, D]`` (any strides) by the angles in ``cos``/``sin [T, 1, D/2]``.
-
-        Pair i is (x[i], x[i + D/2]) (HF's rotate-half). Returns a new contiguous tensor.
-        """
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    # Rotate ``x [T, H, D]`` (any strides) by ``cos``/``sin [T, 1, D/2]``: the torch form; a
+    # model rotates through the op the kernel registry bound at load (LayerOps.rope)
+    rotate = staticmethod(rotate_half)

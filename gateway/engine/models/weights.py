@@ -15,8 +15,7 @@ import torch
 
 from prefixgate.gateway.engine.models.linear import Linear, shared_linear
 from prefixgate.gateway.engine.models.moe import StackedExperts
-from prefixgate.kernels.cpu.host_memory import HugePageArena
-from prefixgate.kernels.cpu.ops import quant_native_available
+from prefixgate.kernels.layer_ops import LayerOps
 from prefixgate.kernels.quant import QuantizedTensor, cat_rows
 
 Weight = torch.Tensor | QuantizedTensor
@@ -29,10 +28,9 @@ class WeightPlacer:
         weights: HF-named tensors, fp32 or ggml blocks (see ``LoadedModel``); read, not kept.
         device / dtype: where and in what precision the matrices compute.
         act_dtype: the activations' dtype (norms, biases, the router).
-        native: the native CPU kernels compute the linear layers (kernels/cpu/ops.py).
-        quantized_weights: keep ggml blocks as they are where the native kernel runs them.
-        int8_activations: those block matrices take int8-quantized inputs (the q8 mode,
-            kernels/cpu/csrc/linear_q8.c); ``int8_layers`` counts the layers that do.
+        ops: the model's kernel registry (kernels/layer_ops.py): which kernels the linear
+            layers run on, whether ggml blocks stay blocks (``ops.quantized``) and take int8
+            inputs (the q8 mode; ``int8_layers`` counts the layers that do).
         norm_weight_offset: added to every norm weight (Gemma scales by ``1 + w``).
     """
 
@@ -43,23 +41,19 @@ class WeightPlacer:
         device: torch.device,
         dtype: torch.dtype,
         act_dtype: torch.dtype,
-        native: bool,
-        quantized_weights: bool,
-        int8_activations: bool = False,
+        ops: LayerOps,
         norm_weight_offset: float = 0.0,
     ) -> None:
         self.weights = weights
         self.device, self.dtype, self.act_dtype = device, dtype, act_dtype
-        self.native = native and device.type == "cpu"
-        self.quantized = (
-            quantized_weights and self.native and dtype == torch.float32
-            and quant_native_available()
-        )  # fmt: skip
-        self.int8_activations = int8_activations and self.quantized
+        self.ops = ops
+        self.native = ops.native_linear
+        self.quantized = ops.quantized
+        self.int8_activations = ops.int8_activations
         self.int8_layers = 0
         self.norm_weight_offset = norm_weight_offset
         # packed native weights sit in huge pages, in the order a step reads them
-        self.arena = HugePageArena() if self.native else None
+        self.arena = ops.weight_arena()
 
     def place(self, tensor: Weight | StackedExperts, to: torch.dtype | None = None) -> torch.Tensor:
         """``tensor`` dequantized, on the device, in ``to`` (default: the activation dtype)."""
