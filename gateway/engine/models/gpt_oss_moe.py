@@ -25,9 +25,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from prefixgate.kernels.cpu.mxfp4 import Mxfp4Linear
-from prefixgate.kernels.torch_cpu.moe import grouped_by_expert
-from prefixgate.kernels.torch_cpu.mxfp4 import Mxfp4Experts, Mxfp4Tensor, cat_rows_mxfp4
+from prefixgate.kernels.layer_ops import (
+    Mxfp4Experts,
+    Mxfp4Linear,
+    Mxfp4Tensor,
+    cat_rows_mxfp4,
+    grouped_by_expert,
+)
 
 # x [n, in] -> [n, out] (+ bias): a models/linear.py Linear
 Projection = Callable[[torch.Tensor], torch.Tensor]
