@@ -166,6 +166,19 @@ def test_only_the_kv_manager_touches_the_cache_internals():
             "retention, state slots, the manager module): use prefixgate.cache's exports"))
 
 
+# the kernel backends' own folders: a model asks the kernel registry (kernels/layer_ops.py) or
+# the dispatch (kernels/dispatch.py, the kernels package) for its ops, bound once at load, and
+# never imports a backend (issue 39, "ops bound per layer at load")
+KERNEL_BACKENDS = tuple(f"prefixgate.kernels.{name}" for name in ("cpu", "triton", "torch_cpu"))
+
+
+def test_models_import_no_kernel_backend():
+    _assert_none(_violations(
+        "gateway/engine/models/", lambda imp: _within(imp.module, *KERNEL_BACKENDS),
+        "gateway/engine/models must not import a kernel backend (kernels.cpu, kernels.triton, "
+        "kernels.torch_cpu): bind ops through the registry (kernels.layer_ops) or the dispatch"))
+
+
 def _module_file(module: str) -> Path | None:
     if not module.startswith("prefixgate."):
         return None
