@@ -24,6 +24,7 @@ from prefixgate.kernels.cpu.mxfp4 import (
 )
 from prefixgate.kernels.torch_cpu.mxfp4 import (
     Mxfp4Tensor,
+    cat_rows_mxfp4,
     linear_mxfp4_reference,
     quantize_mxfp4,
 )
@@ -91,9 +92,22 @@ def test_the_paths_this_machine_has_are_built_and_a_missing_one_is_refused():
 def test_the_layer_falls_back_to_the_reference_and_keeps_the_dtype():
     weight, bias = _weight(16, 64), torch.randn(16)
     x = torch.randn(3, 64)
-    layer = Mxfp4Linear(weight, bias, native=False)
+    layer = Mxfp4Linear([weight], bias, native=False)
     assert torch.equal(layer(x), linear_mxfp4_reference(x, weight, bias))
     assert layer(x.bfloat16()).dtype == torch.bfloat16
+
+
+@native
+def test_a_layer_of_two_parts_writes_each_into_its_columns_without_a_copy():
+    gate, up, bias = _weight(24, 64, seed=1), _weight(40, 64, seed=2), torch.randn(64)
+    x = torch.randn(5, 64)
+    layer = Mxfp4Linear([gate, up], bias, native=True)
+    assert layer.native and layer.parts[0] is gate and layer.parts[1] is up
+    both = cat_rows_mxfp4([gate, up])
+    assert torch.equal(layer(x), linear_mxfp4(x, both, bias))
+    expected = linear_mxfp4_reference(x, both, bias)
+    assert ((layer(x) - expected).abs() <= _bound(x, both).float() + 1e-6).all()
+    assert torch.allclose(Mxfp4Linear([gate, up], bias, native=False)(x), expected)
 
 
 def test_the_quantizer_and_dequantizer_are_gguf_pys_bit_for_bit():
@@ -131,8 +145,8 @@ def test_a_malformed_matrix_is_refused():
 
 def test_on_another_device_the_matrix_is_expanded_once_in_the_compute_dtype():
     weight, bias = _weight(16, 64), torch.randn(16)
-    layer = Mxfp4Linear(weight, bias, native=True, device="meta", dtype=torch.bfloat16)
-    assert not layer.native and layer.weight is None
+    layer = Mxfp4Linear([weight], bias, native=True, device="meta", dtype=torch.bfloat16)
+    assert not layer.native and layer.parts == ()
     assert layer.expanded.device.type == "meta" and layer.expanded.dtype == torch.bfloat16
     out = layer(torch.empty(3, 64, device="meta", dtype=torch.bfloat16))
     assert out.shape == (3, 16) and out.dtype == torch.bfloat16

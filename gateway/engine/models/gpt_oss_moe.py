@@ -29,7 +29,6 @@ from prefixgate.kernels.layer_ops import (
     Mxfp4Experts,
     Mxfp4Linear,
     Mxfp4Tensor,
-    cat_rows_mxfp4,
     grouped_by_expert,
 )
 
@@ -85,8 +84,8 @@ def load_gpt_oss_moe(place: Any, prefix: str, *, top_k: int, alpha: float,
     if isinstance(place.weights[names[0] + ".weight"], Mxfp4Experts):
         gates, ups, downs = (place.weights[n + ".weight"] for n in names)
         experts = [
-            (_mxfp4_linear(place, cat_rows_mxfp4([gate, up]), torch.cat([gate_bias[e], up_bias[e]])),
-             _mxfp4_linear(place, down, down_bias[e]))
+            (_mxfp4_linear(place, [gate, up], torch.cat([gate_bias[e], up_bias[e]])),
+             _mxfp4_linear(place, [down], down_bias[e]))
             for e, (gate, up, down) in enumerate(zip(gates, ups, downs, strict=True))
         ]  # fmt: skip
     else:
@@ -100,11 +99,11 @@ def load_gpt_oss_moe(place: Any, prefix: str, *, top_k: int, alpha: float,
                      experts, top_k=top_k, alpha=alpha, limit=limit)
 
 
-def _mxfp4_linear(place: Any, weight: Mxfp4Tensor, bias: torch.Tensor) -> Mxfp4Linear:
-    """One expert matrix kept in MXFP4: the native kernel where the placer runs native CPU
-    kernels, else the torch reference (CPU) or the matrix expanded once (another device)."""
-    return Mxfp4Linear(weight, bias, native=place.native, device=place.device,
-                       dtype=place.dtype)
+def _mxfp4_linear(place: Any, parts: list[Mxfp4Tensor], bias: torch.Tensor) -> Mxfp4Linear:
+    """One expert layer kept in MXFP4 (gate | up as two parts, never copied together): the
+    native kernel where the placer runs native CPU kernels, else the torch reference (CPU) or
+    the matrices expanded once (another device)."""
+    return Mxfp4Linear(parts, bias, native=place.native, device=place.device, dtype=place.dtype)
 
 
 __all__ = ["GptOssMoE", "load_gpt_oss_moe"]
