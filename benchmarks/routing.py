@@ -151,12 +151,14 @@ def dynamo_server(servers: list[GatewayServer], tokenizer: Any, model_id: str) -
 
 
 def open_front(policy: str, urls: list[str], redis_url: str, tokenizer: Any, model_id: str,
-               seed: int, replica_servers: list[GatewayServer]) -> tuple[Any, Any]:
+               seed: int, replica_servers: list[GatewayServer],
+               router_overrides: dict[str, Any] | None = None) -> tuple[Any, Any]:
     """(the front door's server, our router's state or None) for one policy."""
     if policy == "dynamo":
         return dynamo_server(replica_servers, tokenizer, model_id), None
     settings = RouterSettings(replicas=tuple(urls), redis_url=redis_url, port=0, policy=policy,
-                              page_size=PAGE_SIZE, log_level="warning", seed=seed)
+                              page_size=PAGE_SIZE, log_level="warning", seed=seed,
+                              **(router_overrides or {}))
     app = create_router_app(settings, tokenizer=tokenizer, model_id=model_id)
     return router_server(settings, app), app.state.router
 
@@ -199,13 +201,14 @@ def dynamo_figures(app: Any) -> dict[str, Any]:
 def run_policy(policy: str, urls: list[str], redis_url: str, engines: list[AsyncEngine],
                tokenizer: Any, model_id: str, config: SwarmConfig | None,
                replica_servers: list[GatewayServer], replay: list[Any] | None = None,
-               mode: str = "closed") -> dict[str, Any]:
+               mode: str = "closed", router_overrides: dict[str, Any] | None = None
+               ) -> dict[str, Any]:
     with httpx.Client(timeout=120) as client:
         for url in urls:
             client.post(url + "/v1/cache/reset").raise_for_status()
     seed = config.seed if config is not None else 0
     server, router = open_front(policy, urls, redis_url, tokenizer, model_id, seed,
-                                replica_servers)
+                                replica_servers, router_overrides)
     thread = ServersThread([server], [])
     thread.start_and_wait()
     extra: dict[str, Any] = {}
@@ -267,6 +270,8 @@ def parse_args() -> Any:
     parser.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES), choices=POLICIES,
                         help="dynamo: NVIDIA Dynamo's SelectionService fed by the replicas' KV "
                         "events (needs ai-dynamo-runtime)")
+    parser.add_argument("--balance-abs-threshold", type=int, default=None, metavar="N",
+                        help="our router's load guard (prefixgate route's flag; default its own)")
     parser.add_argument("--dynamo-env", nargs="*", default=[], metavar="DYN_X=VALUE",
                         help="Dynamo KvRouterConfig overrides through its DYN_* variables, e.g. "
                         "DYN_ROUTER_PREFILL_LOAD_SCALE=4")
@@ -323,6 +328,8 @@ def main() -> None:
         working_set = working_set_pages(config, loaded.tokenizer)
         pages = max(64, round(args.pool_fraction * working_set))
     num_pages = args.num_pages or pages
+    overrides = {} if args.balance_abs_threshold is None \
+        else {"balance_abs_threshold": args.balance_abs_threshold}
     redis_process, redis_url = start_redis()
     engines, servers, urls, info = start_replicas(num_pages, loaded, redis_url)
     thread = ServersThread(servers, engines)
@@ -331,8 +338,9 @@ def main() -> None:
     try:
         for policy in args.policies:
             print(f"running {policy} ...", flush=True)
-            per_policy[policy] = run_policy(policy, urls, redis_url, engines, loaded.tokenizer,
-                                            loaded.name, config, servers, replay, args.mode)
+            per_policy[policy] = run_policy(
+                policy, urls, redis_url, engines, loaded.tokenizer, loaded.name, config, servers,
+                replay, args.mode, overrides)
     finally:
         thread.stop()
         redis_process.kill()
@@ -350,6 +358,7 @@ def report(args: Any, config: SwarmConfig | None, shape: dict[str, Any],
         "num_pages_per_replica": num_pages, "working_set_pages": working_set,
         "page_size": PAGE_SIZE, "replicas": 2, "torch_threads": args.torch_threads,
         "device": info["device"], "dynamo_env": args.dynamo_env,
+        "balance_abs_threshold": args.balance_abs_threshold,
         "load_average": os.getloadavg(),
     }
     for policy, figures in per_policy.items():

@@ -41,16 +41,21 @@ class ResponseHead:
     replica: str  # the Ray replica id that served it
 
 
-def message_texts(body: bytes) -> list[Any]:
-    """A request body's text as a list of ``{"content": ...}`` items (Ray's router concatenates
-    their contents): the system prompt first, then the messages or the prompt. A body that is
-    not a JSON object has none (the replica answers it with its 400)."""
+def message_texts(method: str, path: str, body: bytes) -> list[Any]:
+    """A request's text as a list of ``{"content": ...}`` items (Ray's router concatenates
+    their contents): the system prompt first, then the messages or the prompt.
+
+    NOTE: never empty: Ray's ``PrefixCacheAffinityRouter`` divides by the text's length (an
+    empty one kills its routing loop: ZeroDivisionError, the request hangs), so a request
+    without a prompt (``GET /v1/models``, a body that is not JSON) is its method and path.
+    """
+    fallback = [{"content": f"{method} {path}"}]
     try:
-        data = json.loads(body)
+        data = json.loads(body) if body else None
     except ValueError:
-        return []
+        return fallback
     if not isinstance(data, dict):
-        return []
+        return fallback
     items: list[Any] = []
     system = data.get("system") or data.get("instructions")  # Anthropic / Responses
     if system:
@@ -61,4 +66,4 @@ def message_texts(body: bytes) -> list[Any]:
             items += [v if isinstance(v, dict) else {"content": v} for v in value]
         elif isinstance(value, str):
             items.append({"content": value})
-    return items
+    return items or fallback

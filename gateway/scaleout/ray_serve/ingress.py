@@ -14,7 +14,6 @@ here is built without them (a keyed fleet would need the same key table here).
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -95,11 +94,10 @@ class PrefixgateIngress:
         """The request with its block hashes (CPU work: the chat template; on a thread)."""
         hashes: tuple[int, ...] = ()
         num_tokens = 0
-        messages: list[Any] = []
         if method == "POST" and path in PROMPT_PATHS:
             key = self.hasher.key(path, body, dict(headers))
             if key is not None:
                 hashes = tuple(u64(block_hash) for block_hash in key.chain)
                 num_tokens = key.num_tokens
-            messages = message_texts(body)
+        messages = message_texts(method, path, body)
         return ForwardedRequest(method, path, query, headers, body, hashes, num_tokens, messages)
