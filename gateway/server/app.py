@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from prefixgate.gateway.engine.api import EngineLike
+from prefixgate.gateway.http.api_keys import DEFAULT_TENANT
 from prefixgate.gateway.http.auth import KeyTable
 from prefixgate.gateway.http.errors import REQUEST_ID_HEADER, install_exception_handlers
 from prefixgate.gateway.http.request_id import RequestIdMiddleware
@@ -25,7 +26,7 @@ from prefixgate.gateway.server.responses.store import (
     RedisResponseStore,
     ResponseStore,
 )
-from prefixgate.gateway.server.settings import DEFAULT_TENANT, ServerSettings
+from prefixgate.gateway.server.settings import ServerSettings
 from prefixgate.gateway.server.state import ServerState
 from prefixgate.gateway.server.tokenization import Tokenization
 

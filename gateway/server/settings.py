@@ -15,30 +15,17 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from prefixgate.cache.ttl_policy import TTLPolicy
-from prefixgate.gateway.http.api_keys import (
-    DEFAULT_TENANT,
-    check_token,
-    load_api_keys_file,
-    merge_api_keys,
-    parse_api_key,
-    with_keys_file,
-)
+from prefixgate.gateway.http.api_keys import check_token, merge_api_keys, with_keys_file
 from prefixgate.gateway.http.limits import ConnectionLimits
 from prefixgate.gateway.scaleout.kv_events.config import KVEventsConfig, parse_kv_events_config
 from prefixgate.gateway.server.fields import MAX_ALIAS_CHARS, MAX_MODEL_ALIASES
 from prefixgate.gateway.setting import (
-    ENV_PREFIX,
-    env_var,
     nested,
     non_negative_int,
     positive_float,
     positive_int,
     setting,
 )
-
-__all__ = ["DEFAULT_TENANT", "ENV_PREFIX", "TOOL_CALL_FORMATS", "ServerSettings",
-           "check_model_aliases", "env_var", "load_api_keys_file", "merge_api_keys",
-           "parse_api_key"]
 
 # --tool-call-format: "auto" (the one the chat template teaches) or a registered format
 # (gateway/server/tools/formats; a test keeps this list equal to the registry, which the CLI
