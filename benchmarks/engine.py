@@ -229,7 +229,7 @@ def main() -> None:
     warm = warm_records(cached)
     ratios = [rec["ttft_s"] / suffix_floor(runner, rec["prompt"], rec["cached_tokens"]) for rec in warm]
     isolated = []
-    cached_engine.cache.reset_cache()
+    cached_engine.scheduler.cache.reset_cache()
     for rec in warm[:: max(1, len(warm) // 8)]:  # isolated replay: warm its prefix, then time it
         prompt = rec["prompt"]
         warmup = GenerationRequest(tuple(prompt[: rec["cached_tokens"]] + [0]), SamplingParams(max_tokens=1))
@@ -248,7 +248,7 @@ def main() -> None:
         isolated.append(ttft / suffix_floor(runner, prompt, rec["cached_tokens"]))
 
     # The same swarm with each agent pausing for its tool between turns: arrivals spread out.
-    cached_engine.cache.reset_cache()
+    cached_engine.scheduler.cache.reset_cache()
     paused = run_swarm(cached_engine, tok, tool_latency_s=args.tool_latency_s)
     paused_ratios = [
         rec["ttft_s"] / suffix_floor(runner, rec["prompt"], rec["cached_tokens"]) for rec in warm_records(paused)

@@ -89,7 +89,7 @@ def _round(engine: Any, prompts: dict[str, list[int]], seen: list[list[int]],
     peak = 0
     while engine.has_work():
         engine.step()
-        state = engine.cache.state
+        state = engine.scheduler.cache.state
         if state is not None:
             peak = max(peak, state.num_working + state.num_checkpoints)
     tally["peak_slots"] = max(tally.get("peak_slots", 0), peak)
@@ -110,8 +110,8 @@ def swarm(loaded: Any, every: int) -> dict[str, int]:
         for key in history:
             tool = [(3 * turn + 11 * i) % 700 + 60 for i in range(TOOL)]
             history[key] = history[key] + outputs[f"{key}-t{turn}"] + tool
-    engine.cache.check_integrity()
-    state = engine.cache.state
+    engine.scheduler.cache.check_integrity()
+    state = engine.scheduler.cache.state
     if state is not None:
         tally["checkpoints_written"] = state.num_saved
     return tally
@@ -136,7 +136,7 @@ def late_divergence(loaded: Any, every: int) -> dict[str, int]:
     for i in range(LATE):
         shared = rng.randrange(20, BASE - 10)
         _round(engine, {f"late{i}": base[:shared] + [900 + i] * 8}, seen, tally)
-    tally["checkpoints_held"] = engine.cache.state.num_checkpoints if engine.cache.state else 0
+    tally["checkpoints_held"] = engine.scheduler.cache.state.num_checkpoints if engine.scheduler.cache.state else 0
     return tally
 
 

@@ -68,6 +68,7 @@ from prefixgate.cache import KVCacheManager
 from prefixgate.gateway.engine.api import SamplingParams
 from prefixgate.gateway.engine.scheduler import Scheduler
 from prefixgate.gateway.engine.sequence import SeqStatus, Sequence
+from prefixgate.gateway.engine.step_budget import settings_as_given
 
 STEP_BASE_S, STEP_UNIT_S, CONTEXT_SCALE, PAGE = 0.012, 0.0015, 3072, 16
 STEP_KV_READ_S = 0.000013
@@ -197,7 +198,7 @@ class Sim:
         out = self.s.schedule()
         for seq in out.unschedulable:
             raise RuntimeError(f"{seq.request_id} can never fit the pool")
-        units = sum(1 if c.seq.num_computed >= c.seq.num_prompt_tokens else self.s._cost(c.start_pos, c.num_tokens)
+        units = sum(1 if c.seq.num_computed >= c.seq.num_prompt_tokens else self.s.costs.cost(c.start_pos, c.num_tokens)
                     for c in out.chunks)
         prefills = [c for c in out.chunks if c.seq.num_computed < c.seq.num_prompt_tokens]
         self.prefill += sum(c.num_tokens for c in prefills)
@@ -220,7 +221,7 @@ class Sim:
 
 def run_sessions(arm: dict[str, Any], sessions: list[Session], num_pages: int,
                  costs: Costs = Costs()) -> dict[str, Any]:
-    sim = Sim(Scheduler(KVCacheManager(num_pages, PAGE), context_scale=CONTEXT_SCALE, **arm), costs)
+    sim = Sim(scheduler_for(KVCacheManager(num_pages, PAGE), arm), costs)
     due = [(s.turns[0].pause_s, i, 0) for i, s in enumerate(sessions)]
     heapq.heapify(due)
     live = 0
@@ -262,7 +263,7 @@ def run_replay(arm: dict[str, Any], num_pages: int, costs: Costs = Costs()) -> d
     requests = load_trace(TRACE)
     links = link_sessions(requests)
     replay = build_replay(requests, links, select(requests, links, Selection()), Scaling())
-    sim = Sim(Scheduler(KVCacheManager(num_pages, PAGE), context_scale=CONTEXT_SCALE, **arm), costs)
+    sim = Sim(scheduler_for(KVCacheManager(num_pages, PAGE), arm), costs)
     children: dict[int, list[Any]] = {}
     for r in replay:
         if r.parent is not None:
@@ -287,7 +288,7 @@ def run_replay(arm: dict[str, Any], num_pages: int, costs: Costs = Costs()) -> d
 
 
 def run_burst(arm: dict[str, Any], rng: random.Random, costs: Costs = Costs()) -> dict[str, Any]:
-    sim = Sim(Scheduler(KVCacheManager(8192, PAGE), context_scale=CONTEXT_SCALE, **arm), costs)
+    sim = Sim(scheduler_for(KVCacheManager(8192, PAGE), arm), costs)
     streams = [sim.submit(f"d{i}", [rng.randrange(1 << 20) for _ in range(64)], 256) for i in range(16)]
     burst_at = None
     longs: list[str] = []
@@ -314,7 +315,7 @@ def run_burst(arm: dict[str, Any], rng: random.Random, costs: Costs = Costs()) -
 
 def run_long(arm: dict[str, Any], rng: random.Random, costs: Costs = Costs()) -> dict[str, Any]:
     """One Claude-Code-sized prompt (16,000 tokens) alone: its TTFT (no stream decodes)."""
-    sim = Sim(Scheduler(KVCacheManager(8192, PAGE), context_scale=CONTEXT_SCALE, **arm), costs)
+    sim = Sim(scheduler_for(KVCacheManager(8192, PAGE), arm), costs)
     sim.submit("long", [rng.randrange(1 << 20) for _ in range(16000)], 1)
     while sim.s.has_work():
         sim.step()
@@ -326,6 +327,12 @@ def pct(values: list[float], q: float) -> float:
         return math.nan
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def scheduler_for(cache: KVCacheManager, arm: dict[str, Any]) -> Scheduler:
+    """The real Scheduler with an arm's settings (its budgets exactly as given)."""
+    config, budgets = settings_as_given({"context_scale": CONTEXT_SCALE, **arm})
+    return Scheduler(cache, config, budgets=budgets)
 
 
 def arm_settings(name: str) -> dict[str, Any]:

@@ -173,7 +173,7 @@ def main() -> None:
                 row = {"wall_s": swarm["wall_s"], "ttft_p50_s": statistics.median(ttfts),
                        "ttft_p90_s": percentile(ttfts, 0.9),
                        "prefill_computed": swarm["prefill_tokens_computed"]}
-            row["protected_evicted"] = engine.cache.stats().protected_evicted
+            row["protected_evicted"] = engine.scheduler.cache.stats().protected_evicted
             results.setdefault(workload, {})[arm] = row
             print(workload, arm, {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()},
                   flush=True)

@@ -57,6 +57,7 @@ from typing import Any
 
 from benchmarks.common import base_parser, print_table, write_json
 from prefixgate.gateway.engine import engine as async_engine_module
+from prefixgate.gateway.engine import step_sampling
 from prefixgate.gateway.engine.api import Delta, EngineError, GenerationRequest, SamplingParams
 from prefixgate.gateway.engine.config import EngineConfig
 from prefixgate.gateway.engine.engine import AsyncEngine
@@ -221,18 +222,18 @@ class StepProbe:
             self.patch(runner, "_build_batch", "inputs")
             self.patch(runner.attention, "prepare_metadata", "attention_plan")
             self.patch(scheduler, "commit", "commit")
-            self.patch(engine, "_sample", "sample")
-            for name in ("_verify_drafts", "_on_drafts"):
-                if hasattr(engine, name):
-                    self.patch(engine, name, "drafts")
-            self.patch(engine, "_on_token", "output")
+            self.patch(step_sampling, "_sample", "sample")
+            self.patch(engine.sampler, "verify_drafts", "drafts")
+            output = engine.output  # the output processor: tokens into deltas
+            self.patch(output, "_on_drafts", "drafts")
+            self.patch(output, "_on_token", "output")
             self.patch(scheduler, "append_token", "append")
             decoder_class = type(engine.tokenizer.incremental_decoder())
             for name in ("feed", "flush"):
                 self.patch(decoder_class, name, "detokenize")
                 self.patch(StopStringMatcher, name, "stop_strings")
-            self.patch(engine, "_logprob", "logprobs")
-            self.patch(engine, "_emit", "emit")
+            self.patch(output, "_logprob", "logprobs")
+            self.patch(output, "emit", "emit")
             if hasattr(async_engine_module, "_deliver"):  # the async engine's call_soon_threadsafe
                 self.patch(async_engine_module, "_deliver", "sink")
         step = engine.step

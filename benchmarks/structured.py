@@ -30,7 +30,7 @@ Workload (deterministic, seed 0; defaults in brackets, --quick in braces):
     (the engine's LRU); medians over 14 schemas x --compile-repeats [3] {1} (warm: 3 lookups
     each). The chat path of a tool list: a ChatCompletionRequest with the 14 tools (bounded
     as in the tool loop below), tool_choice "required", then ``output_grammar()`` (schema checks, EBNF per schema, the
-    structural tag) + ``engine.compile_grammar(spec)``. ``tool_grammar_ms_warm`` = that for
+    structural tag) + ``engine.grammars.compile(spec)``. ``tool_grammar_ms_warm`` = that for
     the same tool list again (what every request of a swarm pays; parsing the request is
     outside the timer: ``tool_request_parse_ms``); ``tool_grammar_ms_cold`` = tool names
     changed per repeat and the EBNF cache cleared. Goal: compile_ms_warm < 1 ms.
@@ -232,7 +232,7 @@ def grammar_step_costs(engine: LLMEngine, free_step_ms: float, batch: int = 16,
     row per sampled row (``step_masks.row_bitmask``), the sampler's extra work with a bitmask (apply +
     the dead-end check), and each matcher accepting its token.
     """
-    compiled = engine.compile_grammar(GrammarSpec("json_schema", json.dumps(DECODE_SCHEMA)))
+    compiled = engine.grammars.compile(GrammarSpec("json_schema", json.dumps(DECODE_SCHEMA)))
     tokenizer = engine.tokenizer
     opening = tokenizer.encode('{"items": [1, 2, ', add_special_tokens=False)
     matchers = [new_matcher(compiled) for _ in range(batch)]
@@ -240,7 +240,7 @@ def grammar_step_costs(engine: LLMEngine, free_step_ms: float, batch: int = 16,
         if not all(matcher.accept_token(t) for t in opening):
             raise RuntimeError("the decode schema rejects its own opening")
     next_token = tokenizer.encode("3", add_special_tokens=False)[0]
-    masker = engine._mask_filler()  # noqa: SLF001 - the engine's own masker, as a step uses it
+    masker = engine.grammars.masker()  # the engine's own masker, as a step uses it
     vocab = engine.runner.vocab_size
     logits = torch.randn(batch, vocab)
     prompt = list(range(100, 140))
@@ -338,7 +338,7 @@ def _ms(fn: Callable[[], object]) -> float:
 
 
 def bench_compile(engine: LLMEngine, repeats: int) -> dict[str, Any]:
-    compiler = engine.grammars  # built here: its tokenizer table is not a compile cost
+    compiler = engine.grammars.compiler  # built here: its tokenizer table is not a compile cost
     cold, warm = [], []
     for rep in range(repeats):
         for name, _, properties, required in texts.TOOLS:
@@ -346,12 +346,12 @@ def bench_compile(engine: LLMEngine, repeats: int) -> dict[str, Any]:
                       "required": required}
             text = json.dumps(schema)
             misses = compiler.stats.misses
-            cold.append(_ms(lambda text=text: engine.compile_grammar(GrammarSpec("json_schema", text))))
+            cold.append(_ms(lambda text=text: engine.grammars.compile(GrammarSpec("json_schema", text))))
             if compiler.stats.misses != misses + 1:
                 raise RuntimeError(f"{name}: the 'cold' compile was a cache hit")
             for _ in range(3):
                 spec = GrammarSpec("json_schema", json.dumps(schema))  # equal, not the same object
-                warm.append(_ms(lambda spec=spec: engine.compile_grammar(spec)))
+                warm.append(_ms(lambda spec=spec: engine.grammars.compile(spec)))
 
     def chat_body(tools: list[dict[str, Any]]) -> dict[str, Any]:
         return {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools,
@@ -360,7 +360,7 @@ def bench_compile(engine: LLMEngine, repeats: int) -> dict[str, Any]:
     def full_path(request: ChatCompletionRequest) -> None:
         spec = request.output_grammar()
         assert spec is not None
-        engine.compile_grammar(spec)
+        engine.grammars.compile(spec)
 
     tool_cold = []
     for rep in range(max(3, repeats)):
@@ -473,7 +473,7 @@ def bench_tool_loop(core: LLMEngine, info: dict[str, Any], num_agents: int, turn
                     max_tokens: int) -> dict[str, Any]:
     engine = AsyncEngine(core, model_name=info["model_name"], device=info["device"],
                          kernel_backend=info["kernel_backend"])
-    core.cache.reset_cache()  # the decode runs' pages: start the loop from an empty cache
+    core.scheduler.cache.reset_cache()  # the decode runs' pages: start the loop from an empty cache
     port = free_port()
     settings = ServerSettings(host="127.0.0.1", port=port, log_level="warning")
     app = create_app(engine, settings, manage_engine=False)
@@ -617,7 +617,7 @@ def main() -> None:
         "model_load_s": time.perf_counter() - started,
     }
     start = time.perf_counter()
-    core.grammars  # noqa: B018 - the compiler's tokenizer table, built once per engine
+    core.grammars.compiler  # noqa: B018 - the compiler's tokenizer table, built once per engine
     results["compiler_init_ms"] = 1000 * (time.perf_counter() - start)
     prompts = decode_prompts(loaded.tokenizer)
     stage_start: dict[str, float] = {}
@@ -628,14 +628,14 @@ def main() -> None:
 
     stage("decode")
     results.update(bench_decode(core, prompts, decode_tokens, repeats))
-    core.cache.check_integrity()
+    core.scheduler.cache.check_integrity()
     results.update(grammar_step_costs(core, results["free_step_ms_b16"]))
     profile = profile_constrained(core, prompts, decode_tokens) if args.profile else None
     stage("compile")
     results.update(bench_compile(core, compile_repeats))
     stage("tool loop")
     results.update(bench_tool_loop(core, info, agents, turns, args.tool_max_tokens))
-    core.cache.check_integrity()  # the engine thread has stopped
+    core.scheduler.cache.check_integrity()  # the engine thread has stopped
     stage_start["end"] = time.perf_counter()
     names = list(stage_start)
     for name, following in zip(names, names[1:], strict=False):

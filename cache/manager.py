@@ -22,18 +22,20 @@ from typing import NamedTuple
 from prefixgate.cache.block_pool import BlockPool
 from prefixgate.cache.errors import (
     DuplicateSequenceError,
-    IntegrityError,
     InvalidArgumentError,
     OutOfPagesError,
     UnknownSequenceError,
 )
 from prefixgate.cache.events import EventSink, PageCopied, PrefixQueried
 from prefixgate.cache.hashing import BlockHash, BlockHasher, HashedBlock, HashFn
+from prefixgate.cache.integrity import check_manager
 from prefixgate.cache.page import Page
 from prefixgate.cache.retention import TenantShareRetention
 from prefixgate.cache.sequence import CacheSequence, SequenceBlocks
+from prefixgate.cache.state_group import StateGroup
 from prefixgate.cache.state_slots import StateOps, StateSecondTier, StateSlots
-from prefixgate.cache.stats import CacheStats, CacheStatsCollector, fragmentation, top_prefixes
+from prefixgate.cache.stats import CacheStats, CacheStatsCollector, snapshot
+from prefixgate.cache.tier_pages import TierPages
 
 
 class PrefixMatch(NamedTuple):
@@ -59,8 +61,6 @@ class KVCacheManager:
         hash_seed: fixed seed for block hashes (replicas must agree).
         hash_fn: override of the digest (tests force collisions).
         event_sink: receives BlockStored / BlockRemoved.
-        max_tracked_agents: distinct (tenant, agent) labels kept in stats before folding
-            into the tenant's "other".
         state_slots: a hybrid model's recurrent-state group (cache/state_slots.py): a hit
             then needs the state checkpoint of its last block, and every sequence owns a
             working slot. None: an attention-only model.
@@ -76,13 +76,12 @@ class KVCacheManager:
         hash_seed: int = 0,
         hash_fn: HashFn | None = None,
         event_sink: EventSink | None = None,
-        max_tracked_agents: int = 1024,
         state_slots: StateSlots | None = None,
     ):
         if not 0 <= watermark < 1:
             raise InvalidArgumentError(f"watermark must be in [0, 1), got {watermark}")
         # counters live in the collector, fed by the manager's and the pool's events
-        self.collector = CacheStatsCollector(max_tracked_agents)
+        self.collector = CacheStatsCollector()
         self.pool = BlockPool(num_pages, page_size, enable_caching=enable_caching,
                               event_sink=event_sink, stats_sink=self.collector.record)
         self.page_size = page_size
@@ -93,16 +92,11 @@ class KVCacheManager:
         self._seqs: dict[Hashable, SequenceBlocks] = {}
         # In-flight prefix dedup: hash of a block some live sequence will compute -> that sequence.
         self._pending: dict[bytes, Hashable] = {}
-        self._evicted: list[tuple[int, HashedBlock]] = []  # see capture_evictions()
-        self._evicted_hashes: set[BlockHash] = set()  # the same blocks, by hash
-        self._unwritten: set[int] = set()  # installed from the tier, load not written yet
+        self.tier_pages = TierPages(self.pool, self.watermark_pages, self._holders)
         self._holds: dict[Hashable, tuple[BlockHash, ...]] = {}  # waiting request -> its hashes
         self.retention = TenantShareRetention()  # which pages retain() may keep (the policy)
-        self.state = state_slots
-        self._diverged: dict[Hashable, int] = {}  # seq -> last pool-hit block past its state hit
-        if state_slots is not None:
-            # pinned and retained prefixes keep their checkpoints longest too
-            state_slots.protected = self._protects_checkpoint
+        self.state = state_slots  # the recurrent-state group's slots (tests and stats read them)
+        self._state = StateGroup(state_slots, self.pool) if state_slots is not None else None
 
     # ------------------------------------------------------------------ queries
 
@@ -218,8 +212,9 @@ class KVCacheManager:
         entry = SequenceBlocks(seq, [p.page_id for p in pages], match.num_cached_tokens // self.page_size)
         seq.num_computed = match.num_cached_tokens
         self._seqs[seq_id] = entry
-        if self.state is not None:
-            self._start_state(seq, blocks, len(pages))
+        if self._state is not None:
+            in_pool = self.count_cached_blocks(blocks, len(pages)) if self.enable_caching else 0
+            self._state.start(seq.seq_id, blocks, len(pages), in_pool)
         if self.enable_caching:
             for block in blocks[len(pages) :]:
                 self._pending.setdefault(block.block_hash, seq_id)
@@ -282,8 +277,8 @@ class KVCacheManager:
             self.collector.record(PageCopied(old.page_id, new.page_id))
         for page in self.pool.allocate(num_new_pages):
             entry.block_table.append(page.page_id)
-        if self.state is not None:
-            self._plan_state_saves(seq, num_new_tokens)
+        if self._state is not None:
+            self._state.plan_saves(seq, num_new_tokens, self.block_hashes(seq) if self.enable_caching else None)
         return pairs
 
     def commit_computed(self, seq_id: Hashable, num_new_tokens: int) -> None:
@@ -342,9 +337,8 @@ class KVCacheManager:
         for block in entry.seq.block_hashes[entry.num_registered :]:
             if self._pending.get(block.block_hash) == seq_id:
                 del self._pending[block.block_hash]
-        if self.state is not None:
-            self.state.release(seq_id)
-            self._diverged.pop(seq_id, None)
+        if self._state is not None:
+            self._state.release(seq_id)
 
     def pin(self, token_ids: Sequence[int], extra_keys: bytes = b"") -> int:
         """Pin the cached full blocks of ``token_ids``'s prefix; returns how many pages are pinned.
@@ -444,51 +438,6 @@ class KVCacheManager:
         """The state work of ``seq_id``'s chunk this step (None without a state group)."""
         return None if self.state is None else self.state.ops(seq_id)
 
-    def _protects_checkpoint(self, block_hash: BlockHash) -> bool:
-        page = self.pool.cached.get(block_hash)
-        return page is not None and (page.pinned or page.retain_until > self.pool.clock())
-
-    def _state_hit_blocks(self, blocks: Sequence[HashedBlock], num_pages: int, num_tokens: int) -> int:
-        """Of ``num_pages`` leading pool-hit blocks, how many a hybrid model can use: up to the
-        last one with a state checkpoint, ending at or before the last prompt token."""
-        assert self.state is not None
-        usable = min(num_pages, (num_tokens - 1) // self.page_size)
-        while usable > 0 and not self.state.available(blocks[usable - 1].block_hash):
-            usable -= 1
-        return usable
-
-    def _start_state(self, seq: CacheSequence, blocks: Sequence[HashedBlock], hit_blocks: int) -> None:
-        """The new sequence's working slot, restored from its hit's checkpoint; and the block
-        where its prefix leaves the pool (checkpointed on the way: the next request with the
-        same prefix then hits it whole)."""
-        assert self.state is not None
-        self.state.start(seq.seq_id, blocks[hit_blocks - 1].block_hash if hit_blocks else None)
-        in_pool = self.count_cached_blocks(blocks, hit_blocks) if self.enable_caching else 0
-        if in_pool > hit_blocks:
-            self._diverged[seq.seq_id] = in_pool - 1
-
-    def _plan_state_saves(self, seq: CacheSequence, num_new_tokens: int) -> None:
-        """Checkpoint the block ends ``num_new_tokens`` from ``num_computed`` cross, at the
-        cadence, at the last full block they reach, and where the prefix left the pool."""
-        assert self.state is not None
-        if not self.enable_caching:
-            self.state.plan_saves(seq.seq_id, ())
-            return
-        ps, start = self.page_size, seq.num_computed
-        end = start + num_new_tokens
-        last_block = end // ps - 1
-        diverged = self._diverged.get(seq.seq_id)
-        hashes = self.block_hashes(seq)
-        boundaries = []
-        for block in range(start // ps, last_block + 1):
-            block_end = (block + 1) * ps
-            if block_end <= start:
-                continue
-            essential = block in (last_block, diverged)
-            if essential or (block + 1) % self.state.every_blocks == 0:
-                boundaries.append((block, block_end - 1 - start, hashes[block].block_hash, essential))
-        self.state.plan_saves(seq.seq_id, boundaries)
-
     # ------------------------------------------------------------------ waiting requests
 
     def hold_prefix(self, key: Hashable, blocks: Sequence[HashedBlock]) -> None:
@@ -538,89 +487,22 @@ class KVCacheManager:
         return start
 
     # ------------------------------------------------------------------ second tier
+    # (cache/tier_pages.py, ``tier_pages``: evicted pages recorded for the connector, which
+    # drives it, and loaded blocks installed; these four for the cache's own tests)
 
     def capture_evictions(self) -> None:
-        """Start recording evicted cached pages (page id, block) for :meth:`take_evicted`: the
-        second tier copies them out before the step's writes reuse them."""
-        self.pool.evict_sink = self._on_evict
-
-    def _on_evict(self, page_id: int, block: HashedBlock) -> None:
-        if page_id in self._unwritten:
-            # NOTE: installed this step and evicted again before its load was written: the
-            # pool does not hold that block's K/V yet, so there is nothing true to spill
-            self._unwritten.discard(page_id)
-            return
-        self._evicted.append((page_id, block))
-        self._evicted_hashes.add(block.block_hash)
-
-    def evicted_since_taken(self, block_hash: BlockHash) -> bool:
-        """Whether ``block_hash`` was evicted since the last :meth:`take_evicted`: its K/V is on
-        its way to the second tier but not there yet."""
-        return block_hash in self._evicted_hashes
+        """Start recording evicted cached pages for :meth:`take_evicted`."""
+        self.tier_pages.capture()
 
     def take_evicted(self) -> list[tuple[int, HashedBlock]]:
-        """Pages evicted since the last call, in eviction order."""
-        evicted, self._evicted = self._evicted, []
-        self._evicted_hashes.clear()
-        return evicted
+        return self.tier_pages.take_evicted()
 
     def loads_written(self) -> None:
-        """The step's tier loads are in their pages: its install window ends."""
-        self._unwritten.clear()
-
-    def forget_unwritten(self) -> set[Hashable]:
-        """Un-cache pages installed from the tier whose load was never written (a step that
-        failed in between): their hashes would serve whatever K/V the pages held. Returns
-        the live sequences holding any of them (see :meth:`forget_pages`)."""
-        unwritten, self._unwritten = self._unwritten, set()
-        return self.forget_pages(sorted(unwritten)) if unwritten else set()
-
-    def forget_pages(self, page_ids: Sequence[int]) -> set[Hashable]:
-        """Drop the hashes of ``page_ids`` (their K/V is not what the hash says); returns the
-        live sequences holding any of them, which the caller must fail."""
-        doomed = set(page_ids)
-        for page_id in doomed:
-            page = self.pool.pages[page_id]
-            if page.block_hash is not None:
-                self.pool.drop_hash(page)
-        return {seq_id for seq_id, e in self._seqs.items() if doomed.intersection(e.block_table)}
+        self.tier_pages.loads_written()
 
     def install_blocks(self, blocks: Sequence[HashedBlock], max_pages: int,
                        keep: Sequence[int] = ()) -> list[int]:
-        """Give verified blocks loaded from the second tier pages of their own, registered
-        under their hashes, free-but-cached (refcount 0) so the request's lookup hits them.
-
-        NOTE: the pages hold their K/V only once the runner writes the load, which the engine
-        does before the step's forward (the first read), then calls :meth:`loads_written`; a
-        step that fails before that calls :meth:`forget_unwritten`.
-
-        Args:
-            blocks: consecutive blocks continuing a cached prefix (block i's parent is i-1's).
-            max_pages: at most this many pages (what admission can spare).
-            keep: pages that must survive the install: the pool hit ``blocks`` continue (free
-                hit pages sit in the LRU queue like any other; taking one would cut the chain
-                the loaded blocks hang from).
-        Returns:
-            The page ids, in block order; stops early at a block someone cached meanwhile.
-        """
-        if not self.enable_caching:
-            return []
-        held = [self.pool.pages[i] for i in keep]
-        self.pool.touch(held)
-        try:
-            room = min(len(blocks), max_pages, self.pool.num_free_pages - self.watermark_pages)
-            pages: list[Page] = []
-            for block in blocks[: max(room, 0)]:
-                if block.block_hash in self.pool.cached:
-                    break
-                (page,) = self.pool.allocate(1)
-                self.pool.register(page, block)
-                pages.append(page)
-        finally:
-            self.pool.release(reversed(held))
-        self._unwritten.update(p.page_id for p in pages)
-        self.pool.release(reversed(pages))  # tail first, as free() does: heads outlive tails
-        return [p.page_id for p in pages]
+        return self.tier_pages.install(blocks, max_pages, keep)
 
     # ------------------------------------------------------------------ stats
 
@@ -630,109 +512,14 @@ class KVCacheManager:
         Args:
             top_k: shared prefixes kept per tenant (``CacheStats.top_prefixes``).
         """
-        pages = self.pool.pages
-        used = sum(1 for p in pages if p.ref_count > 0)
-        cached_free = sum(1 for p in pages if p.ref_count == 0 and p.block_hash is not None)
-        live = self._seqs.values()
-        return CacheStats(
-            num_pages=self.num_pages,
-            page_size=self.page_size,
-            pages_used=used,
-            pages_cached_free=cached_free,
-            pages_free=self.num_pages - used - cached_free,
-            pages_pinned=sum(1 for p in pages if p.pinned),
-            fragmentation=fragmentation(live, self.page_size),
-            num_sequences=len(self._seqs),
-            top_prefixes=top_prefixes(live, self.page_size, top_k),
-            pages_retained=sum(1 for p in pages if p.retain_until > 0),
-            retained_per_tenant=self.retention.retained_per_tenant(pages),
-            pages_protected=self.pool.num_protected_pages,
-            **self.collector.counters()._asdict(),
-        )
+        return snapshot(self.pool, self._seqs.values(), self.retention, self.collector, top_k)
 
     # ------------------------------------------------------------------ integrity
 
     def check_integrity(self) -> None:
-        """Verify every invariant of docs/design.md; raises IntegrityError naming the broken one."""
-        pool = self.pool
-        queued = pool.free_pages()
-        if len(queued) != pool.num_free_pages or len({p.page_id for p in queued}) != len(queued):
-            raise IntegrityError("free queue length/uniqueness broken")
-        if any(p.retain_until <= 0 or p.block_hash is None for p in pool.retained):
-            raise IntegrityError("a retained free page without a deadline or a hash")
-        self._check_holds()
-        if self.state is not None:
-            self.state.check(self._seqs)
-        for page in pool.pages:
-            # a retention always names whose budget pays for it, and only a retention does
-            if (page.retain_until > 0) != (page.retain_tenant is not None):
-                raise IntegrityError(f"{page}: retention deadline {page.retain_until} but tenant "
-                                     f"{page.retain_tenant!r}")
-            if page.retain_until > 0 and page.block_hash is None:
-                raise IntegrityError(f"{page}: retained without a hash")
-        refs = [0] * self.num_pages
-        for seq_id, entry in self._seqs.items():
-            for page_id in entry.block_table:
-                refs[page_id] += 1
-            self._check_sequence(seq_id, entry)
-        for page in pool.pages:
-            expected = refs[page.page_id] + (1 if page.pinned else 0)
-            if page.ref_count != expected:
-                raise IntegrityError(f"{page}: refcount {page.ref_count} != {expected} table refs + pin")
-            if (page.ref_count == 0) != page.in_free_queue:
-                raise IntegrityError(f"{page}: free-queue membership disagrees with refcount")
-            if page.block_hash is not None:
-                if pool.cached.get(page.block_hash) is not page:
-                    raise IntegrityError(f"{page}: hash not mapped back to it")
-                recomputed = self.hasher.hash_block(page.parent_hash, page.token_bytes, page.extra_keys)
-                if recomputed != page.block_hash:
-                    raise IntegrityError(f"{page}: stored tokens do not match its hash")
-        if len(pool.cached) != sum(1 for p in pool.pages if p.block_hash is not None):
-            raise IntegrityError("hash map holds pages that do not carry the hash")
-        used = sum(1 for p in pool.pages if p.ref_count > 0)
-        if used + pool.num_free_pages != self.num_pages:
-            raise IntegrityError("pages not conserved: used + free != total")
-        # Every registered block of a live sequence holds exactly the tokens its chain says.
-        for seq_id, entry in self._seqs.items():
-            hashes = entry.seq.block_hashes
-            for b in range(entry.num_registered):
-                page = pool.pages[entry.block_table[b]]
-                if page.block_hash is not None and page.block_hash != hashes[b].block_hash:
-                    raise IntegrityError(f"{seq_id!r}: block {b} maps to a page of another hash")
-
-    def _check_sequence(self, seq_id: Hashable, entry: SequenceBlocks) -> None:
-        """One live sequence's counts, and its chain: linked, and as long as registered."""
-        seq = entry.seq
-        if seq.seq_id != seq_id:
-            raise IntegrityError(f"{seq_id!r}: its record's id is {seq.seq_id!r}")
-        if not seq.num_computed <= len(seq.token_ids):
-            raise IntegrityError(f"{seq_id!r}: computed {seq.num_computed} > tokens {len(seq.token_ids)}")
-        if len(entry.block_table) * self.page_size < seq.num_computed:
-            raise IntegrityError(f"{seq_id!r}: computed tokens beyond its pages")
-        chain = seq.block_hashes
-        if not entry.num_registered <= len(chain) <= len(seq.token_ids) // self.page_size:
-            raise IntegrityError(f"{seq_id!r}: {len(chain)} block hashes for {len(seq.token_ids)} "
-                                 f"tokens and {entry.num_registered} registered blocks")
-        parent = self.hasher.root
-        for b, block in enumerate(chain):
-            if block.parent_hash != parent:
-                raise IntegrityError(f"{seq_id!r}: block hash {b} does not chain to block {b - 1}")
-            parent = block.block_hash
-
-    def _check_holds(self) -> None:
-        """Protected pages = free pages whose hash some waiting request holds."""
-        counts: dict[BlockHash, int] = {}
-        for hashes in self._holds.values():
-            for block_hash in hashes:
-                counts[block_hash] = counts.get(block_hash, 0) + 1
-        if counts != self.pool.held_counts():
-            raise IntegrityError("hold counts disagree with the waiting requests' holds")
-        for page in self.pool.pages:
-            held = page.ref_count == 0 and page.block_hash is not None and page.block_hash in counts
-            if page.protected != held:
-                raise IntegrityError(f"{page}: protected={page.protected} but held free={held}")
-        if sum(1 for _ in self.pool.protected) != self.pool.num_protected_pages:
-            raise IntegrityError("protected queue length broken")
+        """Verify every invariant of docs/design.md; raises IntegrityError naming the broken one
+        (cache/integrity.py)."""
+        check_manager(self)
 
     # ------------------------------------------------------------------ internals
 
@@ -746,6 +533,10 @@ class KVCacheManager:
         counts as in flight only once its owner's frontier is at the run's first block."""
         entry = self._seqs.get(owner)
         return entry is not None and entry.seq.num_computed >= start
+
+    def _holders(self, page_ids: set[int]) -> set[Hashable]:
+        """The live sequences whose block tables hold any of ``page_ids``."""
+        return {seq_id for seq_id, e in self._seqs.items() if page_ids.intersection(e.block_table)}
 
     def _get(self, seq_id: Hashable, operation: str) -> SequenceBlocks:
         entry = self._seqs.get(seq_id)
@@ -761,10 +552,10 @@ class KVCacheManager:
                 break
             pages.append(page)
         in_pool = len(pages)
-        if self.state is not None:
+        if self._state is not None:
             # NOTE: a hybrid model resumes only where a state checkpoint is: pages past the
             # last one are recomputed (and re-checkpointed), not shared
-            pages = pages[: self._state_hit_blocks(blocks, len(pages), num_tokens)]
+            pages = pages[: self._state.hit_blocks(blocks, len(pages), num_tokens)]
         num_cached = min(len(pages) * self.page_size, num_tokens - 1)
         pending = 0
         # in-flight dedup waits for blocks another sequence computes; a hybrid model can use

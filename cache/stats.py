@@ -14,9 +14,9 @@ pressure the LRU would have kept some of those pages anyway.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from prefixgate.cache.events import (
     FreeList,
@@ -307,4 +307,28 @@ def _shared_prefix(tenant: str, members: list[SequenceBlocks], page_size: int) -
         num_tokens=shared * page_size,
         num_sharers=len(members),
         tenant=tenant,
+    )
+
+
+def snapshot(pool: Any, sequences: Collection[SequenceBlocks], retention: Any,
+             collector: CacheStatsCollector, top_k: int) -> CacheStats:
+    """The KV manager's stats: its pool's state now and the collector's counters (``pool``: a
+    BlockPool; ``retention``: its TenantShareRetention)."""
+    pages = pool.pages
+    used = sum(1 for p in pages if p.ref_count > 0)
+    cached_free = sum(1 for p in pages if p.ref_count == 0 and p.block_hash is not None)
+    return CacheStats(
+        num_pages=pool.num_pages,
+        page_size=pool.page_size,
+        pages_used=used,
+        pages_cached_free=cached_free,
+        pages_free=pool.num_pages - used - cached_free,
+        pages_pinned=sum(1 for p in pages if p.pinned),
+        fragmentation=fragmentation(sequences, pool.page_size),
+        num_sequences=len(sequences),
+        top_prefixes=top_prefixes(sequences, pool.page_size, top_k),
+        pages_retained=sum(1 for p in pages if p.retain_until > 0),
+        retained_per_tenant=retention.retained_per_tenant(pages),
+        pages_protected=pool.num_protected_pages,
+        **collector.counters()._asdict(),
     )

@@ -155,7 +155,8 @@ def test_kernels_import_torch_triton_and_themselves_only():
 # manager and what it is made of) imports these; everything above goes through the manager and
 # the package's exported records (docs/design.md; issue 39, "one owner for the cache")
 CACHE_INTERNALS = tuple(f"prefixgate.cache.{name}" for name in (
-    "block_pool", "page", "free_queue", "retention", "state_slots", "manager", "sequence"))
+    "block_pool", "page", "free_queue", "retention", "state_slots", "manager", "sequence",
+    "tier_pages", "integrity", "state_group"))
 
 
 def test_only_the_kv_manager_touches_the_cache_internals():
@@ -164,6 +165,47 @@ def test_only_the_kv_manager_touches_the_cache_internals():
             folder, lambda imp: _within(imp.module, *CACHE_INTERNALS),
             f"{folder} must not import cache/ internals (block pool, pages, free queue, "
             "retention, state slots, the manager module): use prefixgate.cache's exports"))
+
+
+# the scheduler's KV side: the scheduler (its steps and its admission half), its connector (second-tier pages) and
+# KVControl (pins, retention, stats, events, reset for the engine and the gateway); the build
+# module only constructs the manager
+KV_OWNERS = tuple(f"gateway/engine/{name}.py" for name in (
+    "scheduler", "admission", "kv_connector", "kv_control"))
+KV_BUILDERS = ("gateway/engine/factory.py",)
+# where ``.cache`` would mean the KV manager: the engine's own modules (its subpackages keep
+# other caches: the grammar compiler's) and every gateway package above it
+KV_CALLERS = ("gateway/engine/*.py", "gateway/server/**/*.py", "gateway/router/**/*.py",
+              "gateway/scaleout/**/*.py")
+
+
+def _other_cache(owner: ast.expr) -> bool:
+    """``functools.cache``, and a grammar compiler's compile cache: not the KV manager."""
+    name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+    return name == "functools" or "compiler" in name
+
+
+def test_only_the_schedulers_kv_side_calls_the_cache():
+    """Issue 39, "one owner for the cache": nothing in the engine or the gateway holds the KV
+    manager but the scheduler's KV side; the engine and the server reach it through
+    ``scheduler.kv`` (KVControl), never as ``<anything>.cache``."""
+    bad = []
+    for pattern in KV_CALLERS:
+        for path in sorted(REPO.glob(pattern)):
+            rel = path.relative_to(REPO).as_posix()
+            if rel in KV_OWNERS:
+                continue
+            tree = ast.parse(path.read_text(encoding="utf-8"), rel)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Attribute) and node.attr == "cache" and not _other_cache(node.value):
+                    bad.append(f"{rel}:{node.lineno} reads .cache  (rule: only the scheduler's "
+                               "KV side calls the KV manager; use scheduler.kv)")
+                names = ([a.name for a in node.names] if isinstance(node, ast.ImportFrom)
+                         and (node.module or "").startswith("prefixgate.cache") else [])
+                if "KVCacheManager" in names and rel not in KV_BUILDERS:
+                    bad.append(f"{rel}:{node.lineno} imports KVCacheManager  (rule: only the "
+                               "scheduler's KV side and the build module hold the KV manager)")
+    _assert_none(bad)
 
 
 # the kernel backends' own folders: a model asks the kernel registry (kernels/layer_ops.py) or
@@ -261,12 +303,12 @@ def test_a_rule_names_the_file_the_import_and_the_rule(monkeypatch):
 
 # what the router may take from gateway/server (issue 39): the surfaces' wire formats, parsed as
 # a replica parses them, and what renders a prompt exactly as a replica does (tokenization,
-# tools, the settings' format names), the dashboard page, the cache-stats JSON and the agent
-# header's name. HTTP plumbing (auth, errors, request ids, limits, metric labels, the bound
-# uvicorn server) comes from gateway/http, which both import; nothing else of a surface.
+# tools, the settings' format names), the dashboard page and the cache-stats JSON. HTTP plumbing
+# (auth, errors, request ids, limits, header names, metric labels, the bound uvicorn server)
+# comes from gateway/http, which both import; nothing else of a surface.
 ROUTER_MAY_USE = (*(f"prefixgate.gateway.server.{name}.schemas" for name in SURFACES),
                   *(f"prefixgate.gateway.server.{name}" for name in (
-                      "tokenization", "tools", "settings", "dashboard", "routes_cache", "state")))
+                      "tokenization", "tools", "settings", "dashboard", "routes_cache")))
 
 
 def test_the_router_imports_no_server_internals():

@@ -48,7 +48,7 @@ def test_editable_install_is_one_namespace(tmp_path: Path) -> None:
     out = _run(sys.executable, BARE_NAMES_ABSENT + textwrap.dedent("""
         import prefixgate.cache, prefixgate.gateway.cli, prefixgate.kernels, prefixgate.agents.swarm
         from prefixgate.cache import KVCacheManager
-        from prefixgate.gateway.engine.llm_engine import KVCacheManager as used_by_engine
+        from prefixgate.gateway.engine.scheduler import KVCacheManager as used_by_engine
         assert KVCacheManager is used_by_engine
         print(prefixgate.cache.__file__)
         print(prefixgate.gateway.cli.__file__)

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from prefixgate.cache.events import CacheEvent, EventSink
+from prefixgate.cache.events import EventSink
 from prefixgate.cache.hashing import HashedBlock
 from prefixgate.cache.stats import CacheStats
 from prefixgate.gateway.engine.api import (
@@ -25,13 +25,13 @@ from prefixgate.gateway.engine.api import (
     EngineError,
     EngineStats,
     GenerationRequest,
-    OverloadedError,
     PinResult,
     SamplingParams,
     new_request_id,
 )
 from prefixgate.gateway.engine.config import EngineConfig
 from prefixgate.gateway.engine.llm_engine import LLMEngine
+from prefixgate.gateway.engine.validation import check_queue
 
 logger = logging.getLogger("prefixgate.engine")
 
@@ -83,7 +83,7 @@ class AsyncEngine:
     def warm_grammars(self) -> None:
         """Start a grammar-compile worker in the background, so that the first constrained
         request does not wait for its interpreter (``prefixgate serve`` does, once ready)."""
-        threading.Thread(target=self.core.grammars.start, name="prefixgate-grammar-warmup",
+        threading.Thread(target=self.core.grammars.compiler.start, name="prefixgate-grammar-warmup",
                          daemon=True).start()
 
     def start_sync(self) -> None:
@@ -103,7 +103,7 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
-        self.core.close_grammars()
+        self.core.grammars.close()
 
     @contextlib.contextmanager
     def _shared(self) -> Iterator[None]:
@@ -187,19 +187,17 @@ class AsyncEngine:
     # ------------------------------------------------------------------ requests
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
-        """Stream deltas. Errors known up front raise before the first delta."""
+        """Stream deltas. Errors known up front raise before the first delta.
+
+        Validation and the queue-full check run here, once: the engine thread only queues."""
         self.core.validate(request)
-        if self._num_queued + self.core.scheduler.num_waiting >= self.core.config.max_waiting:
-            raise OverloadedError(
-                f"the waiting queue is full ({self.core.config.max_waiting} requests); retry shortly",
-                retry_after=1.0,
-            )
+        check_queue(self._num_queued + self.core.scheduler.num_waiting, self.core.config.max_waiting)
         loop = asyncio.get_running_loop()
         grammar = None
         if request.grammar is not None:
             # compiled here, off the engine thread (a cold schema takes milliseconds; a cached
             # one microseconds); a grammar that cannot compile fails before the first delta
-            grammar = await loop.run_in_executor(self._compile_threads, self.core.compile_grammar,
+            grammar = await loop.run_in_executor(self._compile_threads, self.core.grammars.compile,
                                                  request.grammar, request.tenant)
         queue: asyncio.Queue[Delta | EngineError] = asyncio.Queue()
 
@@ -210,7 +208,7 @@ class AsyncEngine:
             with self._wake:
                 self._num_queued -= 1
             try:
-                self.core.add_request(request, sink, grammar=grammar)
+                self.core.enqueue(request, sink, grammar=grammar)
             except EngineError as exc:
                 sink(exc)
             except Exception:  # e.g. a grammar matcher that cannot start: this request only
@@ -280,7 +278,7 @@ class AsyncEngine:
 
         def unpin_locked() -> int:  # waits for the engine lock: off the event loop
             with self._shared():
-                return self.core.cache.unpin(ids, self.core.extra_keys_for(tenant, cache_salt))
+                return self.core.kv.unpin(ids, self.core.extra_keys_for(tenant, cache_salt))
 
         pages = await asyncio.to_thread(unpin_locked)
         return PinResult(num_tokens=pages * self.core.page_size, num_pages=pages)
@@ -291,32 +289,32 @@ class AsyncEngine:
         (soft: see cache/retention.py), within the pool's retention budget and ``tenant``'s
         share of it (``EngineConfig.retention_tenant_budget``); returns pages."""
         ids = tuple(token_ids)
-        num_pages = self.core.cache.num_pages
+        num_pages = self.core.kv.num_pages
         budget = int(num_pages * self.core.config.retention_budget)
         tenant_budget = int(num_pages * self.core.config.retention_tenant_budget)
 
         def retain_locked() -> int:  # waits for the engine lock: off the event loop
             with self._shared():
-                return self.core.cache.retain(ids, self.core.extra_keys_for(tenant, cache_salt),
-                                              ttl_s, max_pages=budget, tenant=tenant,
-                                              max_tenant_pages=tenant_budget)
+                return self.core.kv.retain(ids, self.core.extra_keys_for(tenant, cache_salt),
+                                           ttl_s, max_pages=budget, tenant=tenant,
+                                           max_tenant_pages=tenant_budget)
 
         return await asyncio.to_thread(retain_locked)
 
     def _pinned_result(self, ids: tuple[int, ...], tenant: str, cache_salt: str | None) -> PinResult:
         with self._shared():
-            n = self.core.cache.num_pinned_prefix_pages(ids, self.core.extra_keys_for(tenant, cache_salt))
+            n = self.core.kv.num_pinned_prefix_pages(ids, self.core.extra_keys_for(tenant, cache_salt))
         return PinResult(num_tokens=n * self.core.page_size, num_pages=n)
 
     def reset_cache(self) -> int:
         with self._shared():
-            return self.core.cache.reset_cache()
+            return self.core.kv.reset()
 
     # ------------------------------------------------------------------ stats
 
     def cache_stats(self) -> CacheStats:
         with self._shared():
-            return self.core.cache.stats()
+            return self.core.kv.stats()
 
     def engine_stats(self) -> EngineStats:
         with self._shared():
@@ -333,7 +331,7 @@ class AsyncEngine:
                 dtype=self.dtype,
                 kv_dtype=self.kv_dtype,
                 constrained_tokens=core.constrained_tokens,
-                **core.grammar_stats(),
+                **core.grammars.stats(),
                 tier=core.tier_stats(),
                 **core.spec_stats(),
             )
@@ -346,9 +344,7 @@ class AsyncEngine:
         Attaching late misses earlier events: follow with :meth:`cached_block_hashes`.
         """
         with self._shared():
-            pool = self.core.cache.pool
-            previous = pool.event_sink
-            pool.event_sink = sink if previous is None else _fan_out(previous, sink)
+            self.core.kv.add_event_sink(sink)
 
     def load_estimate(self) -> tuple[int, int, int, int]:
         """(running, waiting, free pages, steps taken), read WITHOUT the engine lock.
@@ -359,7 +355,7 @@ class AsyncEngine:
         """
         core = self.core
         return (core.scheduler.num_running, core.scheduler.num_waiting + self._num_queued,
-                core.cache.num_free_pages, core.num_steps)
+                core.kv.num_free_pages, core.num_steps)
 
     def tier_facts(self) -> tuple[str, float | None]:
         """(the second tier's store name, "" without one; its measured load discount, see
@@ -371,14 +367,13 @@ class AsyncEngine:
     def cached_block_hashes(self) -> list[bytes]:
         """Every block hash hittable on this replica right now (a full index resync)."""
         with self._shared():
-            return self.core.cache.pool.cached_hashes()
+            return self.core.kv.cached_hashes()
 
     def cached_blocks(self) -> list[HashedBlock]:
         """Every hittable block with its parent, token ids and extra keys, parents before
         children where both are cached (a KV-events snapshot: gateway/scaleout/kv_events)."""
         with self._shared():
-            return [HashedBlock(h, p.parent_hash, p.token_bytes or b"", p.extra_keys)
-                    for h, p in self.core.cache.pool.cached.items() if p.parent_hash is not None]
+            return self.core.kv.cached_blocks()
 
     def wait_idle(self, timeout: float = 60.0) -> bool:
         """Block until no request is in flight (tests and benchmarks)."""
@@ -389,14 +384,6 @@ class AsyncEngine:
                     return True
             time.sleep(0.01)
         return False
-
-
-def _fan_out(first: EventSink, second: EventSink) -> EventSink:
-    def sink(event: CacheEvent) -> None:
-        first(event)
-        second(event)
-
-    return sink
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, callback: Callable[[Any], None], item: Any) -> None:
@@ -445,7 +432,7 @@ def build_engine(config: EngineConfig | None = None, *, event_sink=None, loaded=
                 "step budget %d tokens",
                 info["model_name"], info["device"], info["dtype"], info["kv_dtype"],
                 info["kernel_backend"], " + native CPU kernels" if info.get("native_cpu_kernels") else "",
-                core.cache.num_pages, core.page_size, core.scheduler.max_num_batched_tokens)
+                core.kv.num_pages, core.page_size, core.scheduler.max_num_batched_tokens)
     return AsyncEngine(core, model_name=info["model_name"], device=info["device"],
                        kernel_backend=info["kernel_backend"], dtype=info["dtype"],
                        kv_dtype=info["kv_dtype"])

@@ -7,14 +7,25 @@ import logging
 import os
 from typing import Any
 
+from prefixgate.cache import KVCacheManager, StateSlots
 from prefixgate.cache.events import EventSink
 from prefixgate.cache.tier import HostTier, TierStore, entry_slot_bytes
-from prefixgate.gateway.engine.config import AUTO_TIER_RAM_FRACTION, EngineConfig, auto_tier_bytes
+from prefixgate.gateway.engine.config import (
+    AUTO_TIER_RAM_FRACTION,
+    EngineConfig,
+    auto_tier_bytes,
+    decode_slowdown,
+)
+from prefixgate.gateway.engine.drafter import NgramDrafter
 from prefixgate.gateway.engine.kv_budget import default_state_slots
+from prefixgate.gateway.engine.kv_tier import KVTier
 from prefixgate.gateway.engine.llm_engine import LLMEngine
 from prefixgate.gateway.engine.loader import LoadedModel, load_model
 from prefixgate.gateway.engine.model_config import parse_rope_override, with_rope_override
 from prefixgate.gateway.engine.runner import ModelRunner
+from prefixgate.gateway.engine.scheduler import Scheduler
+from prefixgate.gateway.engine.step_budget import step_budgets
+from prefixgate.gateway.engine.step_pacing import StepPacer
 
 
 def create_llm_engine(
@@ -37,9 +48,47 @@ def create_llm_engine(
     loaded.tokenizer.parse_special_tokens = config.parse_special_tokens
     if tier_store is None:
         tier_store = _build_tier_store(config, runner)
-    engine = LLMEngine(runner, loaded.tokenizer, config, model_id=loaded.name,
-                       event_sink=event_sink, tier_store=tier_store)
+    cache = KVCacheManager(runner.num_pages, runner.page_size,
+                           enable_caching=config.enable_prefix_caching, watermark=config.watermark,
+                           hash_seed=config.hash_seed, event_sink=event_sink,
+                           state_slots=_state_slots(runner, config))
+    engine = LLMEngine(runner, loaded.tokenizer, config, _build_scheduler(config, runner, cache),
+                       model_id=loaded.name)
+    if tier_store is not None:
+        # the second tier: evicted cached pages are spilled there and loaded back on a hit
+        engine.attach_tier(KVTier(tier_store, runner.kv_pool))
     return engine, _engine_info(config, loaded, runner)
+
+
+def _state_slots(runner: ModelRunner, config: EngineConfig) -> StateSlots | None:
+    """A hybrid model's state group over the runner's slots (None for other models)."""
+    if not getattr(runner, "is_hybrid", False):
+        return None
+    return StateSlots(runner.num_state_slots, config.state_checkpoint_every)
+
+
+def _build_scheduler(config: EngineConfig, runner: ModelRunner, cache: KVCacheManager) -> Scheduler:
+    device_type = runner.device.type
+    max_model_len = min(config.max_model_len or runner.max_model_len, runner.max_model_len)
+    return Scheduler(
+        cache, config,
+        # CPU steps are compute-bound: a chunk's attention counts by the model's
+        # attention-vs-linear FLOP ratio (step_budget.step_budgets)
+        budgets=step_budgets(config, device_type, runner.attention_context_scale),
+        # NOTE: not for hybrid models: a rejected draft would have advanced their
+        # recurrent state, which (unlike K/V past num_computed) cannot be rolled back
+        drafter=(NgramDrafter(config.num_speculative_tokens, max_model_len)
+                 if config.num_speculative_tokens and cache.state is None else None),
+        pacer=_build_pacer(config, device_type),
+    )
+
+
+def _build_pacer(config: EngineConfig, device_type: str) -> StepPacer | None:
+    slowdown = decode_slowdown(config, device_type)
+    if slowdown is None:
+        return None
+    log.info("step pacing: a step with decodes is held to %gx the decodes' own step", slowdown)
+    return StepPacer(slowdown)
 
 
 def _load(config: EngineConfig, loaded: LoadedModel | None, progress: bool | None) -> LoadedModel:

@@ -19,15 +19,6 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class TierProbe(enum.StrEnum):
-    """Where a waiting sequence stands with the second tier (equal to its value as a string)."""
-
-    NONE = ""  # not looked up yet (or looked up again after a preemption)
-    LOADING = "loading"  # a load is in flight
-    HELD = "held"  # a load finished; it waits in ``tier_load`` for the step that admits us
-    DONE = "done"  # looked up while the pool matched ``tier_probe_blocks`` blocks
-
-
 @dataclass(slots=True, eq=False)
 class Sequence:
     """One choice of one request: the one record of its tokens (cache.sequence.CacheSequence).
@@ -59,10 +50,6 @@ class Sequence:
     block_hashes: list[HashedBlock] = field(default_factory=list)
     # Speculative decoding (gateway/engine/drafter.py): its DraftState, None = never drafts.
     draft: Any = None
-    # Second tier: the lookup's state (looked up again when the pool's hit changes).
-    tier_probe: TierProbe = TierProbe.NONE
-    tier_load: Any = None
-    tier_probe_blocks: int = -1
     # Engine-side per-sequence state (sampler generator, detokenizer, stop matcher).
     state: Any = None
 

@@ -137,14 +137,14 @@ def test_max_tokens_cutting_the_json_finishes_with_length(engines, tokenizer):
 
 def test_compile_once_per_spec_and_bad_grammars_are_request_errors(engines):
     engine = engines["cached"]
-    stats = engine.grammars.stats
+    stats = engine.grammars.compiler.stats
     spec = GrammarSpec("json_schema", json.dumps({"type": "object", "properties": {
         "x": {"type": "integer"}}}))
-    first = engine.compile_grammar(spec)
+    first = engine.grammars.compile(spec)
     misses, hits = stats.misses, stats.hits
-    assert engine.compile_grammar(GrammarSpec(spec.kind, spec.source, param="other")) is first
+    assert engine.grammars.compile(GrammarSpec(spec.kind, spec.source, param="other")) is first
     assert (stats.misses, stats.hits) == (misses, hits + 1)
-    engine.compile_grammar(GrammarSpec(spec.kind, spec.source, strict=False))  # a different grammar
+    engine.grammars.compile(GrammarSpec(spec.kind, spec.source, strict=False))  # a different grammar
     assert stats.misses == misses + 1
     for bad, param in [
         (GrammarSpec("json_schema", '{"type": "object", "properties": {"a": {"type": "strin"}}}',
@@ -154,7 +154,7 @@ def test_compile_once_per_spec_and_bad_grammars_are_request_errors(engines):
         (GrammarSpec("choice", "[]", param="response_format.choice"), "response_format.choice"),
     ]:
         with pytest.raises(InvalidRequestError) as caught:
-            engine.compile_grammar(bad)
+            engine.grammars.compile(bad)
         assert caught.value.param == param and caught.value.code == "invalid_grammar"
 
 
@@ -175,13 +175,13 @@ def test_a_dead_end_grammar_fails_its_request_alone(engines, tokenizer):
         engine.add_request(r, out[r.request_id].append)
     while engine.has_work():
         engine.step()
-    engine.cache.check_integrity()
+    engine.scheduler.cache.check_integrity()
     # it streamed its one allowed token ("a"), then ended with the dead-end error
     assert [d.text for d in errors[:-1]] == ["a"], errors
     assert getattr(errors[-1], "code", None) == "grammar_dead_end", errors
     assert not engine.num_requests and not engine.has_work()
-    stats = engine.cache.stats()
-    assert stats.pages_used == 0 and stats.pages_free + stats.pages_cached_free == engine.cache.num_pages
+    stats = engine.scheduler.cache.stats()
+    assert stats.pages_used == 0 and stats.pages_free + stats.pages_cached_free == engine.scheduler.cache.num_pages
     reference = run(engine, [constrained(prompt, "json-alone"),
                              GenerationRequest(prompt, SamplingParams(max_tokens=8, temperature=0),
                                                request_id="free-alone")])
@@ -206,9 +206,9 @@ def test_each_tenant_compiles_into_its_own_cache(engines):
     engine = engines["cached"]
     spec = GrammarSpec("json_schema", json.dumps({"type": "object", "properties": {
         "tenant_probe": {"type": "boolean"}}}))
-    alpha = engine.compile_grammar(spec, "alpha")
-    misses = engine.grammars.stats.misses
-    assert engine.compile_grammar(spec, "alpha") is alpha  # alpha's own entry: a hit
-    assert engine.grammars.stats.misses == misses
-    beta = engine.compile_grammar(spec, "beta")  # beta compiles its own: a miss, not alpha's
-    assert engine.grammars.stats.misses == misses + 1 and beta is not alpha
+    alpha = engine.grammars.compile(spec, "alpha")
+    misses = engine.grammars.compiler.stats.misses
+    assert engine.grammars.compile(spec, "alpha") is alpha  # alpha's own entry: a hit
+    assert engine.grammars.compiler.stats.misses == misses
+    beta = engine.grammars.compile(spec, "beta")  # beta compiles its own: a miss, not alpha's
+    assert engine.grammars.compiler.stats.misses == misses + 1 and beta is not alpha

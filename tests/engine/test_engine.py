@@ -52,7 +52,7 @@ def run(engine, requests: list[GenerationRequest]) -> dict[str, list[Delta]]:
         engine.add_request(r, out[r.request_id].append)
     while engine.has_work():
         engine.step()
-    engine.cache.check_integrity()
+    engine.scheduler.cache.check_integrity()
     return out
 
 
@@ -83,7 +83,7 @@ def test_sixteen_concurrent_equal_one_at_a_time(make_engine, tokenizer):
     prompts = [chat(tokenizer, t) for t in TASKS]
     alone = [tokens(run(engine, [GenerationRequest(p, greedy(), request_id=f"s{i}")])[f"s{i}"])
              for i, p in enumerate(prompts)]
-    engine.cache.reset_cache()
+    engine.scheduler.cache.reset_cache()
     together = run(engine, [GenerationRequest(p, greedy(), request_id=f"c{i}") for i, p in enumerate(prompts)])
     assert [tokens(together[f"c{i}"]) for i in range(16)] == alone
     last = [d for d in together["c3"] if d.usage][0]
@@ -92,7 +92,7 @@ def test_sixteen_concurrent_equal_one_at_a_time(make_engine, tokenizer):
     shared_blocks = len(chat(tokenizer, "")) // 16 - 1
     hits = sorted(d.usage.cached_tokens for v in together.values() for d in v if d.usage)
     assert hits[-1] >= shared_blocks * 16 and hits.count(0) <= 1
-    assert engine.cache.stats().pages_used == 0
+    assert engine.scheduler.cache.stats().pages_used == 0
 
 
 def test_burst_computes_a_cold_shared_prefix_once(make_engine, tokenizer):
@@ -121,8 +121,8 @@ def test_tiny_page_budget_preempts_without_changing_outputs(make_engine, tokeniz
     got = run(tight, requests("t"))
     assert tight.scheduler.num_preemptions > 0
     assert [tokens(got[f"t{i}"]) for i in range(6)] == [tokens(expected[f"r{i}"]) for i in range(6)]
-    stats = tight.cache.stats()
-    assert stats.pages_used == 0 and stats.pages_free + stats.pages_cached_free == tight.cache.num_pages
+    stats = tight.scheduler.cache.stats()
+    assert stats.pages_used == 0 and stats.pages_free + stats.pages_cached_free == tight.scheduler.cache.num_pages
 
 
 def test_abort_mid_decode_frees_pages(make_engine, tokenizer):
@@ -131,10 +131,10 @@ def test_abort_mid_decode_frees_pages(make_engine, tokenizer):
     engine.add_request(GenerationRequest(chat(tokenizer, TASKS[0]), greedy(64), request_id="ab"), seen.append)
     while len(seen) < 3:
         engine.step()
-    assert engine.cache.stats().pages_used > 0
+    assert engine.scheduler.cache.stats().pages_used > 0
     assert engine.abort("ab") and not engine.abort("ab")
-    assert engine.cache.stats().pages_used == 0 and not engine.has_work()
-    engine.cache.check_integrity()
+    assert engine.scheduler.cache.stats().pages_used == 0 and not engine.has_work()
+    engine.scheduler.cache.check_integrity()
 
 
 def test_n4_forks_share_the_prompt_pages(make_engine, tokenizer):
@@ -146,15 +146,15 @@ def test_n4_forks_share_the_prompt_pages(make_engine, tokenizer):
     while not seen:
         engine.step()
     full_prompt_pages = len(prompt) // 16
-    table = engine.cache.block_table(engine.scheduler.running[0].seq_id)
-    assert all(engine.cache.ref_count(p) == 4 for p in table[:full_prompt_pages])
-    assert engine.cache.stats().pages_used < 2 * -(-len(prompt) // 16)
+    table = engine.scheduler.cache.block_table(engine.scheduler.running[0].seq_id)
+    assert all(engine.scheduler.cache.ref_count(p) == 4 for p in table[:full_prompt_pages])
+    assert engine.scheduler.cache.stats().pages_used < 2 * -(-len(prompt) // 16)
     while engine.has_work():
         engine.step()
     assert {d.index for d in seen} == {0, 1, 2, 3}
     usage = [d.usage for d in seen if d.usage][0]
     assert usage.completion_tokens == 32
-    assert engine.cache.stats().pages_used == 0
+    assert engine.scheduler.cache.stats().pages_used == 0
 
 
 def test_seeded_sampling_is_reproducible(make_engine, tokenizer):
@@ -335,6 +335,6 @@ def test_bf16_kv_serves_with_prefix_caching(make_engine, tokenizer):
     assert tokens(second) == tokens(first) and len(tokens(first)) == 24
     usage = [d.usage for d in second if d.usage][0]
     assert usage.cached_tokens == len(prompt) - 1  # a full hit stops one token short
-    assert engine.cache.stats().cow_copies == 1  # ... and writes it into a copy of the page
+    assert engine.scheduler.cache.stats().cow_copies == 1  # ... and writes it into a copy of the page
     assert engine.spec_stats()["spec_drafts"] > 0
-    engine.cache.check_integrity()
+    engine.scheduler.cache.check_integrity()

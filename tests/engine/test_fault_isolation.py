@@ -14,7 +14,7 @@ import asyncio
 
 import pytest
 
-from prefixgate.gateway.engine import llm_engine
+from prefixgate.gateway.engine import step_sampling
 from prefixgate.gateway.engine.api import (
     EngineError,
     GenerationRequest,
@@ -60,9 +60,9 @@ def assert_unharmed(engine, out, baseline, tag: str) -> None:
         assert (tokens(deltas), text(deltas)) == baseline[i], i
         assert deltas[-1].usage is not None
     valid(out[f"{tag}15"])
-    stats = engine.cache.stats()
+    stats = engine.scheduler.cache.stats()
     assert stats.pages_used == 0 and stats.num_sequences == 0 and engine.num_requests == 0
-    engine.cache.check_integrity()
+    engine.scheduler.cache.check_integrity()
 
 
 def poison_error(deltas) -> EngineError:
@@ -72,7 +72,7 @@ def poison_error(deltas) -> EngineError:
 
 
 def test_sampler_poison_fails_alone(make_engine, tokenizer, baseline, monkeypatch):
-    real = llm_engine.sample
+    real = step_sampling.sample
     calls = {"batched_failures": 0}
 
     def sample(logits, rows, mask=None):
@@ -82,7 +82,7 @@ def test_sampler_poison_fails_alone(make_engine, tokenizer, baseline, monkeypatc
             raise RuntimeError("injected sampler fault")
         return real(logits, rows, mask)
 
-    monkeypatch.setattr(llm_engine, "sample", sample)
+    monkeypatch.setattr(step_sampling, "sample", sample)
     engine = make_engine(num_pages=512)
     poison = GenerationRequest(chat(tokenizer, "I am the poison."),
                                SamplingParams(max_tokens=12, temperature=0, seed=POISON_SEED), request_id="p")
@@ -133,7 +133,7 @@ def test_detokenizer_poison_fails_alone(make_engine, tokenizer, baseline):
     for r in batch(tokenizer, "d")[:3] + [GenerationRequest(chat(tokenizer, "poison"), SamplingParams(
             max_tokens=12, temperature=0), request_id="p")] + batch(tokenizer, "d")[3:]:
         engine.add_request(r, out[r.request_id].append)
-    engine._requests["p"].seqs[0].state.decoder = BrokenDecoder()
+    engine.output.requests["p"].seqs[0].state.decoder = BrokenDecoder()
     while engine.has_work():
         engine.step()
     poison_error(out["p"])
@@ -185,9 +185,9 @@ def test_model_failure_fails_all_then_recovers(make_engine, tokenizer, monkeypat
     assert all(isinstance(r, list) and len(r) == 24 for r in expected)
     assert all(isinstance(r, EngineError) and "internal error" in r.message for r in failed)
     assert again == expected  # serving again, and exactly as before
-    stats = engine.cache.stats()
+    stats = engine.scheduler.cache.stats()
     assert stats.pages_used == 0 and stats.num_sequences == 0
-    engine.cache.check_integrity()
+    engine.scheduler.cache.check_integrity()
 
 
 @pytest.fixture(scope="module")
@@ -228,7 +228,7 @@ def test_a_grammar_fault_in_drafts_harms_no_other_request(make_engine, tokenizer
     out = {r.request_id: [] for r in requests}
     for r in requests:
         engine.add_request(r, out[r.request_id].append)
-    poison = engine._requests["s0"].seqs[0].state.matcher  # noqa: SLF001
+    poison = engine.output.requests["s0"].seqs[0].state.matcher  # noqa: SLF001
     raised = {"n": 0}
     method = "fill_next_token_bitmask" if where == "masks" else "find_jump_forward_tokens"
     real = getattr(poison, method)
@@ -251,7 +251,7 @@ def test_a_grammar_fault_in_drafts_harms_no_other_request(make_engine, tokenizer
         assert tokens(out["s0"]) == tokens(clean["c0"])
     for rid in ("s1", "s2", "slong"):
         assert tokens(out[rid]) == tokens(clean["c" + rid[1:]]), rid
-    engine.cache.check_integrity()
+    engine.scheduler.cache.check_integrity()
 
 
 def _paused_session_with_tier(make_engine, tokenizer):
@@ -266,8 +266,7 @@ def _paused_session_with_tier(make_engine, tokenizer):
     pool = engine.runner.kv_pool
     page_bytes = pool[:, :, 0].numel() * pool.element_size()
     store = HostTier(64 * entry_slot_bytes(page_bytes), entry_slot_bytes(page_bytes))
-    engine.tier = engine.scheduler.tier = KVTier(store, pool, load_timeout_s=30.0)
-    engine.cache.capture_evictions()
+    engine.attach_tier(KVTier(store, pool, load_timeout_s=30.0))
     paused = chat(tokenizer, PROMPT)
     run(engine, [GenerationRequest(paused, greedy(4), request_id="turn1")])
     others = [chat(tokenizer, f"{i}: {TASKS[i]} " * 14) for i in range(3)]
@@ -315,7 +314,7 @@ def test_a_spill_failure_loses_the_spill_only(make_engine, tokenizer):
     assert injected, "no step both installed a load and spilled (test inconclusive)"
     assert tokens(got) == want and got[-1].usage.cached_tokens > 0
     assert engine.tier.stats().spills_dropped >= injected["pages"]
-    engine.cache.check_integrity()
+    engine.scheduler.cache.check_integrity()
 
 
 def test_a_step_failing_before_its_loads_are_written_leaves_them_unhittable(make_engine, tokenizer):
@@ -326,16 +325,17 @@ def test_a_step_failing_before_its_loads_are_written_leaves_them_unhittable(make
 
     engine, paused = _paused_session_with_tier(make_engine, tokenizer)
     last = _loads_of_next_step(engine)
-    real_move = engine._move_tier_pages  # noqa: SLF001
+    connector = engine.scheduler.connector
+    real_move = connector.start_step
     injected = {}
 
-    def move(out):
-        if out.page_loads and not injected:
-            injected["loads"] = out.page_loads
+    def move(page_loads):
+        if page_loads and not injected:
+            injected["loads"] = page_loads
             raise RuntimeError("injected: the step failed before writing its loads")
-        return real_move(out)
+        return real_move(page_loads)
 
-    engine._move_tier_pages = move  # noqa: SLF001
+    connector.start_step = move
     sink = []
     engine.add_request(GenerationRequest(paused, greedy(8), request_id="turn2"), sink.append)
     for _ in range(200):
@@ -348,6 +348,6 @@ def test_a_step_failing_before_its_loads_are_written_leaves_them_unhittable(make
     assert injected and last, "no step installed a load (test inconclusive)"
     assert isinstance(sink[-1], EngineError)
     unwritten = [pid for load in injected["loads"] for pid in load.page_ids]
-    still_cached = [pid for pid in unwritten if engine.cache.pool.pages[pid].block_hash is not None]
+    still_cached = [pid for pid in unwritten if engine.scheduler.cache.pool.pages[pid].block_hash is not None]
     assert still_cached == [], f"pages {still_cached} hold no loaded K/V but are still hittable"
-    engine.cache.check_integrity()
+    engine.scheduler.cache.check_integrity()

@@ -35,7 +35,7 @@ def _session(engine, tokenizer, flush=None) -> tuple[list[int], object]:
         flush()
     back = run(engine, [GenerationRequest(paused, greedy(8), request_id="turn2")])["turn2"]
     assert tokens(first) == tokens(back)[:4]
-    engine.cache.check_integrity()
+    engine.scheduler.cache.check_integrity()
     return tokens(back), back[-1]
 
 
@@ -48,8 +48,7 @@ def test_a_tier_hit_loads_the_evicted_prefix_with_identical_output(make_engine, 
     from prefixgate.gateway.engine.kv_tier import KVTier
 
     # a long deadline: on a loaded CI box a late load would (correctly) recompute
-    engine.tier = engine.scheduler.tier = KVTier(store, engine.runner.kv_pool, load_timeout_s=30.0)
-    engine.cache.capture_evictions()
+    engine.attach_tier(KVTier(store, engine.runner.kv_pool, load_timeout_s=30.0))
     out, last = _session(engine, tokenizer, flush=engine.tier.flush)
     prompt = len(chat(tokenizer, PROMPT))
     stats = engine.tier.stats()

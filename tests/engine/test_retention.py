@@ -12,14 +12,14 @@ def _session_returns(make_engine, tokenizer, retain: bool) -> tuple[int, list[in
     paused = chat(tokenizer, SYSTEM + " " + SYSTEM + " Plan the release checklist.")
     first = run(engine, [GenerationRequest(paused, greedy(4), request_id="turn1")])["turn1"]
     if retain:
-        assert engine.cache.retain(paused, engine.extra_keys_for("default", None), 60.0) > 0
+        assert engine.scheduler.cache.retain(paused, engine.extra_keys_for("default", None), 60.0) > 0
     # other agents' traffic meanwhile: distinct prompts needing more pages than are free
     others = [chat(tokenizer, f"{i}: {TASKS[i]} " * 14) for i in range(3)]
     run(engine, [GenerationRequest(p, greedy(2), request_id=f"o{i}") for i, p in enumerate(others)])
     back = run(engine, [GenerationRequest(paused, greedy(8), request_id="turn2")])["turn2"]
     assert tokens(first) == tokens(back)[:4]
-    engine.cache.check_integrity()
-    return back[-1].usage.cached_tokens, tokens(back), engine.cache.stats()
+    engine.scheduler.cache.check_integrity()
+    return back[-1].usage.cached_tokens, tokens(back), engine.scheduler.cache.stats()
 
 
 def test_a_retained_session_survives_other_traffic(make_engine, tokenizer):

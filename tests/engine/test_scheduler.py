@@ -6,6 +6,15 @@ from prefixgate.cache import KVCacheManager
 from prefixgate.gateway.engine.api import SamplingParams
 from prefixgate.gateway.engine.scheduler import Scheduler
 from prefixgate.gateway.engine.sequence import SeqStatus, Sequence
+from prefixgate.gateway.engine.step_budget import settings_as_given
+
+
+def make_scheduler(cache, *, connector=None, drafter=None, pacer=None, clock=None, **settings):
+    """A Scheduler with these settings (EngineConfig fields, the budgets exactly as given)."""
+    config, budgets = settings_as_given(settings)
+    extra = {"clock": clock} if clock is not None else {}
+    return Scheduler(cache, config, budgets=budgets, connector=connector, drafter=drafter,
+                     pacer=pacer, **extra)
 
 
 def seq(tokens, rid=None):
@@ -25,7 +34,7 @@ def step(s: Scheduler, next_token=1):
 
 
 def test_chunked_prefill_respects_the_budget():
-    s = Scheduler(KVCacheManager(64, 4, watermark=0), max_num_batched_tokens=32)
+    s = make_scheduler(KVCacheManager(64, 4, watermark=0), max_num_batched_tokens=32)
     a = seq(range(100))
     s.add(a)
     sizes = []
@@ -37,7 +46,7 @@ def test_chunked_prefill_respects_the_budget():
 
 
 def test_decodes_are_packed_before_prefill_chunks():
-    s = Scheduler(KVCacheManager(128, 4, watermark=0), max_num_batched_tokens=20)
+    s = make_scheduler(KVCacheManager(128, 4, watermark=0), max_num_batched_tokens=20)
     short = [seq([i] * 5, rid=f"s{i}") for i in range(3)]
     for x in short:
         s.add(x)
@@ -51,7 +60,7 @@ def test_decodes_are_packed_before_prefill_chunks():
 
 
 def test_watermark_holds_admission():
-    s = Scheduler(KVCacheManager(10, 4, watermark=0.2), max_num_batched_tokens=1000)
+    s = make_scheduler(KVCacheManager(10, 4, watermark=0.2), max_num_batched_tokens=1000)
     a, b = seq(range(16), "a"), seq(range(100, 120), "b")  # 4 and 5 pages
     s.add(a)
     s.add(b)
@@ -61,7 +70,7 @@ def test_watermark_holds_admission():
 
 
 def test_idle_engine_admits_below_the_watermark_but_never_beyond_the_pool():
-    s = Scheduler(KVCacheManager(10, 4, watermark=0.5), max_num_batched_tokens=1000)
+    s = make_scheduler(KVCacheManager(10, 4, watermark=0.5), max_num_batched_tokens=1000)
     big, huge = seq(range(36), "big"), seq(range(100, 150), "huge")
     s.add(huge)
     s.add(big)
@@ -70,7 +79,7 @@ def test_idle_engine_admits_below_the_watermark_but_never_beyond_the_pool():
     assert [c.seq.request_id for c in out.chunks] == ["big"]
     # more pages than the whole pool: failed at once, even while others run, and it does not
     # hold up the queue behind it
-    s2 = Scheduler(KVCacheManager(10, 4, watermark=0), max_num_batched_tokens=1000, admission_order="fcfs")
+    s2 = make_scheduler(KVCacheManager(10, 4, watermark=0), max_num_batched_tokens=1000, admission_order="fcfs")
     s2.add(seq(range(8), "small"))
     step(s2)
     s2.add(seq(range(100, 150), "huge"))
@@ -82,7 +91,7 @@ def test_idle_engine_admits_below_the_watermark_but_never_beyond_the_pool():
 
 def test_preemption_takes_the_latest_admitted_and_requeues_it_first():
     cache = KVCacheManager(6, 2, watermark=0)
-    s = Scheduler(cache, max_num_batched_tokens=100)
+    s = make_scheduler(cache, max_num_batched_tokens=100)
     a, b = seq([1, 2, 3], "a"), seq([4, 5, 6], "b")
     s.add(a)
     s.add(b)
@@ -104,7 +113,7 @@ def test_preemption_takes_the_latest_admitted_and_requeues_it_first():
 
 def test_abort_releases_pages_at_once():
     cache = KVCacheManager(16, 4, watermark=0)
-    s = Scheduler(cache)
+    s = make_scheduler(cache)
     a, w = seq(range(10), "a"), seq(range(50, 60), "w")
     s.add(a)
     step(s)
@@ -118,7 +127,7 @@ def test_abort_releases_pages_at_once():
 
 def test_burst_with_a_cold_shared_prefix_computes_it_once():
     cache = KVCacheManager(256, 4, watermark=0)
-    s = Scheduler(cache, max_num_batched_tokens=4096)
+    s = make_scheduler(cache, max_num_batched_tokens=4096)
     system = list(range(400))
     burst = [seq(system + [1000 + i] * 5, f"a{i}") for i in range(8)]
     for x in burst:
@@ -135,7 +144,7 @@ def test_burst_with_a_cold_shared_prefix_computes_it_once():
 
 def test_dedup_off_computes_the_prefix_for_everyone():
     cache = KVCacheManager(1024, 4, watermark=0)
-    s = Scheduler(cache, max_num_batched_tokens=4096, enable_dedup=False)
+    s = make_scheduler(cache, max_num_batched_tokens=4096, enable_dedup=False)
     burst = [seq(list(range(400)) + [1000 + i] * 5, f"a{i}") for i in range(4)]
     for x in burst:
         s.add(x)
@@ -146,11 +155,11 @@ def test_dedup_off_computes_the_prefix_for_everyone():
 @pytest.mark.parametrize("bad", [dict(max_num_batched_tokens=0), dict(max_num_seqs=0)])
 def test_bad_config(bad):
     with pytest.raises(ValueError):
-        Scheduler(KVCacheManager(4, 4), **bad)
+        make_scheduler(KVCacheManager(4, 4), **bad)
 
 
 def test_a_deferred_request_is_hashed_once_and_extended_after_preemption():
-    s = Scheduler(KVCacheManager(64, 4, watermark=0), max_num_batched_tokens=4096)
+    s = make_scheduler(KVCacheManager(64, 4, watermark=0), max_num_batched_tokens=4096)
     a, b = seq(list(range(40)) + [1], "a"), seq(list(range(40)) + [2], "b")
     s.add(a)
     s.add(b)
@@ -166,7 +175,7 @@ def test_a_deferred_request_is_hashed_once_and_extended_after_preemption():
 def test_forked_decodes_beyond_the_budget_all_advance():
     """n > 1 forks can put more sequences in `running` than the step budget has tokens; every
     decode still advances each step (none waits for older ones to finish)."""
-    s = Scheduler(KVCacheManager(64, 4, watermark=0), max_num_batched_tokens=4, max_num_seqs=4)
+    s = make_scheduler(KVCacheManager(64, 4, watermark=0), max_num_batched_tokens=4, max_num_seqs=4)
     parent = seq(range(10), "p")
     s.add(parent)
     while parent.num_computed < parent.num_prompt_tokens:
@@ -186,28 +195,28 @@ def test_forked_decodes_beyond_the_budget_all_advance():
 
 def test_the_budget_counts_a_chunks_attention_over_its_context():
     # context_scale 100: n tokens from position s cost n * (1 + (s + n/2) / 100)
-    s = Scheduler(KVCacheManager(512, 4, watermark=0), max_num_batched_tokens=100, context_scale=100)
+    s = make_scheduler(KVCacheManager(512, 4, watermark=0), max_num_batched_tokens=100, context_scale=100)
     a = seq(range(1000))
     s.add(a)
     sizes = [step(s).chunks[0].num_tokens for _ in range(3)]
     # 73 * (1 + 36.5/100) = 99.6 <= 100 < 74 * 1.37; then from 73: 50 * (1 + 98/100) = 99
     assert sizes[:2] == [73, 50]
     for start, n in ((0, 73), (73, 50), (123, sizes[2])):
-        assert s._cost(start, n) <= 100 < s._cost(start, n + 1)
+        assert s.costs.cost(start, n) <= 100 < s.costs.cost(start, n + 1)
     # deep into a long context one token may cost more than the whole budget: still progress
-    deep = Scheduler(KVCacheManager(2048, 4, watermark=0), max_num_batched_tokens=2, context_scale=1)
+    deep = make_scheduler(KVCacheManager(2048, 4, watermark=0), max_num_batched_tokens=2, context_scale=1)
     b = seq(range(3000))
     deep.add(b)
     assert [step(deep).chunks[0].num_tokens for _ in range(2)] == [1, 1]
     # without a scale every token costs one (the stand-in runners' budget)
-    plain = Scheduler(KVCacheManager(512, 4, watermark=0), max_num_batched_tokens=100)
+    plain = make_scheduler(KVCacheManager(512, 4, watermark=0), max_num_batched_tokens=100)
     plain.add(seq(range(1000)))
     assert step(plain).chunks[0].num_tokens == 100
 
 
 def test_a_short_prompt_is_not_split_to_fill_a_steps_leftover():
     # arrival order (lpm would rank these cold prompts shortest first)
-    s = Scheduler(KVCacheManager(256, 4, watermark=0), max_num_batched_tokens=40, admission_order="fcfs")
+    s = make_scheduler(KVCacheManager(256, 4, watermark=0), max_num_batched_tokens=40, admission_order="fcfs")
     first, second, third = seq(range(30), "first"), seq(range(100, 125), "second"), seq(range(200, 210), "third")
     for x in (first, second, third):
         s.add(x)
@@ -224,7 +233,7 @@ def test_a_short_prompt_is_not_split_to_fill_a_steps_leftover():
     out = step(s)
     assert [(c.seq.request_id, c.num_tokens) for c in out.chunks][-1] == ("long", 37)
     # and next to another prefill too: waiting for a step of its own would not help it
-    s2 = Scheduler(KVCacheManager(256, 4, watermark=0), max_num_batched_tokens=40)
+    s2 = make_scheduler(KVCacheManager(256, 4, watermark=0), max_num_batched_tokens=40)
     s2.add(seq(range(30), "p"))
     s2.add(seq(range(500, 600), "big"))
     assert [(c.seq.request_id, c.num_tokens) for c in step(s2).chunks] == [("p", 30), ("big", 10)]
@@ -234,18 +243,18 @@ def test_a_short_prompt_is_not_split_to_fill_a_steps_leftover():
 def test_a_crumb_of_leftover_budget_admits_nothing():
     # 192 with C = 3072: a 3,000-token prompt takes 186 tokens (191.6 units); the 0.4 left
     # must not admit a second long prompt for one token a step
-    s = Scheduler(KVCacheManager(2048, 16, watermark=0), max_num_batched_tokens=192, context_scale=3072)
+    s = make_scheduler(KVCacheManager(2048, 16, watermark=0), max_num_batched_tokens=192, context_scale=3072)
     s.add(seq(range(3000), "l1"))
     s.add(seq(range(10_000, 14_000), "l2"))
     for _ in range(3):
         out = step(s)
         assert [c.seq.request_id for c in out.chunks] == ["l1"]
-        assert s._cost(out.chunks[0].start_pos, out.chunks[0].num_tokens) <= 192
+        assert s.costs.cost(out.chunks[0].start_pos, out.chunks[0].num_tokens) <= 192
     assert s.num_waiting == 1 and s.num_running == 1  # l2 holds no pages, no running slot
 
 
 def test_a_bounced_prompt_keeps_its_place_behind_dedup_deferred_ones():
-    s = Scheduler(KVCacheManager(512, 4, watermark=0), max_num_batched_tokens=40, context_scale=1000)
+    s = make_scheduler(KVCacheManager(512, 4, watermark=0), max_num_batched_tokens=40, context_scale=1000)
     shared = list(range(500, 520))
     s.add(seq(shared + [1], "cold"))  # computes the shared blocks
     s.add(seq(shared + [2], "dup"))  # deferred by dedup while they are in flight
@@ -257,7 +266,7 @@ def test_a_bounced_prompt_keeps_its_place_behind_dedup_deferred_ones():
 
 def test_a_large_free_hit_is_not_counted_twice_against_the_pool():
     # 9 of 10 pages, 8 of them a free cached hit: it waits for `other`, it is not failed
-    s = Scheduler(KVCacheManager(10, 4, watermark=0), max_num_batched_tokens=1000)
+    s = make_scheduler(KVCacheManager(10, 4, watermark=0), max_num_batched_tokens=1000)
     hist = seq(range(32), "hist")
     s.add(hist)
     step(s)

@@ -3,11 +3,11 @@ hit, cache-aware admission with an age bound (docs/scheduling.md)."""
 
 from prefixgate.cache import KVCacheManager
 from prefixgate.gateway.engine.scheduler import Scheduler
-from tests.engine.test_scheduler import seq, step
+from tests.engine.test_scheduler import make_scheduler, seq, step
 
 
 def test_the_budget_is_big_until_a_stream_decodes_then_bounded():
-    s = Scheduler(KVCacheManager(256, 4, watermark=0), max_num_batched_tokens=64,
+    s = make_scheduler(KVCacheManager(256, 4, watermark=0), max_num_batched_tokens=64,
                   decode_step_budget=16)
     short, long = seq(range(8), "short"), seq(range(100, 300), "long")
     s.add(short)
@@ -24,7 +24,7 @@ def test_the_budget_is_big_until_a_stream_decodes_then_bounded():
 
 
 def test_a_short_prefill_goes_before_a_long_prompts_next_chunk():
-    s = Scheduler(KVCacheManager(256, 4, watermark=0), max_num_batched_tokens=32)
+    s = make_scheduler(KVCacheManager(256, 4, watermark=0), max_num_batched_tokens=32)
     long = seq(range(100, 300), "long")
     s.add(long)
     step(s)  # long's first chunk: it runs now
@@ -41,7 +41,7 @@ def test_a_short_prefill_goes_before_a_long_prompts_next_chunk():
 
 
 def test_a_short_prefill_runs_whole_in_a_decode_step_a_long_one_in_small_chunks():
-    s = Scheduler(KVCacheManager(256, 4, watermark=0), max_num_batched_tokens=256,
+    s = make_scheduler(KVCacheManager(256, 4, watermark=0), max_num_batched_tokens=256,
                   decode_step_budget=8, short_prefill_budget=40)
     streamer = seq(range(4), "streamer")
     s.add(streamer)
@@ -60,7 +60,7 @@ def test_a_short_prefill_runs_whole_in_a_decode_step_a_long_one_in_small_chunks(
 
 
 def test_only_one_short_prefill_a_step_widens_it():
-    s = Scheduler(KVCacheManager(256, 4, watermark=0), max_num_batched_tokens=256,
+    s = make_scheduler(KVCacheManager(256, 4, watermark=0), max_num_batched_tokens=256,
                   decode_step_budget=8, short_prefill_budget=80, admission_order="fcfs")
     streamer = seq(range(4), "streamer")
     s.add(streamer)
@@ -77,7 +77,7 @@ def test_only_one_short_prefill_a_step_widens_it():
     # (tiny fits the page the short pass leaves for the prefill work behind it)
     assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [
         ("streamer", 1), ("turn0", 1), ("turn1", 30), ("tiny", 4)]
-    s2 = Scheduler(KVCacheManager(256, 4, watermark=0), max_num_batched_tokens=256,
+    s2 = make_scheduler(KVCacheManager(256, 4, watermark=0), max_num_batched_tokens=256,
                    decode_step_budget=16, short_prefill_budget=40, admission_order="fcfs")
     s2.add(seq(range(4), "streamer"))
     step(s2)
@@ -90,7 +90,7 @@ def test_only_one_short_prefill_a_step_widens_it():
 def _streaming_scheduler(now: list[float]) -> Scheduler:
     """A scheduler with short-prefill widening and a 5 s age bound on ``now``, one stream
     already decoding."""
-    s = Scheduler(KVCacheManager(512, 4, watermark=0), max_num_batched_tokens=256,
+    s = make_scheduler(KVCacheManager(512, 4, watermark=0), max_num_batched_tokens=256,
                   decode_step_budget=8, short_prefill_budget=40, max_admission_wait_s=5.0,
                   clock=lambda: now[0])
     s.add(seq(range(4), "streamer"))
@@ -115,7 +115,7 @@ def test_short_turns_pass_an_aged_long_prompt_but_never_starve_it():
 
 
 def test_many_decodes_leave_a_prefill_at_least_a_page_a_step():
-    s = Scheduler(KVCacheManager(256, 4, watermark=0), max_num_batched_tokens=256,
+    s = make_scheduler(KVCacheManager(256, 4, watermark=0), max_num_batched_tokens=256,
                   decode_step_budget=4, short_prefill_budget=1)
     streams = [seq(range(10 * i, 10 * i + 3), f"s{i}") for i in range(6)]
     for x in streams:
@@ -149,16 +149,16 @@ def test_srpt_admits_the_least_prefill_compute_first():
 
 
 def test_the_decode_budget_never_exceeds_the_step_budget():
-    s = Scheduler(KVCacheManager(8, 4), max_num_batched_tokens=32, decode_step_budget=100)
+    s = make_scheduler(KVCacheManager(8, 4), max_num_batched_tokens=32, decode_step_budget=100)
     assert s.decode_step_budget == 32
-    assert Scheduler(KVCacheManager(8, 4), max_num_batched_tokens=32).decode_step_budget == 32
+    assert make_scheduler(KVCacheManager(8, 4), max_num_batched_tokens=32).decode_step_budget == 32
 
 
 def evicting_scenario(protect: bool):
     """``back`` waits while ``big`` (admitted first, the budget spent) takes 8 of the 12 pages:
     6 hashless ones, then two cached ones. Which two: ``first``'s (that ``back`` would hit,
     and the LRU's oldest) or ``other``'s?"""
-    s = Scheduler(KVCacheManager(12, 4, watermark=0), max_num_batched_tokens=16,
+    s = make_scheduler(KVCacheManager(12, 4, watermark=0), max_num_batched_tokens=16,
                   protect_waiting=protect, admission_order="fcfs")
     for name, tokens in (("first", range(12)), ("other", range(500, 512))):
         done = seq(tokens, name)
@@ -190,7 +190,7 @@ def test_without_protection_the_lru_evicts_the_waiting_requests_hit():
 
 def test_aborting_or_preempting_a_waiting_request_keeps_the_holds_consistent():
     cache = KVCacheManager(6, 2, watermark=0)
-    s = Scheduler(cache, max_num_batched_tokens=100)
+    s = make_scheduler(cache, max_num_batched_tokens=100)
     a, b = seq([1, 2, 3], "a"), seq([4, 5, 6], "b")
     s.add(a)
     s.add(b)
@@ -208,7 +208,7 @@ def test_aborting_or_preempting_a_waiting_request_keeps_the_holds_consistent():
 
 def lpm_scheduler(now):
     cache = KVCacheManager(64, 4, watermark=0)
-    s = Scheduler(cache, max_num_batched_tokens=8, admission_order="lpm",
+    s = make_scheduler(cache, max_num_batched_tokens=8, admission_order="lpm",
                   max_admission_wait_s=10.0, clock=lambda: now[0])
     warm = seq(range(16), "warm")
     s.add(warm)
@@ -285,7 +285,7 @@ def test_short_turns_passing_a_prompt_leave_it_its_pages_and_its_slot():
     # at the head (never whole in the short pass): it must not take the 12 pages and the
     # running slot the prompt waits for, step after step
     now = [0.0]
-    s = Scheduler(KVCacheManager(20, 4, watermark=0), max_num_batched_tokens=64, max_num_seqs=5,
+    s = make_scheduler(KVCacheManager(20, 4, watermark=0), max_num_batched_tokens=64, max_num_seqs=5,
                   decode_step_budget=8, short_prefill_budget=16, max_admission_wait_s=5.0,
                   clock=lambda: now[0])
     big = seq(range(1000, 1048), "big")
@@ -306,7 +306,7 @@ def test_short_turns_passing_a_prompt_leave_it_its_pages_and_its_slot():
 def test_a_prompt_deeper_than_a_page_of_budget_still_moves_beside_short_turns():
     # with a small context scale one token deep in the prompt costs more than the page the
     # short pass keeps back: the oldest running prefill still takes a token every step
-    s = Scheduler(KVCacheManager(512, 4, watermark=0), max_num_batched_tokens=64,
+    s = make_scheduler(KVCacheManager(512, 4, watermark=0), max_num_batched_tokens=64,
                   decode_step_budget=8, short_prefill_budget=40, context_scale=10)
     s.add(seq(range(4), "streamer"))
     step(s)

@@ -14,6 +14,7 @@ from prefixgate.cache import KVCacheManager
 from prefixgate.gateway.engine.api import SamplingParams
 from prefixgate.gateway.engine.scheduler import Scheduler
 from prefixgate.gateway.engine.sequence import SeqStatus, Sequence
+from tests.engine.test_scheduler import make_scheduler
 
 PAGE = 4
 ARRIVAL_STEPS = 80  # requests arrive during these steps, then the engine drains
@@ -43,7 +44,7 @@ def run(seed: int) -> None:
     rng = random.Random(seed)
     now = [0.0]
     cache = KVCacheManager(rng.randint(14, 40), PAGE, watermark=rng.choice([0, 0.1]))
-    s = Scheduler(cache, max_num_batched_tokens=rng.choice([24, 48, 96]),
+    s = make_scheduler(cache, max_num_batched_tokens=rng.choice([24, 48, 96]),
                   decode_step_budget=rng.choice([None, 8, 12]),
                   short_prefill_budget=rng.choice([None, 16, 40]),
                   max_num_seqs=rng.choice([3, 6, 12]), admission_order=rng.choice(["lpm", "srpt", "fcfs"]),

@@ -10,10 +10,11 @@ import pytest
 
 from prefixgate.cache import KVCacheManager
 from prefixgate.gateway.engine.api import SamplingParams
+from prefixgate.gateway.engine.kv_connector import KVConnector
 from prefixgate.gateway.engine.kv_tier import TierLoad
 from prefixgate.gateway.engine.scheduler import Scheduler
 from prefixgate.gateway.engine.sequence import SeqStatus, Sequence
-from tests.engine.test_scheduler import seq, step
+from tests.engine.test_scheduler import make_scheduler, seq, step
 
 PAGE = 4
 
@@ -51,9 +52,8 @@ class StandInTier:
 
 def tier_scheduler(num_pages: int) -> tuple[Scheduler, StandInTier]:
     cache = KVCacheManager(num_pages, PAGE, watermark=0)
-    cache.capture_evictions()
     tier = StandInTier()
-    return Scheduler(cache, max_num_batched_tokens=1000, tier=tier), tier
+    return make_scheduler(cache, max_num_batched_tokens=1000, connector=KVConnector(cache, tier)), tier
 
 
 def tier_step(s: Scheduler, tier: StandInTier):
@@ -77,9 +77,9 @@ def test_a_finished_load_waits_for_admission_instead_of_sitting_in_the_pool():
     back = seq([*range(12), 50, 51, 52, 53], "turn2")
     s.add(back)
     out = tier_step(s, tier)  # probe: the load starts, the request waits for it
-    assert tier.requests == [(0, 3)] and back.tier_probe == "loading"
+    assert tier.requests == [(0, 3)] and s.connector.probe(back) == "loading"
     out = tier_step(s, tier)  # loaded, but no page is free: held, nothing installed
-    assert out.page_loads == () and back.tier_probe == "held" and s.num_waiting == 1
+    assert out.page_loads == () and s.connector.probe(back) == "held" and s.num_waiting == 1
     assert s.cache.find_prefix(back.token_ids).num_cached_tokens == 0
     s.finish(other)
     out = tier_step(s, tier)
@@ -88,7 +88,7 @@ def test_a_finished_load_waits_for_admission_instead_of_sitting_in_the_pool():
     assert load.payload == "payload from 0" and load.offset == 0 and len(load.page_ids) == 3
     assert back.num_cached_tokens == 12 and out.chunks[0].start_pos == 12
     assert tier.requests == [(0, 3)]  # one load, installed once
-    assert s._tier_load_pages == {}
+    assert s.connector.load_pages == {}
 
 
 def test_a_waiting_request_looks_again_when_the_pool_loses_its_prefix():
@@ -131,9 +131,9 @@ def test_an_aborted_request_releases_its_held_load():
     s.add(back)
     tier_step(s, tier)
     tier_step(s, tier)
-    assert back.tier_probe == "held" and s._tier_load_pages == {back.seq_id: 3}
+    assert s.connector.probe(back) == "held" and s.connector.load_pages == {back.seq_id: 3}
     s.remove_request("turn2")
-    assert back.tier_load is None and s._tier_load_pages == {}
+    assert s.connector.probe(back) == "" and s.connector.load_pages == {}
 
 
 def test_installing_a_load_never_evicts_the_pool_hit_it_continues():
@@ -212,10 +212,9 @@ def make_seq(tokens, rid, max_tokens):
 def run_random(seed: int, num_pages: int = 24, steps: int = 300, extras: bool = False) -> None:
     rng = random.Random(seed)
     cache = KVCacheManager(num_pages, PAGE, watermark=rng.choice([0, 0.1]) if extras else 0)
-    cache.capture_evictions()
     contents: dict[int, bytes | None] = {}  # page id -> hash of the block its K/V really is
     tier = SlowTier(rng, contents)
-    s = Scheduler(cache, max_num_batched_tokens=rng.choice([8, 16, 64]), tier=tier,
+    s = make_scheduler(cache, max_num_batched_tokens=rng.choice([8, 16, 64]), connector=KVConnector(cache, tier),
                   max_num_seqs=rng.choice([2, 4, 8]))
     histories = {f"sess{i}": [*range(8), *range(100 * i, 100 * i + rng.randint(1, 12))] for i in range(6)}
     live: dict[str, Sequence] = {}
@@ -271,10 +270,10 @@ def run_random(seed: int, num_pages: int = 24, steps: int = 300, extras: bool = 
                 s.remove_request(sq.request_id)
                 del live[name]
         cache.check_integrity()
-        waiting_ids = {w.seq_id for w in s.waiting if w.tier_probe in ("loading", "held")}
-        assert set(s._tier_load_pages) == waiting_ids, (seed, s._tier_load_pages, waiting_ids)  # noqa: SLF001
-        assert all(r.tier_load is None for r in s.running)
-        assert set(tier.inflight) <= {w.seq_id for w in s.waiting if w.tier_probe == "loading"}
+        waiting_ids = {w.seq_id for w in s.waiting if s.connector.probe(w) in ("loading", "held")}
+        assert set(s.connector.load_pages) == waiting_ids, (seed, s.connector.load_pages, waiting_ids)  # noqa: SLF001
+        assert all(s.connector.probe(r) == "" for r in s.running)  # forgotten once admitted
+        assert set(tier.inflight) <= {w.seq_id for w in s.waiting if s.connector.probe(w) == "loading"}
 
 
 @pytest.mark.parametrize("seed", range(25))

@@ -9,7 +9,7 @@ import json
 
 import torch
 
-from prefixgate.gateway.engine import llm_engine
+from prefixgate.gateway.engine import step_sampling
 from prefixgate.gateway.engine.api import (
     EngineError,
     GenerationRequest,
@@ -43,13 +43,13 @@ def test_speculative_greedy_is_token_identical_and_leaves_exact_pages(make_engin
     assert drafter.num_accepted > 0 and spec.spec_tokens_accepted == drafter.num_accepted
     assert drafter.num_proposed > drafter.num_accepted  # some were rejected, too
     assert got["r0"][-1].usage.completion_tokens == 40
-    spec.cache.check_integrity()
+    spec.scheduler.cache.check_integrity()
 
     # rejected drafts left no trace: every page both engines registered holds the same K/V
     # (up to the summation order of a chunk vs a decode step)
     compared = 0
-    for block_hash, page in spec.cache.pool.cached.items():
-        other = plain.cache.pool.cached.get(block_hash)
+    for block_hash, page in spec.scheduler.cache.pool.cached.items():
+        other = plain.scheduler.cache.pool.cached.get(block_hash)
         if other is None:
             continue
         a = spec.runner.kv_pool[:, :, page.page_id]
@@ -57,7 +57,7 @@ def test_speculative_greedy_is_token_identical_and_leaves_exact_pages(make_engin
         assert torch.allclose(a, b, atol=1e-3, rtol=1e-3), block_hash.hex()
         compared += 1
     # the same blocks, generated ones included: no draft block was ever registered
-    assert set(spec.cache.pool.cached) == set(plain.cache.pool.cached) and compared >= 15
+    assert set(spec.scheduler.cache.pool.cached) == set(plain.scheduler.cache.pool.cached) and compared >= 15
 
 
 def test_opted_out_requests_never_draft(make_engine, tokenizer):
@@ -95,8 +95,8 @@ def test_constrained_rows_draft_what_the_grammar_forces_with_identical_output(ma
     drafter = spec.scheduler.drafter
     print(spec.spec_stats())
     assert drafter.num_accepted > 0 and spec.spec_tokens_accepted == drafter.num_accepted
-    spec.cache.check_integrity()
-    assert spec.cache.stats().pages_used == 0
+    spec.scheduler.cache.check_integrity()
+    assert spec.scheduler.cache.stats().pages_used == 0
 
 
 def test_seeded_constrained_speculation_reproduces_plain_decoding(make_engine, tokenizer):
@@ -129,7 +129,7 @@ def test_sampled_requests_draft_accept_and_release_every_page(make_engine, token
     output is whole (48 tokens, or fewer ending in a stop token) and decodes to its text, and
     the pool ends with every page free again."""
     spec = make_engine(num_pages=64, num_speculative_tokens=4)
-    free_at_start = spec.cache.num_free_pages
+    free_at_start = spec.scheduler.cache.num_free_pages
     requests = [_sampled(tokenizer, "s1", 1), _sampled(tokenizer, "s2", 2, top_p=0.95),
                 _sampled(tokenizer, "s3", 3, top_k=40), _sampled(tokenizer, "u", None)]
     out = run(spec, requests)
@@ -146,8 +146,8 @@ def test_sampled_requests_draft_accept_and_release_every_page(make_engine, token
             assert last.finish_reason == "stop" and len(got) < 48 and got[-1] in spec.eos_token_ids, rid
             got = got[:-1]  # the stop token is not shown
         assert "".join(d.text for d in deltas) == tokenizer.decode(got), rid
-    spec.cache.check_integrity()
-    assert spec.cache.stats().pages_used == 0 and spec.cache.num_free_pages == free_at_start
+    spec.scheduler.cache.check_integrity()
+    assert spec.scheduler.cache.stats().pages_used == 0 and spec.scheduler.cache.num_free_pages == free_at_start
 
 
 def test_seeded_sampled_speculation_reproduces_whatever_the_drafts(make_engine, tokenizer):
@@ -198,8 +198,8 @@ def test_speculation_under_page_pressure_keeps_outputs(make_engine, tokenizer):
     got = run(tight, requests("t"))
     assert [tokens(got[f"t{i}"]) for i in range(5)] == [tokens(plain[f"p{i}"]) for i in range(5)]
     assert tight.scheduler.drafter.num_accepted > 0 and tight.scheduler.num_preemptions > 0
-    tight.cache.check_integrity()
-    assert tight.cache.stats().pages_used == 0
+    tight.scheduler.cache.check_integrity()
+    assert tight.scheduler.cache.stats().pages_used == 0
 
 
 def test_no_draft_past_the_step_row_cap(make_engine, tokenizer):
@@ -214,7 +214,7 @@ def test_a_verification_fault_fails_its_request_alone(make_engine, tokenizer, mo
     before the one-by-one retry)."""
     clean_engine = make_engine(num_pages=128, num_speculative_tokens=4)
     clean = run(clean_engine, [_sampled(tokenizer, "a", 7), _sampled(tokenizer, "b", 8, top_p=0.9)])
-    real = llm_engine.verify
+    real = step_sampling.verify
     calls = {"raised": 0}
 
     def verify(logits, rows, drafts, token_bitmask=None):
@@ -224,11 +224,11 @@ def test_a_verification_fault_fails_its_request_alone(make_engine, tokenizer, mo
             raise RuntimeError("injected verification fault")
         return result
 
-    monkeypatch.setattr(llm_engine, "verify", verify)
+    monkeypatch.setattr(step_sampling, "verify", verify)
     engine = make_engine(num_pages=128, num_speculative_tokens=4)
     out = run(engine, [_sampled(tokenizer, "a", 7), _sampled(tokenizer, "b", 8, top_p=0.9),
                        _sampled(tokenizer, "p", 666)])
     assert calls["raised"] >= 2  # batched, then alone
     assert isinstance(out["p"][-1], EngineError) and out["p"][-1].code == "request_failed"
     assert tokens(out["a"]) == tokens(clean["a"]) and tokens(out["b"]) == tokens(clean["b"])
-    assert engine.cache.stats().pages_used == 0 and engine.num_requests == 0
+    assert engine.scheduler.cache.stats().pages_used == 0 and engine.num_requests == 0

@@ -7,9 +7,8 @@ import pytest
 
 from prefixgate.cache import KVCacheManager
 from prefixgate.gateway.engine.config import EngineConfig, decode_slowdown
-from prefixgate.gateway.engine.scheduler import Scheduler
 from prefixgate.gateway.engine.step_pacing import StepPacer
-from tests.engine.test_scheduler import seq, step
+from tests.engine.test_scheduler import make_scheduler, seq, step
 
 
 def _feed(pacer: StepPacer, steps: int, decode_s: float, unit_s: float, seed: int = 0) -> None:
@@ -67,7 +66,7 @@ def test_slowdown_is_validated_and_off_by_default():
 
 def test_a_paced_step_carries_less_than_a_page_and_the_prompt_still_moves():
     pacer = StepPacer(2.0, decode_s=0.02, added_s=0.1, added_units=10)  # dear units: 2 a step
-    s = Scheduler(KVCacheManager(256, 4, watermark=0), max_num_batched_tokens=256,
+    s = make_scheduler(KVCacheManager(256, 4, watermark=0), max_num_batched_tokens=256,
                   decode_step_budget=32, short_prefill_budget=1, pacer=pacer)
     streams = [seq(range(10 * i, 10 * i + 3), f"s{i}") for i in range(4)]
     for x in streams:

@@ -116,7 +116,7 @@ def test_engine_bounds_at_the_edge(client, engine):
     error = envelope(client.post("/v1/completions", json={"prompt": "hi", "stop_token_ids": [vocab]}))
     assert error["param"] == "stop_token_ids"
     # (just inside needs a full-context prefill: the context check is covered in test_errors.py)
-    limit = min(engine.max_model_len, engine.core.cache.num_pages * engine.page_size)
+    limit = min(engine.max_model_len, engine.core.scheduler.cache.num_pages * engine.page_size)
     error = envelope(client.post("/v1/completions", json={"prompt": [1] * limit, "max_tokens": 1}))
     assert error["param"] == "prompt" and error["code"] == "context_length_exceeded"
     error = envelope(client.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": limit}))

@@ -125,7 +125,7 @@ _FORCED_FOREVER = textwrap.dedent("""
             engine.step()
         text = "".join(d.text for d in out)
         print(json.dumps({"text": text, "finish": out[-1].finish_reason}))
-    engine.close_grammars()
+    engine.grammars.close()
     status = open("/proc/self/status").read()
     print(json.dumps({"peak_rss": int(status.split("VmHWM:")[1].split()[0]) * 1024}))
 """)

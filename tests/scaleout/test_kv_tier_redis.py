@@ -34,7 +34,7 @@ def _replica(loaded_model, redis_url: str, namespace: str = "kvtier-test", num_p
 
 def _ask(engine, tokenizer, request_id: str) -> tuple[list[int], int]:
     deltas = run(engine, [GenerationRequest(chat(tokenizer, PROMPT), greedy(6), request_id=request_id)])[request_id]
-    engine.cache.check_integrity()
+    engine.scheduler.cache.check_integrity()
     return tokens(deltas), deltas[-1].usage.cached_tokens
 
 
@@ -89,7 +89,7 @@ def test_a_replica_loads_what_another_computed_and_survives_redis_dying(
         assert third.tier.stats().errors == 1 and third.tier.stats().pages_loaded == 0
         again, _ = _ask(third, tokenizer, "c2")
         assert again == want
-        third.cache.check_integrity()
+        third.scheduler.cache.check_integrity()
     finally:
         own_redis.start()
     for engine in (first, second, third):
@@ -106,7 +106,7 @@ def _evict_into_the_tier(engine, tokenizer, tag: str) -> None:
 
 def _prompt_keys(engine, tokenizer, namespace: str) -> set[bytes]:
     """The Redis keys PROMPT's blocks would have."""
-    blocks = engine.cache.hasher.hash_blocks(chat(tokenizer, PROMPT),
+    blocks = engine.scheduler.cache.hasher.hash_blocks(chat(tokenizer, PROMPT),
                                              engine.extra_keys_for("default", None))
     return {f"{namespace}:kv:".encode() + b.block_hash for b in blocks}
 

@@ -24,7 +24,7 @@ def engine_chain(engine, tokens: list[int], tenant: str, cache_salt: str | None 
     """The chain the engine itself computes when it schedules these tokens."""
     core = engine.core
     extra = core.extra_keys_for(tenant, cache_salt)
-    return tuple(b.block_hash for b in core.cache.hasher.hash_blocks(tokens, extra))
+    return tuple(b.block_hash for b in core.scheduler.cache.hasher.hash_blocks(tokens, extra))
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ def _engine(loaded, **overrides):
 
 def _cached(engine, prompt, request_id):
     out = run(engine, [GenerationRequest(tuple(prompt), GREEDY, request_id=request_id)])[request_id]
-    engine.cache.check_integrity()
+    engine.scheduler.cache.check_integrity()
     return out[-1].usage.cached_tokens, tokens(out)
 
 
@@ -45,7 +45,7 @@ def test_hit_at_every_block_decodes_like_a_cold_engine(family_case, name):
     hit, decoded = _cached(warm, turn, "turn")
     assert hit == (len(second) + len(decoded) - 1) // 16 * 16
     assert _cached(cold, turn, "cold-turn")[1] == decoded
-    stats = warm.cache.state
+    stats = warm.scheduler.cache.state
     assert stats.num_saved > 0 and stats.num_working == 0
 
 
@@ -64,11 +64,11 @@ def test_state_slots_bound_admission_and_checkpoints_evict(family_case):
     tight = _engine(loaded, num_state_slots=3)
     prompts = [tuple(range(200 + 7 * i, 240 + 7 * i)) for i in range(5)]
     outs = run(tight, [GenerationRequest(p, GREEDY, request_id=str(i)) for i, p in enumerate(prompts)])
-    tight.cache.check_integrity()
+    tight.scheduler.cache.check_integrity()
     cold = _engine(loaded, enable_prefix_caching=False)
     for i, p in enumerate(prompts):
         assert tokens(outs[str(i)]) == _cached(cold, p, f"c{i}")[1]
-    assert tight.cache.state.num_working == 0 and tight.cache.state.num_evicted > 0
+    assert tight.scheduler.cache.state.num_working == 0 and tight.scheduler.cache.state.num_evicted > 0
 
 
 def test_tier_load_restores_pages_and_checkpoint_like_a_recompute(family_case):
@@ -97,8 +97,7 @@ def test_tier_load_restores_pages_and_checkpoint_like_a_recompute(family_case):
     pool = engine.runner.kv_pool
     page_bytes = pool[:, :, 0].numel() * pool.element_size()
     store = HostTier(64 * entry_slot_bytes(page_bytes), entry_slot_bytes(page_bytes))
-    engine.tier = engine.scheduler.tier = KVTier(store, pool, load_timeout_s=30.0)
-    engine.cache.capture_evictions()
+    engine.attach_tier(KVTier(store, pool, load_timeout_s=30.0))
     hit, out = session(engine)
     assert out == plain
     assert engine.tier.stats().pages_loaded > 0 and hit == 64 > plain_hit
@@ -112,11 +111,11 @@ def test_n_choices_fork_the_state(family_case):
     warm = _engine(loaded)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, n=3)
     out = run(warm, [GenerationRequest(prompt, params, request_id="n3")])["n3"]
-    warm.cache.check_integrity()
+    warm.scheduler.cache.check_integrity()
     cold = _engine(loaded, enable_prefix_caching=False)
     alone = _cached(cold, list(prompt), "alone")[1]
     assert [tokens(out, choice) for choice in range(3)] == [alone] * 3
-    assert warm.cache.state.num_working == 0
+    assert warm.scheduler.cache.state.num_working == 0
 
 
 def test_evicted_checkpoints_spill_to_host_memory_and_come_back(family_case):
@@ -131,7 +130,7 @@ def test_evicted_checkpoints_spill_to_host_memory_and_come_back(family_case):
     others = [list(range(500 + 50 * i, 540 + 50 * i)) for i in range(4)]
     engine = _engine(loaded, num_pages=64, num_state_slots=4)
     tier = StateTier(engine.runner.states, 32)
-    engine.cache.attach_state_tier(tier)
+    engine.scheduler.cache.attach_state_tier(tier)
     first = _cached(engine, paused, "turn1")[1]
     for i, other in enumerate(others):
         _cached(engine, other, f"o{i}")
@@ -140,4 +139,4 @@ def test_evicted_checkpoints_spill_to_host_memory_and_come_back(family_case):
     assert tier.num_loaded > 0 and hit >= 80
     cold = _engine(loaded, enable_prefix_caching=False)
     assert _cached(cold, paused + first[:3] + [7], "cold")[1] == back
-    engine.cache.check_integrity()
+    engine.scheduler.cache.check_integrity()
