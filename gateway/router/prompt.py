@@ -18,10 +18,10 @@ from pydantic import ValidationError
 from prefixgate.cache.hashing import BlockHasher, make_extra_keys
 from prefixgate.gateway.http.api_keys import DEFAULT_TENANT
 from prefixgate.gateway.http.auth import KeyTable
+from prefixgate.gateway.http.headers import AGENT_HEADER
 from prefixgate.gateway.server.anthropic.schemas import MessagesRequest
 from prefixgate.gateway.server.openai.schemas import ChatCompletionRequest, CompletionRequest
 from prefixgate.gateway.server.responses.schemas import ResponsesRequest
-from prefixgate.gateway.server.state import AGENT_HEADER
 from prefixgate.gateway.server.tokenization import template_inputs
 from prefixgate.gateway.server.tools.dialect import choose_dialect
 

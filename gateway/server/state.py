@@ -12,13 +12,12 @@ from prefixgate.cache.stats import CacheStats
 from prefixgate.gateway.engine.api import EngineLike, EngineStats, InvalidRequestError
 from prefixgate.gateway.http.auth import KeyTable
 from prefixgate.gateway.http.errors import ModelNotFoundError
+from prefixgate.gateway.http.headers import AGENT_HEADER
 from prefixgate.gateway.server.clients import ClientCounters, model_served
 from prefixgate.gateway.server.fields import MAX_LABEL_CHARS
 from prefixgate.gateway.server.metrics import GatewayMetrics
 from prefixgate.gateway.server.settings import ServerSettings
 from prefixgate.gateway.server.tokenization import Tokenization
-
-AGENT_HEADER = "X-Agent-Id"
 
 
 @dataclass(slots=True)
