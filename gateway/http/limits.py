@@ -1,6 +1,6 @@
 """Limits on slow and greedy clients, in one typed place (:class:`ConnectionLimits`), shared by
 ``prefixgate serve`` and ``prefixgate route``: every field is a flag of both. What enforces them
-is in :mod:`gateway.server.slow_clients`.
+is in :mod:`gateway.http.slow_clients`.
 """
 
 from __future__ import annotations
