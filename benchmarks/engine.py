@@ -38,8 +38,8 @@ import torch
 from benchmarks.common import base_parser, print_table, write_json
 from prefixgate.agents import texts
 from prefixgate.gateway.engine.api import Delta, GenerationRequest, SamplingParams
+from prefixgate.gateway.engine.build import create_llm_engine
 from prefixgate.gateway.engine.config import EngineConfig
-from prefixgate.gateway.engine.factory import create_llm_engine
 from prefixgate.gateway.engine.loader import load_model
 from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
 

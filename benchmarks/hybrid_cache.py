@@ -34,8 +34,8 @@ from typing import Any
 
 from benchmarks.common import base_parser, write_json
 from prefixgate.gateway.engine.api import GenerationRequest, SamplingParams
+from prefixgate.gateway.engine.build import create_llm_engine
 from prefixgate.gateway.engine.config import EngineConfig
-from prefixgate.gateway.engine.factory import create_llm_engine
 from prefixgate.gateway.engine.kv_budget import kv_page_bytes, state_slot_bytes
 from prefixgate.gateway.engine.loader import load_model
 from prefixgate.gateway.engine.model_config import LinearAttentionConfig, ModelConfig

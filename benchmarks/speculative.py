@@ -32,8 +32,8 @@ import time
 from benchmarks.common import base_parser, bounded_schema, print_table, write_json
 from prefixgate.agents import texts
 from prefixgate.gateway.engine.api import Delta, GenerationRequest, GrammarSpec, SamplingParams
+from prefixgate.gateway.engine.build import create_llm_engine
 from prefixgate.gateway.engine.config import EngineConfig
-from prefixgate.gateway.engine.factory import create_llm_engine
 from prefixgate.gateway.engine.loader import load_model
 
 REPEATING = [

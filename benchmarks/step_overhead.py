@@ -56,13 +56,13 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from benchmarks.common import base_parser, print_table, write_json
-from prefixgate.gateway.engine import engine as async_engine_module
+from prefixgate.gateway.engine import async_engine as async_engine_module
 from prefixgate.gateway.engine import step_sampling
 from prefixgate.gateway.engine.api import Delta, EngineError, GenerationRequest, SamplingParams
+from prefixgate.gateway.engine.async_engine import AsyncEngine
+from prefixgate.gateway.engine.build import create_llm_engine
 from prefixgate.gateway.engine.config import EngineConfig
-from prefixgate.gateway.engine.engine import AsyncEngine
-from prefixgate.gateway.engine.factory import create_llm_engine
-from prefixgate.gateway.engine.llm_engine import LLMEngine
+from prefixgate.gateway.engine.engine_core import LLMEngine
 from prefixgate.gateway.engine.loader import LoadedModel, load_model
 from prefixgate.gateway.engine.stop_strings import StopStringMatcher
 

@@ -102,11 +102,11 @@ from prefixgate.gateway.engine.api import (
     GrammarSpec,
     SamplingParams,
 )
+from prefixgate.gateway.engine.async_engine import AsyncEngine
+from prefixgate.gateway.engine.build import create_llm_engine
 from prefixgate.gateway.engine.config import EngineConfig
-from prefixgate.gateway.engine.engine import AsyncEngine
-from prefixgate.gateway.engine.factory import create_llm_engine
+from prefixgate.gateway.engine.engine_core import LLMEngine
 from prefixgate.gateway.engine.grammar import new_matcher
-from prefixgate.gateway.engine.llm_engine import LLMEngine
 from prefixgate.gateway.engine.loader import load_model
 from prefixgate.gateway.engine.sampler import SampleRow, sample
 from prefixgate.gateway.engine.step_masks import row_bitmask

@@ -172,7 +172,7 @@ def test_only_the_kv_manager_touches_the_cache_internals():
 # module only constructs the manager
 KV_OWNERS = tuple(f"gateway/engine/{name}.py" for name in (
     "scheduler", "admission", "kv_connector", "kv_control"))
-KV_BUILDERS = ("gateway/engine/factory.py",)
+KV_BUILDERS = ("gateway/engine/build.py",)
 # where ``.cache`` would mean the KV manager: the engine's own modules (its subpackages keep
 # other caches: the grammar compiler's) and every gateway package above it
 KV_CALLERS = ("gateway/engine/*.py", "gateway/server/**/*.py", "gateway/router/**/*.py",

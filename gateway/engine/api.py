@@ -206,7 +206,7 @@ class OverloadedError(EngineError):
 
 
 # --------------------------------------------------------------------------------------------
-# The engine as the gateway sees it. gateway/engine/engine.py implements it; gateway/server
+# The engine as the gateway sees it. gateway/engine/async_engine.py implements it; gateway/server
 # and the router depend only on this protocol (and on cache.stats for the snapshot type).
 # --------------------------------------------------------------------------------------------
 from collections.abc import AsyncIterator, Sequence  # noqa: E402

@@ -30,7 +30,7 @@ from prefixgate.gateway.engine.api import (
     new_request_id,
 )
 from prefixgate.gateway.engine.config import EngineConfig
-from prefixgate.gateway.engine.llm_engine import LLMEngine
+from prefixgate.gateway.engine.engine_core import LLMEngine
 from prefixgate.gateway.engine.validation import check_queue
 
 logger = logging.getLogger("prefixgate.engine")
@@ -424,7 +424,7 @@ def build_engine(config: EngineConfig | None = None, *, event_sink=None, loaded=
 
     ``loaded`` reuses an already loaded model (a LoadedModel: tests share one across engines).
     """
-    from prefixgate.gateway.engine.factory import create_llm_engine
+    from prefixgate.gateway.engine.build import create_llm_engine
 
     config = config or EngineConfig()
     core, info = create_llm_engine(config, event_sink=event_sink, loaded=loaded, tier_store=tier_store)

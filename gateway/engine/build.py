@@ -17,9 +17,9 @@ from prefixgate.gateway.engine.config import (
     decode_slowdown,
 )
 from prefixgate.gateway.engine.drafter import NgramDrafter
+from prefixgate.gateway.engine.engine_core import LLMEngine
 from prefixgate.gateway.engine.kv_budget import default_state_slots
 from prefixgate.gateway.engine.kv_tier import KVTier
-from prefixgate.gateway.engine.llm_engine import LLMEngine
 from prefixgate.gateway.engine.loader import LoadedModel, load_model
 from prefixgate.gateway.engine.model_config import parse_rope_override, with_rope_override
 from prefixgate.gateway.engine.runner import ModelRunner

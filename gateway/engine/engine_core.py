@@ -1,6 +1,6 @@
 """The synchronous engine core: requests in, one step at a time, deltas out.
 
-Single-threaded by design: the async front (engine.py) owns the only thread that calls
+Single-threaded by design: the async front (async_engine.py) owns the only thread that calls
 ``step()``. A step is schedule (the scheduler decides; its connector moves second-tier pages)
 -> execute (the runner computes, with fault isolation) -> update (step_sampling picks the
 tokens, each row isolated; the output processor turns them into deltas). docs/engine.md.

@@ -55,7 +55,7 @@ def kernel_report(runner: Any) -> KernelReport:
 
 
 def engine_kernel_report(engine: Any) -> KernelReport | None:
-    """The report of an :class:`~gateway.engine.engine.AsyncEngine` (its core's runner);
+    """The report of an :class:`~gateway.engine.async_engine.AsyncEngine` (its core's runner);
     None for an engine without one (the tests' stand-ins)."""
     runner = getattr(getattr(engine, "core", None), "runner", None)
     return None if runner is None else kernel_report(runner)

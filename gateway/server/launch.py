@@ -127,7 +127,7 @@ def uvicorn_config(app: Any, settings: ServerSettings) -> uvicorn.Config:
 
 def serve(engine_config: EngineConfig, settings: ServerSettings) -> None:
     """Load the model, then serve until interrupted (the app starts and stops the engine)."""
-    from prefixgate.gateway.engine.engine import build_engine  # heavy: torch, the model
+    from prefixgate.gateway.engine.async_engine import build_engine  # heavy: torch, the model
 
     engine = build_engine(engine_config, tier_store=tier_store(engine_config, settings))
     engine.warm_grammars()

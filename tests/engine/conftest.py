@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from prefixgate.gateway.engine.build import create_llm_engine
 from prefixgate.gateway.engine.config import EngineConfig
-from prefixgate.gateway.engine.factory import create_llm_engine
 from prefixgate.gateway.engine.runner import ModelRunner
 
 RUNNER_NUM_PAGES = 512

@@ -15,13 +15,13 @@ from prefixgate.gateway.engine.api import (
     OverloadedError,
     SamplingParams,
 )
+from prefixgate.gateway.engine.async_engine import AsyncEngine
 from prefixgate.gateway.engine.config import (
     EngineConfig,
     decode_token_budget,
     short_prefill_budget,
     step_token_budget,
 )
-from prefixgate.gateway.engine.engine import AsyncEngine
 
 SYSTEM = (
     "You are a meticulous research assistant in a team of software agents. You can call tools to "

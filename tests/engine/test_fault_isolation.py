@@ -21,7 +21,7 @@ from prefixgate.gateway.engine.api import (
     InvalidRequestError,
     SamplingParams,
 )
-from prefixgate.gateway.engine.engine import AsyncEngine
+from prefixgate.gateway.engine.async_engine import AsyncEngine
 from tests.engine.test_constrained import JSON, valid
 from tests.engine.test_engine import TASKS, chat, run
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from prefixgate.cache.tier import HostTier, entry_slot_bytes
-from prefixgate.gateway.engine import factory
+from prefixgate.gateway.engine import build as factory
 from prefixgate.gateway.engine.api import GenerationRequest
 from prefixgate.gateway.engine.config import EngineConfig, auto_tier_bytes
 from tests.engine.test_engine import SYSTEM, TASKS, chat, greedy, run, tokens

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from prefixgate.gateway.engine import precision
+from prefixgate.gateway.engine.async_engine import AsyncEngine
+from prefixgate.gateway.engine.build import create_llm_engine
 from prefixgate.gateway.engine.config import EngineConfig
-from prefixgate.gateway.engine.engine import AsyncEngine
-from prefixgate.gateway.engine.factory import create_llm_engine
 from prefixgate.gateway.engine.kv_budget import resolve_dtype
 from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
 from prefixgate.kernels.cpu.library import bf16_instructions, int8_instructions

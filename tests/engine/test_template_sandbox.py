@@ -9,9 +9,9 @@ import time
 import httpx
 import pytest
 
+from prefixgate.gateway.engine.async_engine import build_engine
 from prefixgate.gateway.engine.chat_template import ChatTemplate, ChatTemplateError
 from prefixgate.gateway.engine.config import EngineConfig
-from prefixgate.gateway.engine.engine import build_engine
 from prefixgate.gateway.engine.loader import load_model
 from prefixgate.gateway.engine.template_sandbox import MAX_RENDER_SECONDS
 from prefixgate.gateway.server import ServerSettings

@@ -73,7 +73,7 @@ def test_the_recursive_schema_is_a_400_on_every_surface(client: httpx.Client, ga
 
 
 def test_a_compile_past_its_limit_is_a_400_while_others_are_served(loaded_model):
-    from prefixgate.gateway.engine.engine import build_engine
+    from prefixgate.gateway.engine.async_engine import build_engine
 
     engine = build_engine(EngineConfig(num_pages=64, page_size=16, grammar_compile_timeout_s=4.0,
                                        grammar_workers=1), loaded=loaded_model)
@@ -111,7 +111,7 @@ _FORCED_FOREVER = textwrap.dedent("""
     resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
     from prefixgate.gateway.engine.api import GenerationRequest, GrammarSpec, SamplingParams
     from prefixgate.gateway.engine.config import EngineConfig
-    from prefixgate.gateway.engine.factory import create_llm_engine
+    from prefixgate.gateway.engine.build import create_llm_engine
     engine, _ = create_llm_engine(EngineConfig(num_pages=64, num_speculative_tokens=4))
     prompt = tuple(engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Write the letter a."}]))

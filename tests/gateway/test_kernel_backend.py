@@ -38,7 +38,7 @@ def test_a_library_that_did_not_build_is_reported_and_warned_about(
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     native_lib.library.cache_clear()
     try:
-        from prefixgate.gateway.engine.engine import build_engine
+        from prefixgate.gateway.engine.async_engine import build_engine
 
         engine = build_engine(EngineConfig(num_pages=32, page_size=16, device="cpu"),
                               loaded=loaded_model)

@@ -22,7 +22,7 @@ def _chat(client: httpx.Client, text: str, max_tokens: int) -> dict:
 
 
 def test_a_session_returns_from_the_host_tier_over_http(loaded_model):
-    from prefixgate.gateway.engine.engine import build_engine
+    from prefixgate.gateway.engine.async_engine import build_engine
 
     engine = build_engine(EngineConfig(num_pages=24, page_size=16, watermark=0.0, kv_tier="host",
                                        kv_tier_size_gb=0.05), loaded=loaded_model)

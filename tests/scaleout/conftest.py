@@ -135,7 +135,7 @@ def own_redis() -> Iterator[RedisServer]:
 def make_engine(loaded_model, num_pages: int = NUM_PAGES):
     """An engine of its own (KV pool, cache, thread) over the session's one loaded model
     (``loaded_model`` comes from the root plugin tests/model_fixtures.py)."""
-    from prefixgate.gateway.engine.engine import build_engine
+    from prefixgate.gateway.engine.async_engine import build_engine
 
     return build_engine(EngineConfig(num_pages=num_pages, page_size=PAGE_SIZE, max_waiting=128),
                         loaded=loaded_model)

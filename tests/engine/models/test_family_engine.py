@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from prefixgate.gateway.engine.api import GenerationRequest, SamplingParams
+from prefixgate.gateway.engine.build import create_llm_engine
 from prefixgate.gateway.engine.config import EngineConfig
-from prefixgate.gateway.engine.factory import create_llm_engine
 from tests.engine.test_engine import run, tokens
 
 pytestmark = pytest.mark.slow

@@ -15,8 +15,8 @@ from typing import Any
 
 import jsonschema
 
+from prefixgate.gateway.engine.async_engine import build_engine
 from prefixgate.gateway.engine.config import EngineConfig
-from prefixgate.gateway.engine.engine import build_engine
 from prefixgate.gateway.engine.loader import load_model
 from prefixgate.gateway.server import ServerSettings
 from tests.family_fixtures import family_fixture
