@@ -30,6 +30,10 @@
  * left 16) once per block, K while it is transposed, V into an fp32 block buffer, so the tiles
  * below run the fp32 code unchanged and the conversion is amortised over all the item's rows
  * (docs/benchmarks.md).
+ * AMX (Sapphire Rapids on; bf16 pages by default, see prefill_amx): the same spans, blocks and
+ * online softmax, with Q K^T and P V as AMX-BF16 tile products over exact bf16 pieces of the
+ * fp32 operands (prefill_span_amx): 1.4-1.5x the FMA path on long chunks. Items are then 64
+ * positions, their rows padded to whole 16-row tiles.
  * Built with the other kernels/cpu/csrc files into one library by kernels/cpu/library.py; the torch
  * path (SDPA) is the oracle in the tests.
  */
@@ -44,10 +48,17 @@
 
 #include "kv_rows.h"
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && \
+    defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define PG_PREFILL_AMX 1
+int pg_amx_available(void); /* linear_amx.c */
+#endif
+
 #define KEYS 16          /* keys per vector of scores */
 #define VECS 2           /* vectors of scores per key block */
 #define BLOCK (KEYS * VECS) /* keys per block */
-#define ROWS_PER_ITEM 32 /* query positions per work item */
+#define ROWS_PER_ITEM 32 /* query positions per work item (twice that on AMX tiles) */
+#define AMX_ITEM_PAD 16  /* rows of an AMX tile: an item's rows are padded to it */
 #define TILE_ROWS 4      /* query rows whose scores and outputs are in registers together */
 #define SPAN_KEYS 512    /* keys per span (a multiple of KEYS) */
 #define ITEMS_PER_THREAD 4 /* fewer (head, row block) items than this per thread: split spans */
@@ -297,6 +308,309 @@ static inline __attribute__((always_inline)) void prefill_span(
     }
 }
 
+#if defined(PG_PREFILL_AMX)
+/* ---- AMX-BF16 tiles (Intel Sapphire Rapids on; pg_amx_available() says the kernel allows it).
+ *
+ * The same spans, blocks of 32 keys, online softmax and merge as prefill_span, with the two
+ * products on tiles: scores S = Q K^T for 16 rows x 32 keys, then O += P V for 16 rows x D.
+ * Tiles multiply bf16 pairs into fp32 sums, so each fp32 operand goes in as PIECES bf16 terms
+ * whose sum is the value exactly (x = hi + mid + lo, each the nearest bf16 of what is left: 3 x 8
+ * significant bits hold fp32's 24). A product of two such sums is the sum of the piece
+ * products; the ones of significance below 2^-24 of the leading term (mid x lo, lo x mid, lo x
+ * lo) are left out, so every score and output sums products exact to fp32's precision, in a
+ * fixed order per row: a row's bits still depend only on its position and its keys.
+ * bf16 pages hold one piece per K / V element (exact), and the pieces a fp32 page would add
+ * are the ones left at zero there, in the same order: fp32 pages holding bf16 values give the
+ * bf16 pages' bits. Tiles: 0-3 the output accumulators (16 columns each), 4-5 the scores of
+ * the two 16-key halves, 6 an A operand, 7 a B operand; all 16 rows x 64 bytes. */
+#define PIECES 3
+#define AMX_ROWS 16
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) prefill_tile_config;
+
+static void prefill_tiles_configure(void) {
+    prefill_tile_config cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = AMX_ROWS;
+    }
+    /* NOTE: GCC declares ldtilecfg's operand as 8 bytes: the barrier keeps the other stores */
+    __asm__ volatile("" : : "r"(&cfg) : "memory");
+    _tile_loadconfig(&cfg);
+}
+
+static inline __m512 widen_bf16(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* x as PIECES bf16 vectors (nearest even each) whose sum is x. */
+static inline void split_pieces(__m512 x, __m256i out[PIECES]) {
+    for (int p = 0; p < PIECES; ++p) {
+        const __m256bh h = _mm512_cvtneps_pbh(x);
+        memcpy(&out[p], &h, sizeof(out[p]));
+        if (p + 1 < PIECES) x = _mm512_sub_ps(x, widen_bf16(out[p]));
+    }
+}
+
+/* 32 elements from `at` of a K/V row as bf16 pieces, in pairs: out[p] lane i = elements
+ * (at + 2i, at + 2i + 1) of piece p. bf16 rows have one piece; the others are zero. */
+static inline void row_pairs(const void *row, int64_t at, const int bf16, __m512i out[PIECES]) {
+    if (bf16) {
+        out[0] = _mm512_loadu_si512((const uint16_t *)row + at);
+        for (int p = 1; p < PIECES; ++p) out[p] = _mm512_setzero_si512();
+        return;
+    }
+    __m256i lo[PIECES], hi[PIECES];
+    split_pieces(_mm512_loadu_ps((const float *)row + at), lo);
+    split_pieces(_mm512_loadu_ps((const float *)row + at + 16), hi);
+    for (int p = 0; p < PIECES; ++p)
+        out[p] = _mm512_inserti64x4(_mm512_castsi256_si512(lo[p]), hi[p], 1);
+}
+
+/* 16 elements from `at` of a V row as bf16 pieces widened to 32-bit lanes (low half). */
+static inline void row_lanes(const void *row, int64_t at, const int bf16, __m512i out[PIECES]) {
+    if (bf16) {
+        out[0] = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + at)));
+        for (int p = 1; p < PIECES; ++p) out[p] = _mm512_setzero_si512();
+        return;
+    }
+    __m256i h[PIECES];
+    split_pieces(_mm512_loadu_ps((const float *)row + at), h);
+    for (int p = 0; p < PIECES; ++p) out[p] = _mm512_cvtepu16_epi32(h[p]);
+}
+
+/* The block's K as B tiles: kb[p][half][c] = 16 rows (pairs of d in [32c, 32c + 32)) x 16
+ * keys of the half, piece p; keys past nkeys zero. */
+static inline __attribute__((always_inline)) void k_tiles(uint32_t *kb, const void *const krow[BLOCK],
+                                                          int nkeys, const int head_dim,
+                                                          const int bf16, const int kp) {
+    const int kchunks = head_dim / 32;
+    for (int half = 0; half < VECS; ++half)
+        for (int c = 0; c < kchunks; ++c) {
+            __m512 r[PIECES][KEYS];
+            for (int j = 0; j < KEYS; ++j) {
+                __m512i pairs[PIECES];
+                const int key = half * KEYS + j;
+                if (key < nkeys) {
+                    row_pairs(krow[key], (int64_t)c * 32, bf16, pairs);
+                } else {
+                    for (int p = 0; p < PIECES; ++p) pairs[p] = _mm512_setzero_si512();
+                }
+                for (int p = 0; p < kp; ++p) r[p][j] = _mm512_castsi512_ps(pairs[p]);
+            }
+            for (int p = 0; p < kp; ++p) {
+                transpose16(r[p]);
+                uint32_t *dst = kb + (((size_t)p * VECS + half) * kchunks + c) * 256;
+                for (int d = 0; d < KEYS; ++d) _mm512_store_ps((float *)dst + d * 16, r[p][d]);
+            }
+        }
+}
+
+/* The block's V as B tiles: vt[p][c] = 16 rows (pairs of keys 2i, 2i + 1) x 16 columns (d in
+ * [16c, 16c + 16)), piece p; keys past nkeys zero. */
+static inline __attribute__((always_inline)) void v_tiles(uint32_t *vt, const void *const vrow[BLOCK],
+                                                          int nkeys, const int head_dim,
+                                                          const int bf16, const int vp) {
+    const int vchunks = head_dim / 16;
+    for (int i = 0; i < BLOCK / 2; ++i)
+        for (int c = 0; c < vchunks; ++c) {
+            __m512i even[PIECES], odd[PIECES];
+            for (int p = 0; p < PIECES; ++p) even[p] = odd[p] = _mm512_setzero_si512();
+            if (2 * i < nkeys) row_lanes(vrow[2 * i], (int64_t)c * 16, bf16, even);
+            if (2 * i + 1 < nkeys) row_lanes(vrow[2 * i + 1], (int64_t)c * 16, bf16, odd);
+            for (int p = 0; p < vp; ++p)
+                _mm512_store_si512(vt + (((size_t)p * vchunks + c) * 16 + i) * 16,
+                                   _mm512_or_si512(even[p], _mm512_slli_epi32(odd[p], 16)));
+        }
+}
+
+/* Scores of rows r0 .. r0 + 15 against the block into s [16][32]: products of Q piece qp and
+ * K piece kp with qp + kp < PIECES, K's leading piece first (see above). */
+static inline __attribute__((always_inline)) void amx_scores(const uint16_t *qp, size_t q_piece,
+                                                             const uint32_t *kb, int r0,
+                                                             const int head_dim, const int kp,
+                                                             float *s) {
+    const int kchunks = head_dim / 32;
+    _tile_zero(4);
+    _tile_zero(5);
+    for (int k = 0; k < kp; ++k)
+        for (int p = 0; p + k < PIECES; ++p)
+            for (int c = 0; c < kchunks; ++c) {
+                _tile_loadd(6, qp + p * q_piece + (size_t)r0 * head_dim + c * 32,
+                            head_dim * sizeof(uint16_t));
+                _tile_loadd(7, kb + (((size_t)k * VECS + 0) * kchunks + c) * 256, 64);
+                _tile_dpbf16ps(4, 6, 7);
+                _tile_loadd(7, kb + (((size_t)k * VECS + 1) * kchunks + c) * 256, 64);
+                _tile_dpbf16ps(5, 6, 7);
+            }
+    _tile_stored(4, s, BLOCK * sizeof(float));
+    _tile_stored(5, s + KEYS, BLOCK * sizeof(float));
+}
+
+/* o rows r0 .. r0 + 15 (already rescaled) += P V, P's pieces in pp [PIECES][16][32]. */
+static inline __attribute__((always_inline)) void amx_outputs(float *o, const uint16_t *pp,
+                                                              const uint32_t *vt, int r0,
+                                                              const int head_dim, const int vp) {
+    const int vchunks = head_dim / 16;
+    const int64_t ld = head_dim * sizeof(float);
+    for (int c0 = 0; c0 < vchunks; c0 += 4) {
+        const int cn = vchunks - c0 < 4 ? vchunks - c0 : 4;
+        float *base = o + (size_t)r0 * head_dim + c0 * 16;
+        _tile_loadd(0, base, ld);
+        if (cn > 1) _tile_loadd(1, base + 16, ld);
+        if (cn > 2) _tile_loadd(2, base + 32, ld);
+        if (cn > 3) _tile_loadd(3, base + 48, ld);
+        for (int v = 0; v < vp; ++v)
+            for (int p = 0; p + v < PIECES; ++p) {
+                const uint32_t *vb = vt + ((size_t)v * vchunks + c0) * 256;
+                _tile_loadd(6, pp + (size_t)p * AMX_ROWS * BLOCK, BLOCK * sizeof(uint16_t));
+                _tile_loadd(7, vb, 64);
+                _tile_dpbf16ps(0, 6, 7);
+                if (cn > 1) {
+                    _tile_loadd(7, vb + 256, 64);
+                    _tile_dpbf16ps(1, 6, 7);
+                }
+                if (cn > 2) {
+                    _tile_loadd(7, vb + 512, 64);
+                    _tile_dpbf16ps(2, 6, 7);
+                }
+                if (cn > 3) {
+                    _tile_loadd(7, vb + 768, 64);
+                    _tile_dpbf16ps(3, 6, 7);
+                }
+            }
+        _tile_stored(0, base, ld);
+        if (cn > 1) _tile_stored(1, base + 16, ld);
+        if (cn > 2) _tile_stored(2, base + 32, ld);
+        if (cn > 3) _tile_stored(3, base + 48, ld);
+    }
+}
+
+/* The online softmax of rows r0 .. r0 + 15 over the block's scores s [16][32] (prefill_span's
+ * arithmetic: masks, running max, exp, sums); P's pieces into pp, the rows of o rescaled. */
+static inline __attribute__((always_inline)) void amx_softmax(
+    const int group, const int head_dim, const float *s, int r0, int rows, int first_pos, int t0,
+    int nkeys, int window, float *o, float *m, float *lsum, uint16_t *pp) {
+    vlanes lane;
+    for (int j = 0; j < KEYS; ++j) lane[j] = j;
+    const int low_pos = first_pos + r0 / group;
+    const int high_pos = first_pos + (r0 + AMX_ROWS - 1) / group;
+    const int whole = nkeys == BLOCK && t0 + BLOCK - 1 <= low_pos && r0 + AMX_ROWS <= rows &&
+                      (window <= 0 || high_pos - window < t0);
+    for (int i = 0; i < AMX_ROWS; ++i) {
+        const int r = r0 + i;
+        vkeys x[VECS], sc[VECS];
+        vlanes span[VECS];
+        for (int b = 0; b < VECS; ++b) {
+            sc[b] = x[b] = load_keys(s + i * BLOCK + b * KEYS);
+            span[b] = (vlanes){0} - 1;
+        }
+        if (!whole) {
+            const int pos = r < rows ? first_pos + r / group : -1;
+            const int visible = pos - t0 + 1 < nkeys ? pos - t0 + 1 : nkeys;
+            const int seen = window > 0 ? pos - window + 1 - t0 : 0;
+            for (int b = 0; b < VECS; ++b) {
+                span[b] = (lane + b * KEYS >= seen) & (lane + b * KEYS < visible);
+                x[b] = (vkeys)(((vlanes)x[b] & span[b]) | ((vlanes)splat(-FLT_MAX) & ~span[b]));
+            }
+        }
+        vkeys most = x[0];
+        for (int b = 1; b < VECS; ++b) {
+            const vlanes keep = most > x[b];
+            most = (vkeys)(((vlanes)most & keep) | ((vlanes)x[b] & ~keep));
+        }
+        const float block_max = lanes_max(most);
+        const int grows = block_max > m[r];
+        const float mb = grows ? block_max : m[r];
+        vkeys sum = (vkeys){0};
+        for (int b = 0; b < VECS; ++b) {
+            vkeys arg = sc[b] - mb;
+            if (!whole)
+                arg = (vkeys)(((vlanes)arg & span[b]) | ((vlanes)splat(-1e30f) & ~span[b]));
+            const vkeys e = exp_lanes(arg);
+            sum += e;
+            __m512 ev;
+            memcpy(&ev, &e, sizeof(ev));
+            __m256i pieces[PIECES];
+            split_pieces(ev, pieces);
+            for (int p = 0; p < PIECES; ++p)
+                _mm256_store_si256((__m256i *)(pp + ((size_t)p * AMX_ROWS + i) * BLOCK + b * KEYS),
+                                   pieces[p]);
+        }
+        /* the row's sum as 16 lanes (summed across at the span's end); o and the sum are
+         * rescaled only when the running max grows (alpha = 1 otherwise: the same bits) */
+        float *lrow = lsum + (size_t)r * KEYS;
+        if (grows) {
+            const float alpha = expf(m[r] - mb);
+            m[r] = mb;
+            store_keys(lrow, load_keys(lrow) * alpha + sum);
+            float *orow = o + (size_t)r * head_dim;
+            for (int d = 0; d < head_dim; d += KEYS)
+                store_keys(orow + d, load_keys(orow + d) * alpha);
+        } else {
+            store_keys(lrow, load_keys(lrow) + sum);
+        }
+    }
+}
+
+/* Scratch of an AMX span, bytes: Q pieces [PIECES][R][D] bf16, K tiles, V tiles, scores
+ * [16][32], P pieces [PIECES][16][32] bf16. */
+static inline size_t amx_scratch_bytes(int padded_rows, int head_dim) {
+    return (size_t)PIECES * padded_rows * head_dim * 2 + (size_t)PIECES * VECS * head_dim * 16 * 4 +
+           (size_t)PIECES * head_dim * 16 * 4 + AMX_ROWS * BLOCK * 4 +
+           (size_t)PIECES * AMX_ROWS * BLOCK * 2 + (size_t)padded_rows * KEYS * 4;
+}
+
+/* prefill_span on tiles: q holds the rows' scaled fp32 queries (padded_rows a multiple of 16).
+ * Compiled once, not per (group, head dim): the tiles take the sizes at run time. */
+static __attribute__((noinline)) void prefill_span_amx(
+    int group, int head_dim, int bf16, const paged_kv *kv, int h, const float *q, int rows,
+    int padded_rows, int first_pos, int k0, int k1, int window, float *o, float *m, float *l,
+    uint8_t *scratch) {
+    const size_t q_piece = (size_t)padded_rows * head_dim;
+    uint16_t *qp = (uint16_t *)scratch;
+    uint32_t *kb = (uint32_t *)(qp + PIECES * q_piece);
+    uint32_t *vt = kb + (size_t)PIECES * VECS * head_dim * 16;
+    float *s = (float *)(vt + (size_t)PIECES * head_dim * 16);
+    uint16_t *pp = (uint16_t *)(s + AMX_ROWS * BLOCK);
+    float *lsum = (float *)(pp + PIECES * AMX_ROWS * BLOCK); /* [R][16]: each row's sum lanes */
+    const int pieces = bf16 ? 1 : PIECES;
+    for (size_t e = 0; e < q_piece; e += 16) {
+        __m256i h16[PIECES];
+        split_pieces(_mm512_loadu_ps(q + e), h16);
+        for (int p = 0; p < PIECES; ++p) _mm256_storeu_si256((__m256i *)(qp + p * q_piece + e), h16[p]);
+    }
+    memset(o, 0, sizeof(float) * q_piece);
+    memset(lsum, 0, sizeof(float) * (size_t)padded_rows * KEYS);
+    for (int r = 0; r < padded_rows; ++r) m[r] = -FLT_MAX;
+    prefill_tiles_configure();
+    for (int t0 = k0; t0 <= k1; t0 += BLOCK) {
+        const int nkeys = k1 + 1 - t0 < BLOCK ? k1 + 1 - t0 : BLOCK;
+        const void *krow[BLOCK], *vrow[BLOCK];
+        for (int j = 0; j < nkeys; ++j) {
+            krow[j] = kv_row(kv, kv->k_cache, t0 + j, h, head_dim);
+            vrow[j] = kv_row(kv, kv->v_cache, t0 + j, h, head_dim);
+        }
+        k_tiles(kb, krow, nkeys, head_dim, bf16, pieces);
+        v_tiles(vt, vrow, nkeys, head_dim, bf16, pieces);
+        for (int r0 = 0; r0 < padded_rows; r0 += AMX_ROWS) {
+            amx_scores(qp, q_piece, kb, r0, head_dim, pieces, s);
+            amx_softmax(group, head_dim, s, r0, rows, first_pos, t0, nkeys, window, o, m, lsum,
+                        pp);
+            amx_outputs(o, pp, vt, r0, head_dim, pieces);
+        }
+    }
+    _tile_release();
+    for (int r = 0; r < padded_rows; ++r) l[r] = lanes_sum(load_keys(lsum + (size_t)r * KEYS));
+}
+#endif /* PG_PREFILL_AMX */
+
 /* Fold a span's partial (po, pm, pl) into a row's running state (o, m, l). */
 static inline void merge_partial(int head_dim, float *o, float *m, float *l, const float *po,
                                  float pm, float pl) {
@@ -312,12 +626,14 @@ typedef struct {
     int i0, positions, rows, padded_rows, first_pos, first_key, last_pos, first_span, spans;
 } item_rows;
 
-static inline item_rows item_geometry(int b, int group, int ctx_len, int n_rows, int window) {
+static inline item_rows item_geometry(int b, int group, int ctx_len, int n_rows, int window,
+                                      int row_pad) {
     item_rows g;
-    g.i0 = b * ROWS_PER_ITEM;
-    g.positions = n_rows - g.i0 < ROWS_PER_ITEM ? n_rows - g.i0 : ROWS_PER_ITEM;
+    const int per_item = row_pad == AMX_ITEM_PAD ? 2 * ROWS_PER_ITEM : ROWS_PER_ITEM;
+    g.i0 = b * per_item;
+    g.positions = n_rows - g.i0 < per_item ? n_rows - g.i0 : per_item;
     g.rows = g.positions * group;
-    g.padded_rows = (g.rows + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+    g.padded_rows = (g.rows + row_pad - 1) / row_pad * row_pad;
     g.first_pos = ctx_len - n_rows + g.i0;
     g.last_pos = g.first_pos + g.positions - 1;
     /* the first key any of the item's rows sees */
@@ -347,10 +663,15 @@ static inline void scaled_queries(float *q, const item_rows *g, int group, int h
 /* Span s (0-based within the item) of item (g, h): its partial into po/pm/pl, [padded_rows]
  * rows. Returns 1 when scratch could not be allocated. */
 static inline __attribute__((always_inline)) int span_partial(
-    const int group, const int head_dim, const int bf16, const paged_kv *kv, const float *query,
-    int64_t q_row_stride, const item_rows *g, int h, int s, float scale, int window,
-    float *po, float *pm, float *pl) {
-    float *q = (float *)aligned_alloc(64, sizeof(float) * scratch_floats(g->padded_rows, head_dim));
+    const int group, const int head_dim, const int bf16, const int amx, const paged_kv *kv,
+    const float *query, int64_t q_row_stride, const item_rows *g, int h, int s, float scale,
+    int window, float *po, float *pm, float *pl) {
+    size_t bytes = sizeof(float) * scratch_floats(g->padded_rows, head_dim);
+#if defined(PG_PREFILL_AMX)
+    const size_t q_bytes = sizeof(float) * (size_t)g->padded_rows * head_dim;
+    if (amx) bytes = q_bytes + (amx_scratch_bytes(g->padded_rows, head_dim) + 63) / 64 * 64;
+#endif
+    float *q = (float *)aligned_alloc(64, bytes);
     if (q == NULL) return 1;
     float *kt = q + (size_t)g->padded_rows * head_dim;
     float *vb = kt + (size_t)head_dim * BLOCK;
@@ -358,6 +679,15 @@ static inline __attribute__((always_inline)) int span_partial(
     const int span = g->first_span + s;
     const int k0 = span * SPAN_KEYS > g->first_key ? span * SPAN_KEYS : g->first_key;
     const int k1 = (span + 1) * SPAN_KEYS - 1 < g->last_pos ? (span + 1) * SPAN_KEYS - 1 : g->last_pos;
+#if defined(PG_PREFILL_AMX)
+    if (amx) {
+        prefill_span_amx(group, head_dim, bf16, kv, h, q, g->rows, g->padded_rows, g->first_pos,
+                         k0, k1, window, po, pm, pl, (uint8_t *)q + q_bytes);
+        free(q);
+        return 0;
+    }
+#endif
+    (void)amx;
     prefill_span(group, head_dim, bf16, kv, h, q, g->rows, g->padded_rows, g->first_pos, k0, k1,
                  window, po, pm, pl, kt, vb);
     free(q);
@@ -382,7 +712,8 @@ static inline void write_rows(float *out, int64_t out_row_stride, const item_row
 /* A whole item, its spans merged as they are computed. Returns 1 when scratch could not be
  * allocated. */
 static inline __attribute__((always_inline)) int prefill_item(
-    const int group, const int head_dim, const int bf16, const paged_kv *kv, const float *query,
+    const int group, const int head_dim, const int bf16, const int amx, const paged_kv *kv,
+    const float *query,
     int64_t q_row_stride, float *out, int64_t out_row_stride, const item_rows *g, int h,
     float scale, int window, const float *sinks) {
     const size_t rd = (size_t)g->padded_rows * head_dim;
@@ -398,8 +729,8 @@ static inline __attribute__((always_inline)) int prefill_item(
     }
     int failed = 0;
     for (int s = 0; s < g->spans && !failed; ++s) {
-        failed = span_partial(group, head_dim, bf16, kv, query, q_row_stride, g, h, s, scale,
-                              window, po, pm, pl);
+        failed = span_partial(group, head_dim, bf16, amx, kv, query, q_row_stride, g, h, s,
+                              scale, window, po, pm, pl);
         for (int r = 0; r < g->rows && !failed; ++r)
             merge_partial(head_dim, o + (size_t)r * head_dim, m + r, l + r,
                           po + (size_t)r * head_dim, pm[r], pl[r]);
@@ -407,6 +738,25 @@ static inline __attribute__((always_inline)) int prefill_item(
     if (!failed) write_rows(out, out_row_stride, g, group, head_dim, h, o, m, l, sinks);
     free(o);
     return failed;
+}
+
+/* 1: spans run on AMX tiles (prefill_span_amx): the build and the CPU have AMX-BF16, Linux
+ * grants the tile state, head_dim is a multiple of 32, and the pages are bf16 (the --dtype
+ * bf16 mode's KV: 1.4-1.5x the FMA path on long chunks, 1.1x on a 16-row chunk); fp32 pages
+ * stay on the FMA path (their K / V split into three pieces per block ran 0.9-1.0x it on long
+ * chunks and 0.6x on short ones; docs/benchmarks.md), so the fp32 mode's bits are unchanged.
+ * PREFIXGATE_PREFILL_AMX (read per call, for benchmarks/prefill_attention.py and the tests):
+ * "0" never, "all" fp32 pages too. */
+static int prefill_amx(int head_dim, int kv_bf16) {
+#if defined(PG_PREFILL_AMX)
+    const char *env = getenv("PREFIXGATE_PREFILL_AMX");
+    if (env != NULL && env[0] == '0') return 0;
+    const int all = env != NULL && strcmp(env, "all") == 0;
+    return head_dim % 32 == 0 && (kv_bf16 || all) && pg_amx_available();
+#else
+    (void)head_dim, (void)kv_bf16;
+    return 0;
+#endif
 }
 
 /*
@@ -440,7 +790,12 @@ int pg_paged_prefill_f32(const float *query, int64_t q_row_stride, const void *k
     const paged_kv kv = {(const char *)k_cache, (const char *)v_cache, pages,
                          (int64_t)page_size * num_kv_heads * head_dim * elem_bytes,
                          (int64_t)num_kv_heads * head_dim * elem_bytes, page_size, elem_bytes};
-    const int blocks = (n_rows + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
+    const int amx = prefill_amx(head_dim, kv_bf16);
+    /* AMX: whole 16-row tiles, and items of 64 positions (each block's K/V tiles, built once
+     * per item, then serve twice the rows) */
+    const int row_pad = amx ? AMX_ITEM_PAD : TILE_ROWS;
+    const int per_item = amx ? 2 * ROWS_PER_ITEM : ROWS_PER_ITEM;
+    const int blocks = (n_rows + per_item - 1) / per_item;
     const int items = blocks * num_kv_heads;
     int failed = 0;
 /* compile-time (group, head_dim) for the common shapes, per page dtype B; CALL(G, D, B) */
@@ -466,10 +821,10 @@ int pg_paged_prefill_f32(const float *query, int64_t q_row_stride, const void *k
         for (int item = 0; item < items; ++item) {
             /* latest (longest) blocks first: the causal mask makes them uneven */
             const item_rows g = item_geometry(blocks - 1 - item / num_kv_heads, group, ctx_len,
-                                              n_rows, window);
+                                              n_rows, window, row_pad);
             const int h = item % num_kv_heads;
 #define PG_ITEM(G, D, B) \
-    prefill_item(G, D, B, &kv, query, q_row_stride, out, out_row_stride, &g, h, scale, window, \
+    prefill_item(G, D, B, amx, &kv, query, q_row_stride, out, out_row_stride, &g, h, scale, window, \
                  sinks)
             PG_DISPATCH(PG_ITEM)
 #undef PG_ITEM
@@ -482,7 +837,7 @@ int pg_paged_prefill_f32(const float *query, int64_t q_row_stride, const void *k
     size_t stride = 0; /* floats of one task's partial: o [R][D], m [R], l [R] */
     task_start[0] = 0;
     for (int item = 0; item < items; ++item) {
-        const item_rows g = item_geometry(item / num_kv_heads, group, ctx_len, n_rows, window);
+        const item_rows g = item_geometry(item / num_kv_heads, group, ctx_len, n_rows, window, row_pad);
         task_start[item + 1] = task_start[item] + g.spans;
         const size_t need = (size_t)g.padded_rows * (head_dim + 2);
         stride = need > stride ? need : stride;
@@ -497,12 +852,12 @@ int pg_paged_prefill_f32(const float *query, int64_t q_row_stride, const void *k
     for (int task = 0; task < tasks; ++task) {
         int item = 0;
         while (task_start[item + 1] <= task) ++item;
-        const item_rows g = item_geometry(item / num_kv_heads, group, ctx_len, n_rows, window);
+        const item_rows g = item_geometry(item / num_kv_heads, group, ctx_len, n_rows, window, row_pad);
         const int h = item % num_kv_heads;
         float *po = partials + stride * (size_t)task;
         float *pm = po + (size_t)g.padded_rows * head_dim, *pl = pm + g.padded_rows;
 #define PG_SPAN(G, D, B)                                                                    \
-    span_partial(G, D, B, &kv, query, q_row_stride, &g, h, task - task_start[item], scale, \
+    span_partial(G, D, B, amx, &kv, query, q_row_stride, &g, h, task - task_start[item], scale, \
                  window, po, pm, pl)
         PG_DISPATCH(PG_SPAN)
 #undef PG_SPAN
@@ -510,7 +865,7 @@ int pg_paged_prefill_f32(const float *query, int64_t q_row_stride, const void *k
     if (!failed) {
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
         for (int item = 0; item < items; ++item) {
-            const item_rows g = item_geometry(item / num_kv_heads, group, ctx_len, n_rows, window);
+            const item_rows g = item_geometry(item / num_kv_heads, group, ctx_len, n_rows, window, row_pad);
             const size_t rd = (size_t)g.padded_rows * head_dim;
             float *state = (float *)calloc(rd + 2 * (size_t)g.padded_rows, sizeof(float));
             if (state == NULL) {

@@ -182,11 +182,14 @@ def test_declines_what_it_does_not_take() -> None:
     ],
 )
 def test_bf16_pages_match_sdpa_on_the_same_pages(
-    n: int, ctx: int, hq: int, hkv: int, d: int, page_size: int
+    n: int, ctx: int, hq: int, hkv: int, d: int, page_size: int, monkeypatch
 ) -> None:
-    """bf16 pages (``--kv-dtype bf16``) under an fp32 query: widened exactly on load, so the
-    kernel computes what it computes on those values in fp32 pages, bit for bit, and what the
-    torch path computes reading the same bf16 pages, within fp32 summation order."""
+    """bf16 pages (``--kv-dtype bf16``) under an fp32 query: taken exactly, so the kernel
+    computes what it computes on those values in fp32 pages, bit for bit, on the same path
+    (``PREFIXGATE_PREFILL_AMX=all``: by default bf16 pages go to AMX tiles where the CPU has
+    them and fp32 pages to the FMA path; test_prefill_paths.py checks each), and what the torch
+    path computes reading the same bf16 pages, within fp32 summation order."""
+    monkeypatch.setenv("PREFIXGATE_PREFILL_AMX", "all")
     query, k_cache, v_cache, pages = _case(n, ctx, hq, hkv, d, page_size)
     k16, v16 = k_cache.bfloat16(), v_cache.bfloat16()
     out = torch.full_like(query, float("nan"))
