@@ -71,9 +71,9 @@ class PrefixAwareRequestRouter(RequestRouter):
                               pending_request: PendingRequest | None = None
                               ) -> list[list[RunningReplica]]:
         request = forwarded_of(pending_request)
+        self._follow_all()
         candidates = []
         for replica in candidate_replicas:
-            self._follow(replica)
             key = replica.replica_id.to_full_id_str()
             matched = 0
             if request is not None and request.block_hashes:
@@ -107,12 +107,16 @@ class PrefixAwareRequestRouter(RequestRouter):
 
     # ------------------------------------------------------------------ helpers
 
-    def _follow(self, replica: RunningReplica) -> None:
-        stats = replica.routing_stats or {}
-        endpoint = stats.get(ROUTING_STATS_EVENTS)
-        if endpoint:
-            self.index.watch(replica.replica_id.to_full_id_str(), endpoint,
-                             stats.get(ROUTING_STATS_REPLAY))
+    def _follow_all(self) -> None:
+        """Follow every known replica whose routing stats name its KV events (they arrive with
+        Ray's first stats poll, after the replica joined: checked on every request and every
+        /ray/router look)."""
+        for replica in list(self._replicas.values()):
+            stats = replica.routing_stats or {}
+            endpoint = stats.get(ROUTING_STATS_EVENTS)
+            if endpoint:
+                self.index.watch(replica.replica_id.to_full_id_str(), endpoint,
+                                 stats.get(ROUTING_STATS_REPLAY))
 
     def _load(self, replica: RunningReplica) -> int:
         cached = self._replica_queue_len_cache.get(replica.replica_id)
@@ -131,6 +135,7 @@ class PrefixAwareRequestRouter(RequestRouter):
 
     def snapshot(self) -> dict[str, Any]:
         """What the ingress shows at /ray/router: blocks held per replica, reasons."""
+        self._follow_all()
         return {
             "replicas": {key: {"blocks": len(r.held), "batches": r.batches, "gaps": r.gaps}
                          for key, r in list(self.index.replicas.items())},
