@@ -90,7 +90,7 @@ def test_greedy_output_is_identical_cached_uncached_alone_and_batched(engines, t
             valid(deltas)
             results.append(tokens(deltas))
     assert all(r == results[0] for r in results), results
-    engines["cached"].cache.check_integrity()
+    engines["cached"].scheduler.cache.check_integrity()
 
 
 def test_each_of_n_sampled_choices_matches_the_schema(engines, tokenizer):

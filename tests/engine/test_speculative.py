@@ -143,7 +143,7 @@ def test_sampled_requests_draft_accept_and_release_every_page(make_engine, token
         if last.finish_reason == "length":
             assert len(got) == 48, rid
         else:
-            assert last.finish_reason == "stop" and len(got) < 48 and got[-1] in spec.eos_token_ids, rid
+            assert last.finish_reason == "stop" and len(got) < 48 and got[-1] in spec.output.eos_token_ids, rid
             got = got[:-1]  # the stop token is not shown
         assert "".join(d.text for d in deltas) == tokenizer.decode(got), rid
     spec.scheduler.cache.check_integrity()
