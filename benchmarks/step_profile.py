@@ -275,9 +275,13 @@ def cpu_flags() -> list[str]:
 
 
 def _git_commit() -> str:
+    """The commit of the tree the profiled package comes from (a worktree's, when it is one)."""
+    import prefixgate.gateway
+
+    tree = Path(next(iter(prefixgate.gateway.__path__))).parent
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True, cwd=Path(__file__).parent).stdout.strip()
+                              text=True, check=True, cwd=tree).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
