@@ -58,9 +58,9 @@ import torch
 
 from benchmarks.common import base_parser, print_table, write_json
 from prefixgate.gateway.engine.api import GenerationRequest, GrammarSpec, SamplingParams
+from prefixgate.gateway.engine.build import create_llm_engine
 from prefixgate.gateway.engine.config import EngineConfig
-from prefixgate.gateway.engine.factory import create_llm_engine
-from prefixgate.gateway.engine.llm_engine import LLMEngine
+from prefixgate.gateway.engine.engine_core import LLMEngine
 from prefixgate.gateway.engine.loader import LoadedModel, load_model
 
 WORKLOADS = ("decode_b1", "decode_b16", "decode_b16_grammar", "prefill_2k")
