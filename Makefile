@@ -8,11 +8,14 @@ PY       := $(VENV)/bin/python
 PIP      := $(PY) -m pip --disable-pip-version-check -q
 STAMP    := $(VENV)/.prefixgate-installed
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test` (0 = one process); files stay whole on one worker
+# (--dist loadfile), so a module's fixtures start once
+PYTEST_WORKERS ?= 2
 
 .PHONY: test serve setup system-deps fixtures lint bench clean
 
 test: setup fixtures
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Tiny random-weight models of every family with real tokenizers/templates (the sdist of
 # llama-cpp-python, downloaded once); idempotent, cached outside the repository
