@@ -88,7 +88,7 @@ def _check_sequence(self: KVCacheManager, seq_id: Hashable, entry: SequenceBlock
 def _check_holds(self: KVCacheManager) -> None:
     """Protected pages = free pages whose hash some waiting request holds."""
     counts: dict[BlockHash, int] = {}
-    for hashes in self._holds.values():
+    for hashes in self.kept.holds.values():
         for block_hash in hashes:
             counts[block_hash] = counts.get(block_hash, 0) + 1
     if counts != self.pool.held_counts():

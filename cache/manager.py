@@ -20,31 +20,26 @@ from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
 from prefixgate.cache.block_pool import BlockPool
+from prefixgate.cache.copy_on_write import CopyOnWrite
 from prefixgate.cache.errors import (
     DuplicateSequenceError,
     InvalidArgumentError,
     OutOfPagesError,
     UnknownSequenceError,
 )
-from prefixgate.cache.events import EventSink, PageCopied, PrefixQueried
-from prefixgate.cache.hashing import BlockHash, BlockHasher, HashedBlock, HashFn
+from prefixgate.cache.events import EventSink, PrefixQueried
+from prefixgate.cache.hashing import BlockHasher, HashedBlock, HashFn
 from prefixgate.cache.integrity import check_manager
-from prefixgate.cache.page import Page
-from prefixgate.cache.retention import TenantShareRetention
+from prefixgate.cache.kept_prefixes import KeptPrefixes
+from prefixgate.cache.prefix_lookup import NO_MATCH, PrefixLookup, PrefixMatch
 from prefixgate.cache.sequence import CacheSequence, SequenceBlocks
 from prefixgate.cache.state_group import StateGroup
 from prefixgate.cache.state_slots import StateOps, StateSecondTier, StateSlots
 from prefixgate.cache.stats import CacheStats, CacheStatsCollector, snapshot
 from prefixgate.cache.tier_pages import TierPages
 
+__all__ = ["Allocation", "KVCacheManager", "PrefixMatch"]
 
-class PrefixMatch(NamedTuple):
-    """Result of a prefix lookup (no side effects)."""
-
-    num_cached_tokens: int  # usable hit, capped so the last prompt token is always computed
-    page_ids: tuple[int, ...]  # pages of the hit, in block order
-    num_pending_tokens: int  # tokens right after the hit that another live sequence is computing
-    num_free_hit_pages: int  # hit pages at refcount 0 (taking them uses free pages)
 
 class Allocation(NamedTuple):
     num_cached_tokens: int
@@ -90,13 +85,13 @@ class KVCacheManager:
         self.watermark_pages = int(watermark * num_pages)
         self.hasher = BlockHasher(page_size, hash_seed, hash_fn)
         self._seqs: dict[Hashable, SequenceBlocks] = {}
-        # In-flight prefix dedup: hash of a block some live sequence will compute -> that sequence.
-        self._pending: dict[bytes, Hashable] = {}
         self.tier_pages = TierPages(self.pool, self.watermark_pages, self._holders)
-        self._holds: dict[Hashable, tuple[BlockHash, ...]] = {}  # waiting request -> its hashes
-        self.retention = TenantShareRetention()  # which pages retain() may keep (the policy)
         self.state = state_slots  # the recurrent-state group's slots (tests and stats read them)
         self._state = StateGroup(state_slots, self.pool) if state_slots is not None else None
+        self.lookup = PrefixLookup(self.pool, self.hasher, self._state, self._computed)
+        self.kept = KeptPrefixes(self.pool, self.lookup.cached_prefix_pages)
+        self.cow = CopyOnWrite(self.pool, self.collector.record)
+        self.retention = self.kept.retention  # the retention policy (stats read its budgets)
 
     # ------------------------------------------------------------------ queries
 
@@ -114,38 +109,29 @@ class KVCacheManager:
     def find_prefix(
         self, token_ids: Sequence[int], extra_keys: bytes = b"", *, blocks: list[HashedBlock] | None = None
     ) -> PrefixMatch:
-        """Longest verified full-block prefix of ``token_ids`` held in cached pages.
-
-        NOTE: never the whole prompt: the last token is always computed because its logits
-        are needed, so a hit covering every token is capped at ``len(token_ids) - 1``.
+        """Longest verified full-block prefix of ``token_ids`` held in cached pages, never the
+        whole prompt, and the blocks after it being computed now (``PrefixLookup.match``).
 
         Args:
             blocks: ``hasher.hash_blocks(token_ids, extra_keys)`` when the caller already has it.
-        Returns:
-            PrefixMatch; ``num_pending_tokens`` counts the blocks right after the hit that a
-            live sequence is computing now, its computed prefix at the first of them (the
-            scheduler may wait for them: in-flight dedup).
         """
         if not token_ids:
             raise InvalidArgumentError("empty token list")
         if not self.enable_caching:
-            return PrefixMatch(0, (), 0, 0)
+            return NO_MATCH
         if blocks is None:
             blocks = self.hasher.hash_blocks(token_ids, extra_keys)
-        return self._match(blocks, len(token_ids))
+        return self.lookup.match(blocks, len(token_ids))
 
     def pages_needed_for_prompt(self, num_tokens: int, match: PrefixMatch) -> int:
         """Free pages that allocating and fully computing a prompt would consume."""
-        total_blocks = -(-num_tokens // self.page_size)
-        hit_pages = len(match.page_ids)
-        cow = 1 if match.num_cached_tokens < hit_pages * self.page_size else 0
-        return total_blocks - hit_pages + cow + match.num_free_hit_pages
+        return self.cow.pages_for_prompt(num_tokens, match)
 
     def pages_needed(self, seq_id: Hashable, num_new_tokens: int, num_lookahead: int = 0) -> int:
         """New pages (incl. copy-on-write copies) that ``prepare_write(seq_id, n, lookahead)``
         would take."""
         seq = self._get(seq_id, "pages_needed")
-        cow_blocks, num_new_pages = self._plan_write(seq, num_new_tokens + num_lookahead)
+        cow_blocks, num_new_pages = self.cow.plan(seq, num_new_tokens + num_lookahead)
         return len(cow_blocks) + num_new_pages
 
     def block_table(self, seq_id: Hashable) -> list[int]:
@@ -204,10 +190,10 @@ class KVCacheManager:
             raise InvalidArgumentError(f"allocate({seq_id!r}): {len(seq.block_hashes)} block "
                                        f"hashes for {len(token_ids)} tokens")
         blocks = self.block_hashes(seq)
-        match = self._match(blocks, len(token_ids)) if self.enable_caching else PrefixMatch(0, (), 0, 0)
+        match = self.lookup.match(blocks, len(token_ids)) if self.enable_caching else NO_MATCH
         pages = [self.pool.pages[i] for i in match.page_ids]
         # counted before touch() takes the pages out of the retained set
-        retention_hit = self._retention_hit_tokens(pages, match.num_cached_tokens) if count_query else 0
+        retention_hit = self.kept.retention_hit_tokens(pages, match.num_cached_tokens) if count_query else 0
         self.pool.touch(pages)
         entry = SequenceBlocks(seq, [p.page_id for p in pages], match.num_cached_tokens // self.page_size)
         seq.num_computed = match.num_cached_tokens
@@ -216,23 +202,11 @@ class KVCacheManager:
             in_pool = self.count_cached_blocks(blocks, len(pages)) if self.enable_caching else 0
             self._state.start(seq.seq_id, blocks, len(pages), in_pool)
         if self.enable_caching:
-            for block in blocks[len(pages) :]:
-                self._pending.setdefault(block.block_hash, seq_id)
+            self.lookup.mark_pending(blocks[len(pages) :], seq_id)
         if count_query:
             self.collector.record(PrefixQueried(seq.tenant, seq.agent, len(token_ids),
                                                 match.num_cached_tokens, retention_hit))
         return Allocation(match.num_cached_tokens, tuple(entry.block_table))
-
-    def _retention_hit_tokens(self, pages: list[Page], num_cached_tokens: int) -> int:
-        """Hit tokens on pages that were free and under an unexpired retention (a returning
-        turn whose prefix retention kept). NOTE: the hit stops one token short of a whole
-        prompt (invariant 5)."""
-        now, hit = self.pool.clock(), 0
-        for index, page in enumerate(pages):
-            # NOTE: free with an unexpired deadline = retained (or protected on top of it)
-            if page.ref_count == 0 and page.retain_until > now:
-                hit += max(0, min(self.page_size, num_cached_tokens - index * self.page_size))
-        return hit
 
     def prepare_write(self, seq_id: Hashable, num_new_tokens: int,
                       num_lookahead: int = 0) -> list[tuple[int, int]]:
@@ -263,20 +237,11 @@ class KVCacheManager:
             )
         if num_lookahead < 0:
             raise InvalidArgumentError(f"prepare_write({seq_id!r}): num_lookahead must be >= 0")
-        cow_blocks, num_new_pages = self._plan_write(entry, num_new_tokens + num_lookahead)
+        cow_blocks, num_new_pages = self.cow.plan(entry, num_new_tokens + num_lookahead)
         needed = len(cow_blocks) + num_new_pages
         if needed > self.pool.num_free_pages:
             raise OutOfPagesError(needed, self.pool.num_free_pages)
-        pairs: list[tuple[int, int]] = []
-        for block_index in cow_blocks:
-            old = self.pool.pages[entry.block_table[block_index]]
-            (new,) = self.pool.allocate(1)
-            entry.block_table[block_index] = new.page_id
-            self.pool.release((old,))
-            pairs.append((old.page_id, new.page_id))
-            self.collector.record(PageCopied(old.page_id, new.page_id))
-        for page in self.pool.allocate(num_new_pages):
-            entry.block_table.append(page.page_id)
+        pairs = self.cow.make_private(entry, cow_blocks, num_new_pages)
         if self._state is not None:
             self._state.plan_saves(seq, num_new_tokens, self.block_hashes(seq) if self.enable_caching else None)
         return pairs
@@ -299,8 +264,7 @@ class KVCacheManager:
             for block_index in range(entry.num_registered, full):
                 block = hashes[block_index]
                 self.pool.register(self.pool.pages[entry.block_table[block_index]], block)
-                if self._pending.get(block.block_hash) == seq_id:
-                    del self._pending[block.block_hash]
+            self.lookup.drop_pending(hashes[entry.num_registered : full], seq_id)
             entry.num_registered = full
         if self.state is not None:
             self.state.commit(seq_id, full)
@@ -321,10 +285,7 @@ class KVCacheManager:
         if len(child.token_ids) != len(parent.seq.token_ids) or child.extra_keys != parent.seq.extra_keys:
             raise InvalidArgumentError(f"fork({parent_id!r}, {child.seq_id!r}): the child must "
                                        "start with the parent's tokens and extra keys")
-        self.pool.touch(self.pool.pages[i] for i in parent.block_table)
-        child.block_hashes[:] = parent.seq.block_hashes
-        child.num_computed = parent.seq.num_computed
-        self._seqs[child.seq_id] = SequenceBlocks(child, list(parent.block_table), parent.num_registered)
+        self._seqs[child.seq_id] = self.cow.share(parent, child)
         if self.state is not None:
             self.state.fork(parent_id, child.seq_id)
 
@@ -334,61 +295,31 @@ class KVCacheManager:
         if entry is None:
             raise UnknownSequenceError(seq_id, "free")
         self.pool.release(self.pool.pages[i] for i in reversed(entry.block_table))
-        for block in entry.seq.block_hashes[entry.num_registered :]:
-            if self._pending.get(block.block_hash) == seq_id:
-                del self._pending[block.block_hash]
+        self.lookup.drop_pending(entry.seq.block_hashes[entry.num_registered :], seq_id)
         if self._state is not None:
             self._state.release(seq_id)
+
+    # ------------------------------------------------------------------ kept prefixes
+    # (cache/kept_prefixes.py, ``kept``: pins, retention, holds)
 
     def pin(self, token_ids: Sequence[int], extra_keys: bytes = b"") -> int:
         """Pin the cached full blocks of ``token_ids``'s prefix; returns how many pages are pinned.
 
         Only blocks already cached are pinned: compute the prompt first to pin all of it.
         """
-        pages = self._cached_prefix_pages(token_ids, extra_keys)
-        for page in pages:
-            self.pool.pin(page)
-        return len(pages)
+        return self.kept.pin(token_ids, extra_keys)
 
     def unpin(self, token_ids: Sequence[int], extra_keys: bytes = b"") -> int:
         """Unpin the cached full blocks of ``token_ids``'s prefix; returns how many were pinned."""
-        return sum(self.pool.unpin(p) for p in self._cached_prefix_pages(token_ids, extra_keys))
+        return self.kept.unpin(token_ids, extra_keys)
 
     def retain(self, token_ids: Sequence[int], extra_keys: bytes, ttl_s: float,
                max_pages: int | None = None, *, tenant: str = "default",
                max_tenant_pages: int | None = None) -> int:
-        """Retain the cached full blocks of ``token_ids``'s prefix for ``ttl_s`` seconds: they
-        are evicted only after every unretained free page (earliest deadline first), and a hit
-        renews them. Soft: they never block an allocation. Pins are untouched by budgets.
-
-        Args:
-            max_pages: the global retention budget (pages retained in the whole pool).
-            tenant: whose budget pays; pages it already retains count against it.
-            max_tenant_pages: the tenant's share of the global budget: guaranteed, not a cap.
-                While the global budget has room a tenant may retain past its share; once it
-                is full, a tenant below its share takes pages back from tenants past theirs
-                (their earliest deadlines first, back to the LRU), and a tenant at or past its
-                share retains nothing more. Without ``max_pages`` the share is a plain cap.
-                Blocks left out go to the LRU; renewing a retained page costs no budget.
-
-        NOTE: a share is work-conserving because a hard per-tenant cap left most of the
-        retention budget idle whenever one tenant ran the swarm (benchmarks.agent_sessions: a
-        single tenant held 25% of the pool retained while half was allowed, and retention
-        saved almost nothing); reclaiming keeps the guarantee that one tenant's paused sessions
-        cannot take the budget from the others.
-
-        NOTE: walked from the conversation's tail back to its head, and pages other live
-        sequences hold are skipped: the head is usually a system prompt every agent shares,
-        referenced or hit all the time (the LRU keeps it anyway), while the tail is this
-        session's own history, the first thing the LRU evicts (sequences release tail first).
-        Walked head first, the shared prefix alone used up a tenant's budget and no session's
-        own pages were ever retained (benchmarks.agent_sessions found it).
-
-        Returns:
-            How many pages are retained now for this prefix.
-        """
-        pages = self._cached_prefix_pages(token_ids, extra_keys)
-        return self.retention.retain(self.pool, pages, ttl_s, tenant, max_pages, max_tenant_pages)
+        """Retain the cached full blocks of ``token_ids``'s prefix for ``ttl_s`` seconds within
+        the pool's budget ``max_pages`` and ``tenant``'s share ``max_tenant_pages``; how many
+        pages are retained now. The contract: ``KeptPrefixes.retain`` (cache/kept_prefixes.py)."""
+        return self.kept.retain(token_ids, extra_keys, ttl_s, tenant, max_pages, max_tenant_pages)
 
     def num_retained_pages(self, tenant: str | None = None) -> int:
         """Pages under retention: free retained ones plus referenced ones with a deadline.
@@ -396,13 +327,11 @@ class KVCacheManager:
         Args:
             tenant: count only the pages whose retention ``tenant``'s budget pays for.
         """
-        if tenant is None:
-            return sum(1 for p in self.pool.pages if p.retain_until > 0)
-        return sum(1 for p in self.pool.pages if p.retain_until > 0 and p.retain_tenant == tenant)
+        return self.kept.num_retained(tenant)
 
     def num_pinned_prefix_pages(self, token_ids: Sequence[int], extra_keys: bytes = b"") -> int:
         """How many leading full blocks of ``token_ids`` are cached and pinned right now."""
-        return sum(1 for p in self._cached_prefix_pages(token_ids, extra_keys) if p.pinned)
+        return self.kept.num_pinned(token_ids, extra_keys)
 
     def reset_cache(self) -> int:
         """Drop every unreferenced cached page's hash (pinned and in-use pages stay) and every
@@ -418,10 +347,7 @@ class KVCacheManager:
         """Whether a new sequence with this prefix ``match`` (over its ``blocks``) can get its
         working state slot, ``count`` of them with its forks (n > 1); always without a state
         group."""
-        if self.state is None:
-            return True
-        hit = len(match.page_ids)
-        return self.state.can_start(blocks[hit - 1].block_hash if hit else None, count)
+        return self._state is None or self._state.can_start(blocks, len(match.page_ids), count)
 
     def attach_state_tier(self, tier: StateSecondTier) -> None:
         """Evicted state checkpoints go to ``tier`` and come back from it on a hit."""
@@ -441,50 +367,27 @@ class KVCacheManager:
     # ------------------------------------------------------------------ waiting requests
 
     def hold_prefix(self, key: Hashable, blocks: Sequence[HashedBlock]) -> None:
-        """A waiting request keeps its hit: the free pages caching any of ``blocks`` are
-        evicted only after every other free page, until :meth:`release_hold` (soft: they stay
-        allocatable, see ``BlockPool.hold``). Holding again under ``key`` replaces the hold.
-
-        Args:
-            key: the waiting request (its sequence id); not a live sequence of this manager.
-            blocks: its full-block hash chain (blocks not cached yet protect the page that
-                caches them later: another request may be computing them).
-        """
-        if not self.enable_caching:
-            return
-        self.release_hold(key)
-        hashes = tuple(b.block_hash for b in blocks)
-        self._holds[key] = hashes
-        self.pool.hold(hashes)
+        """A waiting request ``key`` keeps its hit until :meth:`release_hold` (soft; the
+        contract: ``KeptPrefixes.hold``)."""
+        if self.enable_caching:
+            self.kept.hold(key, blocks)
 
     def release_hold(self, key: Hashable) -> None:
         """End ``key``'s :meth:`hold_prefix` (admitted, aborted or failed); no-op without one."""
-        hashes = self._holds.pop(key, None)
-        if hashes is not None:
-            self.pool.unhold(hashes)
+        self.kept.release(key)
 
     def release_all_holds(self) -> None:
         """End every hold (recovery after a failed step: no request waits any more)."""
-        for key in list(self._holds):
-            self.release_hold(key)
+        self.kept.release_all()
 
     def sequence_ids(self) -> list[Hashable]:
         """The live sequences' ids, in allocation order."""
         return list(self._seqs)
 
     def count_cached_blocks(self, blocks: Sequence[HashedBlock], hint: int = 0) -> int:
-        """Leading ``blocks`` cached in the pool (verified), for ordering waiting requests.
-
-        Args:
-            hint: a previous count for the same chain; when its last block is still cached the
-                walk resumes there (a held prefix rarely shrinks), else it starts over.
-        """
-        if not self.enable_caching:
-            return 0
-        start = hint if 0 < hint <= len(blocks) and self.pool.lookup(blocks[hint - 1]) else 0
-        while start < len(blocks) and self.pool.lookup(blocks[start]) is not None:
-            start += 1
-        return start
+        """Leading ``blocks`` cached in the pool (verified), for ordering waiting requests;
+        ``hint``: a previous count for the same chain (``PrefixLookup.count_cached``)."""
+        return self.lookup.count_cached(blocks, hint) if self.enable_caching else 0
 
     # ------------------------------------------------------------------ second tier
     # (cache/tier_pages.py, ``tier_pages``: evicted pages recorded for the connector, which
@@ -523,16 +426,10 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ internals
 
-    def _computing_now(self, owner: Hashable, start: int) -> bool:
-        """Whether ``owner`` computes the block at ``start`` next: its computed prefix reached it.
-
-        NOTE: a sequence registers every block of its prompt as pending when it is admitted,
-        but a long prompt chunked behind decoding streams reaches its late blocks only after
-        many steps; a request sharing one of those blocks would wait for all of them, far
-        longer than computing its own few tokens would take. So a run of pending blocks
-        counts as in flight only once its owner's frontier is at the run's first block."""
-        entry = self._seqs.get(owner)
-        return entry is not None and entry.seq.num_computed >= start
+    def _computed(self, seq_id: Hashable) -> int | None:
+        """A live sequence's computed prefix (tokens); None when it is not live."""
+        entry = self._seqs.get(seq_id)
+        return None if entry is None else entry.seq.num_computed
 
     def _holders(self, page_ids: set[int]) -> set[Hashable]:
         """The live sequences whose block tables hold any of ``page_ids``."""
@@ -543,55 +440,3 @@ class KVCacheManager:
         if entry is None:
             raise UnknownSequenceError(seq_id, operation)
         return entry
-
-    def _match(self, blocks: list[HashedBlock], num_tokens: int) -> PrefixMatch:
-        pages: list[Page] = []
-        for block in blocks:
-            page = self.pool.lookup(block)
-            if page is None:
-                break
-            pages.append(page)
-        in_pool = len(pages)
-        if self._state is not None:
-            # NOTE: a hybrid model resumes only where a state checkpoint is: pages past the
-            # last one are recomputed (and re-checkpointed), not shared
-            pages = pages[: self._state.hit_blocks(blocks, len(pages), num_tokens)]
-        num_cached = min(len(pages) * self.page_size, num_tokens - 1)
-        pending = 0
-        # in-flight dedup waits for blocks another sequence computes; a hybrid model can use
-        # them only if its own hit reaches them and they get checkpointed (every block)
-        dedup = self.state is None or (len(pages) == in_pool and self.state.every_blocks == 1)
-        for block in blocks[len(pages) :] if dedup else ():
-            owner = self._pending.get(block.block_hash)
-            if owner is None:
-                break
-            if pending == 0 and not self._computing_now(owner, len(pages) * self.page_size):
-                break
-            pending += 1
-        return PrefixMatch(
-            num_cached_tokens=num_cached,
-            page_ids=tuple(p.page_id for p in pages),
-            num_pending_tokens=pending * self.page_size,
-            num_free_hit_pages=sum(1 for p in pages if p.ref_count == 0),
-        )
-
-    def _plan_write(self, entry: SequenceBlocks, num_new_tokens: int) -> tuple[list[int], int]:
-        """(blocks that need a copy-on-write, number of fresh pages) for the next n positions."""
-        ps, table = self.page_size, entry.block_table
-        first = entry.seq.num_computed // ps
-        last = (entry.seq.num_computed + num_new_tokens - 1) // ps
-        cow = []
-        for b in range(first, min(last + 1, len(table))):
-            page = self.pool.pages[table[b]]
-            if page.ref_count > 1 or page.block_hash is not None:
-                cow.append(b)
-        return cow, max(0, last + 1 - len(table))
-
-    def _cached_prefix_pages(self, token_ids: Sequence[int], extra_keys: bytes) -> list[Page]:
-        pages = []
-        for block in self.hasher.hash_blocks(token_ids, extra_keys):
-            page = self.pool.lookup(block)
-            if page is None:
-                break
-            pages.append(page)
-        return pages

@@ -52,6 +52,11 @@ class StateGroup:
         if in_pool > hit_blocks:
             self._diverged[seq_id] = in_pool - 1
 
+    def can_start(self, blocks: Sequence[HashedBlock], hit_blocks: int, count: int) -> bool:
+        """Whether ``count`` new sequences (one and its forks) whose hit is the leading
+        ``hit_blocks`` of ``blocks`` can get their working slots."""
+        return self.slots.can_start(blocks[hit_blocks - 1].block_hash if hit_blocks else None, count)
+
     def plan_saves(self, seq: CacheSequence, num_new_tokens: int,
                    hashes: Sequence[HashedBlock] | None) -> None:
         """Checkpoint the block ends ``num_new_tokens`` from ``num_computed`` cross, at the

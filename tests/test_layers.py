@@ -156,7 +156,7 @@ def test_kernels_import_torch_triton_and_themselves_only():
 # the package's exported records (docs/design.md; issue 39, "one owner for the cache")
 CACHE_INTERNALS = tuple(f"prefixgate.cache.{name}" for name in (
     "block_pool", "page", "free_queue", "retention", "state_slots", "manager", "sequence",
-    "tier_pages", "integrity", "state_group"))
+    "tier_pages", "integrity", "state_group", "prefix_lookup", "kept_prefixes", "copy_on_write"))
 
 
 def test_only_the_kv_manager_touches_the_cache_internals():

@@ -343,7 +343,7 @@ def test_check_integrity_catches_a_protected_page_nobody_holds():
     run_prompt(m, "a", list(range(4)))
     m.free("a")
     m.hold_prefix("w", m.hasher.hash_blocks(list(range(4))))
-    m._holds.clear()  # noqa: SLF001 (break the bookkeeping on purpose)
+    m.kept.holds.clear()  # noqa: SLF001 (break the bookkeeping on purpose)
     with pytest.raises(IntegrityError, match="hold counts"):
         m.check_integrity()
 

@@ -30,7 +30,7 @@ def manager_with_clock(num_pages: int = 8) -> tuple[KVCacheManager, Clock]:
 
 def cached(manager: KVCacheManager, tokens: list[int]) -> int:
     """How many leading full blocks of ``tokens`` are hittable."""
-    return len(manager._cached_prefix_pages(tokens, b""))
+    return len(manager.lookup.cached_prefix_pages(tokens, b""))
 
 
 def finished(manager: KVCacheManager, name: str, tokens: list[int]) -> None:
@@ -157,7 +157,7 @@ def test_a_tenant_alone_borrows_the_idle_budget_and_gives_it_back_to_a_tenant_be
     assert all(m.pool.pages[i].retain_until > 0 for i in (*tables[1], *tables[2]))
     # the reclaimed pages are ordinary LRU pages again, still cached
     assert all(m.pool.pages[i] in m.pool.free_queue for i in tables[0])
-    assert len(m._cached_prefix_pages(sessions[0], alpha)) == 2
+    assert len(m.lookup.cached_prefix_pages(sessions[0], alpha)) == 2
     assert m.stats().retention_reclaimed == 2
     # at its share, with the budget full, beta retains no more; alpha (past its share) none
     b2 = list(range(1000, 1004))
