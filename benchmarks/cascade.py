@@ -113,7 +113,7 @@ def step_figures(rounds: int) -> dict[str, float]:
         num_pages=SHARED_PAGES + BATCH * per + 8,
         page_size=PAGE_SIZE,
         device="cpu",
-        dtype=torch.float32,
+        dtype="fp32",
     )
     tables = [
         list(range(SHARED_PAGES))

@@ -52,6 +52,7 @@ import torch
 
 from benchmarks.common import base_parser, print_table, write_json
 from benchmarks.model import _OurDecode
+from prefixgate.gateway.engine.config import EngineConfig
 from prefixgate.gateway.engine.model_config import (
     LinearAttentionConfig,
     ModelConfig,
@@ -181,9 +182,9 @@ def measure(config: ModelConfig, args: Any, native: bool = True) -> dict[str, fl
     weights = random_weights(config)
     if config.name in MXFP4_ROWS:
         weights = mxfp4_experts(weights)
-    runner = ModelRunner(config, weights, num_pages=pages_per_seq * args.batch,
-                         page_size=16, device="cpu", dtype=torch.float32,
-                         native_kernels=native)  # fmt: skip
+    settings = EngineConfig(num_pages=pages_per_seq * args.batch, page_size=16, device="cpu",
+                            dtype="fp32", native_kernels=native, num_state_slots=64)
+    runner = ModelRunner(config, weights, settings)
     gen = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(FIRST_ORDINARY_TOKEN, config.vocab_size, (args.prefill,),
                            generator=gen).tolist()

@@ -219,7 +219,7 @@ def main() -> None:
 
     def build(model, kv_dtype: str = "auto") -> ModelRunner:
         return ModelRunner.from_loaded(
-            model, num_pages=pages_needed, page_size=page_size, device="cpu", dtype=torch.float32,
+            model, num_pages=pages_needed, page_size=page_size, device="cpu", dtype="fp32",
             kv_dtype=kv_dtype,
         )
 

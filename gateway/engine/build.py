@@ -18,7 +18,6 @@ from prefixgate.gateway.engine.config import (
 )
 from prefixgate.gateway.engine.drafter import NgramDrafter
 from prefixgate.gateway.engine.engine_core import LLMEngine
-from prefixgate.gateway.engine.kv_budget import default_state_slots
 from prefixgate.gateway.engine.kv_tier import KVTier
 from prefixgate.gateway.engine.loader import LoadedModel, load_model
 from prefixgate.gateway.engine.model_config import parse_rope_override, with_rope_override
@@ -102,21 +101,7 @@ def _load(config: EngineConfig, loaded: LoadedModel | None, progress: bool | Non
 
 
 def _build_runner(config: EngineConfig, loaded: LoadedModel) -> ModelRunner:
-    return ModelRunner.from_loaded(
-        loaded,
-        num_pages=config.num_pages,
-        kv_memory_gb=config.kv_memory_gb,
-        page_size=config.page_size,
-        device=config.device,
-        dtype=config.dtype,
-        kv_dtype=config.kv_dtype,
-        max_model_len=config.max_model_len,
-        kernel_backend=config.kernel_backend,
-        native_kernels=config.native_kernels,
-        quantized_weights=config.quantized_weights,
-        num_state_slots=config.num_state_slots or default_state_slots(
-            loaded.config, config.max_num_seqs, config.kv_memory_gb),
-    )
+    return ModelRunner.from_loaded(loaded, config)
 
 
 log = logging.getLogger(__name__)

@@ -10,6 +10,7 @@ sample.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -19,7 +20,9 @@ from typing import Protocol
 import torch
 
 from prefixgate import kernels
+from prefixgate.gateway.engine.config import EngineConfig
 from prefixgate.gateway.engine.kv_budget import (
+    default_state_slots,
     num_paged_layers,
     plan_kv_budget,
     resolve_device,
@@ -109,77 +112,55 @@ class ModelRunner:
     Args:
         config: the model's shape.
         weights: HF-named weights (``LoadedModel.weights``).
-        num_pages: pool size in pages; or ``kv_memory_gb`` (GiB) to derive it; or ``kv_pool``
-            (an existing ``[L, 2, P, page_size, Hkv, D]`` tensor); none = default budget.
-        page_size: tokens per page.
-        device / dtype: None = CUDA if available else CPU; fp32 on CPU, bf16 on GPU. bf16 on
-            CPU: bf16 matrices, fp32 activations (docs/precision.md); refused where the CPU
-            has neither AVX512-BF16 nor AMX-BF16. ``"q8"``: fp32, with a GGUF's block matrices
-            on int8 activations (docs/precision.md); refused without AVX512-VNNI, the native
-            kernels, or block matrices to run.
-        kv_dtype: the KV pool's dtype ("fp32" / "bf16" / "fp16" or a torch dtype); None or
-            "auto" = ``dtype`` (or a given ``kv_pool``'s). A narrower pool is written rounded
-            (write_kv) and read widened to the query's dtype by every attention path.
-        max_model_len: longest sequence (None = the model's context length).
+        settings: the engine's settings (gateway/engine/config.py documents each field); the
+            runner reads ``device``, ``dtype``, ``kv_dtype``, ``page_size``, ``num_pages`` /
+            ``kv_memory_gb`` (neither: the default budget), ``max_model_len``,
+            ``kernel_backend``, ``native_kernels``, ``quantized_weights`` and
+            ``num_state_slots`` (None: ``kv_budget.default_state_slots``). None = the defaults.
+        kv_pool: an existing ``[L, 2, P, page_size, Hkv, D]`` pool instead of a new one (its
+            dtype is the KV dtype unless ``settings.kv_dtype`` names one).
         eos_token_ids: exposed for the engine (the tokenizer's).
-        kernel_backend: "triton" / "torch" / None (kernels' default for the device).
         shared_prefix_attention: torch backend: decode rows whose contexts start with the same
             pages attend to that run once for all of them (kernels/attention_plan.py).
-        native_kernels: torch backend on CPU in fp32: decode attention (kernels/cpu/decode.py) and
-            the fused layer ops (kernels/cpu/ops.py) run natively when the library builds
-            here; False = torch ops only.
-        quantized_weights: with the native kernels, a GGUF's Q4_0/Q4_1/Q8_0 matrices are
-            executed in their blocks (kernels/cpu/csrc/linear_quant.c); False = dequantized to fp32.
-        num_state_slots: a hybrid model's recurrent-state slots (working states of live
-            sequences plus checkpoints, cache/state_slots.py); unused by other models.
     """
 
     def __init__(
         self,
         config: ModelConfig,
         weights: Mapping[str, torch.Tensor],
+        settings: EngineConfig | None = None,
         *,
-        num_pages: int | None = None,
-        kv_memory_gb: float | None = None,
         kv_pool: torch.Tensor | None = None,
-        page_size: int = 16,
-        device: str | torch.device | None = None,
-        dtype: str | torch.dtype | None = None,
-        kv_dtype: str | torch.dtype | None = None,
-        max_model_len: int | None = None,
         eos_token_ids: Sequence[int] = (),
-        kernel_backend: str | None = None,
         shared_prefix_attention: bool = True,
-        native_kernels: bool = True,
-        quantized_weights: bool = True,
-        num_state_slots: int = 64,
     ) -> None:
-        if max_model_len is not None and max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
-        if kv_pool is not None and kv_dtype is None:
-            kv_dtype = kv_pool.dtype
-        self._set_precision(device, dtype, kv_dtype)
+        settings = settings or EngineConfig()
+        if settings.max_model_len is not None and settings.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {settings.max_model_len}")
+        kv_dtype = kv_pool.dtype if kv_pool is not None and settings.kv_dtype is None else settings.kv_dtype
+        self._set_precision(settings.device, settings.dtype, kv_dtype)
         self.config = config
-        self.max_model_len = min(config.max_position_embeddings, max_model_len or 1 << 62)
+        self.max_model_len = min(config.max_position_embeddings, settings.max_model_len or 1 << 62)
         self.eos_token_ids = tuple(eos_token_ids)
         # the backend is chosen here, once: every step and layer uses this object
-        self.kernel_backend = kernels.resolve_backend(self.device, kernel_backend)
-        self.native_kernels_requested = native_kernels  # (kernel_report: off by request?)
-        self.native_cpu_kernels = native_kernels and self._native_cpu_kernels_apply()
-        self._check_int8_mode(weights, quantized_weights)
+        self.kernel_backend = kernels.resolve_backend(self.device, settings.kernel_backend)
+        self.native_kernels_requested = settings.native_kernels  # (kernel_report: off by request?)
+        self.native_cpu_kernels = settings.native_kernels and self._native_cpu_kernels_apply()
+        self._check_int8_mode(weights, settings.quantized_weights)
         self.model = build_model(
             config, weights, device=self.device, dtype=self.dtype,
             max_positions=self.max_model_len, kernel_backend=self.kernel_backend,
-            native_ops=self.native_cpu_kernels, quantized_weights=quantized_weights,
+            native_ops=self.native_cpu_kernels, quantized_weights=settings.quantized_weights,
             int8_activations=self.int8_isa is not None,
         )
         self.shared_prefix_attention = shared_prefix_attention
-        self.page_size = page_size
-        self.kv_pool = self._kv_pool(kv_pool, num_pages, kv_memory_gb)  # [L, 2, P, ps, Hkv, D]
+        self.page_size = settings.page_size
+        self.kv_pool = self._kv_pool(kv_pool, settings.num_pages, settings.kv_memory_gb)  # [L, 2, P, ps, Hkv, D]
         self.num_pages = int(self.kv_pool.shape[2])
         # per layer: (K, V) of the paged layers; a hybrid model's linear layers: a state pool
-        self.num_state_slots = num_state_slots
-        self.states = self._state_pools(num_state_slots)
+        self.num_state_slots = settings.num_state_slots or default_state_slots(
+            config, settings.max_num_seqs, settings.kv_memory_gb)
+        self.states = self._state_pools(self.num_state_slots)
         self._kv_caches = self._layer_caches()
         self.attention = kernels.create_backend(
             self.kernel_backend, self.kv_pool, native=self.native_cpu_kernels,
@@ -307,10 +288,21 @@ class ModelRunner:
         )
 
     @classmethod
-    def from_loaded(cls, loaded: LoadedModel, **kwargs: object) -> ModelRunner:
-        """A runner for a loaded model; EOS ids come from its tokenizer. kwargs as ``__init__``."""
-        kwargs.setdefault("eos_token_ids", loaded.tokenizer.eos_token_ids)
-        return cls(loaded.config, loaded.weights, **kwargs)  # type: ignore[arg-type]
+    def from_loaded(cls, loaded: LoadedModel, settings: EngineConfig | None = None, *,
+                    kv_pool: torch.Tensor | None = None, shared_prefix_attention: bool = True,
+                    **fields: object) -> ModelRunner:
+        """A runner for a loaded model; EOS ids come from its tokenizer.
+
+        Args:
+            settings: the engine's settings (None: the defaults).
+            fields: ``EngineConfig`` fields that replace those of ``settings`` (tests and
+                benchmarks: ``from_loaded(loaded, num_pages=8, dtype="bf16")``); validated by
+                the config as any other.
+        """
+        settings = dataclasses.replace(settings or EngineConfig(), **fields)  # type: ignore[arg-type]
+        return cls(loaded.config, loaded.weights, settings, kv_pool=kv_pool,
+                   eos_token_ids=loaded.tokenizer.eos_token_ids,
+                   shared_prefix_attention=shared_prefix_attention)
 
     @property
     def vocab_size(self) -> int:

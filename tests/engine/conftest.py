@@ -31,7 +31,7 @@ def model_runner(loaded_model) -> ModelRunner:
         num_pages=RUNNER_NUM_PAGES,
         page_size=RUNNER_PAGE_SIZE,
         device="cpu",
-        dtype=torch.float32,
+        dtype="fp32",
     )
 
 

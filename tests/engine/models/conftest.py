@@ -10,7 +10,6 @@ import functools
 from typing import Any, NamedTuple
 
 import pytest
-import torch
 
 from prefixgate.gateway.engine.loader import LoadedModel, load_model
 from prefixgate.gateway.engine.runner import ModelRunner
@@ -37,7 +36,7 @@ class FamilyCase(NamedTuple):
 
 def make_runner(loaded: LoadedModel) -> ModelRunner:
     return ModelRunner.from_loaded(
-        loaded, num_pages=NUM_PAGES, page_size=PAGE_SIZE, device="cpu", dtype=torch.float32
+        loaded, num_pages=NUM_PAGES, page_size=PAGE_SIZE, device="cpu", dtype="fp32"
     )
 
 

@@ -90,7 +90,7 @@ def test_gemma3_sliding_layers_on_the_triton_backend_match_transformers():
     fixture = family_fixture("gemma3")
     runner = ModelRunner.from_loaded(
         load_model(fixture.hf_dir), num_pages=8, page_size=16, device="cpu",
-        dtype=torch.float32, kernel_backend="triton", native_kernels=False,
+        dtype="fp32", kernel_backend="triton", native_kernels=False,
     )  # fmt: skip
     ids = list(range(100, 141))
     with torch.inference_mode():

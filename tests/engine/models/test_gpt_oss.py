@@ -35,7 +35,7 @@ def case():
 
 def _runner(loaded, native: bool = True) -> ModelRunner:
     runner = ModelRunner.from_loaded(loaded, num_pages=64, page_size=16, device="cpu",
-                                     dtype=torch.float32)
+                                     dtype="fp32")
     assert runner.native_cpu_kernels or not native
     return runner
 
@@ -111,7 +111,7 @@ def test_alone_equals_batched_and_the_torch_path_agrees(case):
             out.append(int(row.argmax()))
     assert outputs[1] == alone
     torch_runner = ModelRunner.from_loaded(loaded, num_pages=64, page_size=16, device="cpu",
-                                           dtype=torch.float32, native_kernels=False)
+                                           dtype="fp32", native_kernels=False)
     table = Pages(torch_runner).take(len(prompt) + NEW_TOKENS)
     first = torch_runner.execute([SeqChunk(prompt, 0, table, True)])[0]
     assert _greedy(torch_runner, prompt, table, first) == alone

@@ -53,7 +53,7 @@ def test_the_converters_gguf_loads_to_the_same_model():
     assert gguf.tokenizer.apply_chat_template(chat) == ids
     assert gguf.tokenizer.eos_token_ids == hf.tokenizer.eos_token_ids
     runner = ModelRunner.from_loaded(gguf, num_pages=64, page_size=16, device="cpu",
-                                     dtype=torch.float32)
+                                     dtype="fp32")
     ours = runner.execute([SeqChunk(ids, 0, list(range(-(-len(ids) // 16))), True)])[0]
     from transformers import AutoModelForCausalLM
 

@@ -31,7 +31,7 @@ def case():
 
 def _runner(loaded, native: bool = True) -> ModelRunner:
     return ModelRunner.from_loaded(loaded, num_pages=64, page_size=16, device="cpu",
-                                   dtype=torch.float32, native_kernels=native)
+                                   dtype="fp32", native_kernels=native)
 
 
 def _experts(runner: ModelRunner) -> list:

@@ -69,7 +69,7 @@ def test_the_converters_mxfp4_gguf_is_the_hf_checkpoint():
     outputs = []
     for loaded in (hf, gguf):
         runner = ModelRunner.from_loaded(loaded, num_pages=64, page_size=16, device="cpu",
-                                         dtype=torch.float32)
+                                         dtype="fp32")
         table = Pages(runner).take(len(ids) + 8)
         logits = runner.execute([SeqChunk(ids, 0, table, True)])[0]
         tokens = [int(logits.argmax())]

@@ -68,7 +68,7 @@ def test_grouped_experts_of_the_bound_backend_match_transformers(backend):
     fixture = family_fixture("qwen3_moe")
     loaded = load_model(fixture.hf_dir)
     runner = ModelRunner.from_loaded(
-        loaded, num_pages=8, page_size=16, device="cpu", dtype=torch.float32,
+        loaded, num_pages=8, page_size=16, device="cpu", dtype="fp32",
         kernel_backend=backend, native_kernels=False,
     )  # fmt: skip
     mlp = runner.model.layers[0].mlp
