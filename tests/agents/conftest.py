@@ -146,8 +146,10 @@ class FakeServer:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        # asyncio's loop, as the gateway pins it: uvicorn's "auto" would pick uvloop, which
+        # ray[serve] installs
         config = uvicorn.Config(make_app(self.log, self.last_prompt), log_level="critical",
-                                timeout_graceful_shutdown=1)
+                                timeout_graceful_shutdown=1, loop="asyncio")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        daemon=True)
