@@ -191,14 +191,19 @@ class AsyncEngine:
 
         Validation and the queue-full check run here, once: the engine thread only queues."""
         self.core.validate(request)
-        check_queue(self._num_queued + self.core.scheduler.num_waiting, self.core.config.max_waiting)
+        with self._wake:
+            check_queue(self._num_queued + self.core.scheduler.num_waiting,
+                        self.core.config.max_waiting)
+            # counted from here: a request still compiling its grammar holds its place in the
+            # queue, or a burst of cold schemas would all pass the check while they compile
+            self._num_queued += 1
         loop = asyncio.get_running_loop()
-        grammar = None
-        if request.grammar is not None:
-            # compiled here, off the engine thread (a cold schema takes milliseconds; a cached
-            # one microseconds); a grammar that cannot compile fails before the first delta
-            grammar = await loop.run_in_executor(self._compile_threads, self.core.grammars.compile,
-                                                 request.grammar, request.tenant)
+        try:
+            grammar = await self._compile(loop, request)
+        except BaseException:
+            with self._wake:
+                self._num_queued -= 1
+            raise
         queue: asyncio.Queue[Delta | EngineError] = asyncio.Queue()
 
         def sink(item: Delta | EngineError) -> None:
@@ -215,8 +220,6 @@ class AsyncEngine:
                 logger.exception("adding request %s failed", request.request_id)
                 sink(EngineError("the request could not be started", code="request_failed"))
 
-        with self._wake:
-            self._num_queued += 1
         self._post(add)
         done = False
         try:
@@ -233,6 +236,15 @@ class AsyncEngine:
         finally:
             if not done:  # client gone or cancelled: free the pages now
                 self.abort(request.request_id)
+
+    async def _compile(self, loop: asyncio.AbstractEventLoop, request: GenerationRequest) -> Any:
+        """The request's grammar, compiled off the engine thread (a cold schema takes
+        milliseconds, a cached one microseconds); one that cannot compile fails before the
+        first delta. None without a grammar."""
+        if request.grammar is None:
+            return None
+        return await loop.run_in_executor(self._compile_threads, self.core.grammars.compile,
+                                          request.grammar, request.tenant)
 
     def abort(self, request_id: str) -> None:
         self._post(lambda: self.core.abort(request_id))

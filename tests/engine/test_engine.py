@@ -338,3 +338,43 @@ def test_bf16_kv_serves_with_prefix_caching(make_engine, tokenizer):
     assert engine.scheduler.cache.stats().cow_copies == 1  # ... and writes it into a copy of the page
     assert engine.spec_stats()["spec_drafts"] > 0
     engine.scheduler.cache.check_integrity()
+
+
+def test_requests_compiling_their_grammar_count_against_the_waiting_queue(make_engine):
+    """A burst of cold schemas must not all pass the queue-full check while they compile."""
+    import threading
+
+    from prefixgate.gateway.engine.api import GrammarSpec
+
+    engine = AsyncEngine(make_engine(max_waiting=1), model_name="m")
+    release = threading.Event()
+
+    def slow_compile(spec, tenant):  # stands in for a cold compile; then the spec is refused
+        release.wait(30)
+        raise InvalidRequestError("refused after compiling", param="response_format")
+
+    engine.core.grammars.compile = slow_compile
+    engine.start_sync()
+    spec = GrammarSpec("json_schema", '{"type": "object"}')
+
+    async def first_token(request_id: str) -> None:
+        async for _ in engine.generate(GenerationRequest((1, 2, 3), grammar=spec,
+                                                         request_id=request_id)):
+            return
+
+    async def main():
+        first = asyncio.ensure_future(first_token("a"))
+        await asyncio.sleep(0.05)  # "a" is compiling now
+        with pytest.raises(OverloadedError):
+            await first_token("b")
+        release.set()
+        with pytest.raises(InvalidRequestError, match="refused after compiling"):
+            await first
+
+    try:
+        asyncio.run(main())
+        # the refused compile gave its place back: the queue is empty again
+        assert engine._num_queued == 0
+    finally:
+        release.set()
+        engine.shutdown_sync()
