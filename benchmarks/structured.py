@@ -113,7 +113,6 @@ from prefixgate.gateway.engine.step_masks import row_bitmask
 from prefixgate.gateway.server import ServerSettings, create_app
 from prefixgate.gateway.server.launch import GatewayServer, ServersThread, uvicorn_config
 from prefixgate.gateway.server.openai.schemas import ChatCompletionRequest
-from prefixgate.gateway.server.tools import grammar as tool_grammar_module
 from prefixgate.kernels.token_bitmask import apply_token_bitmask
 
 PAGE_SIZE = 16
@@ -364,7 +363,7 @@ def bench_compile(engine: LLMEngine, repeats: int) -> dict[str, Any]:
 
     tool_cold = []
     for rep in range(max(3, repeats)):
-        tool_grammar_module._ebnf.cache_clear()  # noqa: SLF001 - cold = no converted schema either
+        # cold: new tool names each round, so neither the converted schema nor the compile is cached
         request = ChatCompletionRequest.model_validate(chat_body(tool_list(f"_cold{rep}", bounded=True)))
         misses = compiler.stats.misses
         tool_cold.append(_ms(lambda request=request: full_path(request)))
