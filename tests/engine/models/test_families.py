@@ -19,6 +19,7 @@ from prefixgate.gateway.engine.loader import load_model
 from prefixgate.gateway.engine.models import family_for
 from prefixgate.gateway.engine.runner import SeqChunk
 from tests.engine.models.conftest import make_runner
+from tests.engine.models.greedy import greedy_after
 from tests.engine.test_fidelity import LAYOUT_ATOL, PREFILL_ATOL, Pages
 from tests.family_fixtures import ATTENTION_FAMILIES as FAMILIES
 
@@ -31,13 +32,6 @@ def _oracle_logits(oracle, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         return oracle(torch.tensor([ids])).logits[0].float()  # [T, V]
 
-
-def _greedy(runner, prompt: list[int], table: list[int], first: torch.Tensor) -> list[int]:
-    tokens = [int(first.argmax())]
-    for step in range(NEW_TOKENS - 1):
-        chunk = SeqChunk([tokens[-1]], len(prompt) + step, table, True)
-        tokens.append(int(runner.execute([chunk])[0].argmax()))
-    return tokens
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -63,7 +57,7 @@ def test_greedy_identical_to_transformers_and_prefix_hit(family_case, name):
     pages = Pages(runner, seed=5)
     fresh_table = pages.take(len(prompt) + NEW_TOKENS)
     fresh = runner.execute([SeqChunk(prompt, 0, fresh_table, True)])[0]
-    ours = _greedy(runner, prompt, fresh_table, fresh)
+    ours = greedy_after(runner, prompt, fresh_table, fresh, NEW_TOKENS)
     # transformers' greedy choice at every step, teacher-forced with our tokens
     reference = _oracle_logits(case.oracle, prompt + ours[:-1])[len(prompt) - 1 :]
     assert reference.argmax(-1).tolist() == ours
@@ -76,7 +70,7 @@ def test_greedy_identical_to_transformers_and_prefix_hit(family_case, name):
     table = prefix_table + pages.take(len(prompt) + NEW_TOKENS - cached)
     hit = runner.execute([SeqChunk(prompt[cached:], cached, table, True)])[0]
     assert (hit - fresh).abs().max().item() < LAYOUT_ATOL
-    assert _greedy(runner, prompt, table, hit) == ours
+    assert greedy_after(runner, prompt, table, hit, NEW_TOKENS) == ours
 
 
 @pytest.mark.parametrize("name", ["smollm3", "granite", "olmo2", "olmo3"])

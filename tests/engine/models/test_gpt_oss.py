@@ -15,6 +15,7 @@ import torch
 
 from prefixgate.gateway.engine.loader import load_model
 from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
+from tests.engine.models.greedy import greedy_after
 from tests.engine.test_fidelity import LAYOUT_ATOL, PREFILL_ATOL, Pages
 from tests.harmony_fixture import gpt_oss_tiny_dir
 
@@ -45,13 +46,6 @@ def _oracle(oracle, ids: list[int]) -> torch.Tensor:
         return oracle(torch.tensor([ids])).logits[0].float()
 
 
-def _greedy(runner, prompt, table, first) -> list[int]:
-    tokens = [int(first.argmax())]
-    for step in range(NEW_TOKENS - 1):
-        chunk = SeqChunk([tokens[-1]], len(prompt) + step, table, True)
-        tokens.append(int(runner.execute([chunk])[0].argmax()))
-    return tokens
-
 
 def test_the_config_reads_sinks_window_yarn_and_the_experts(case):
     loaded, _, prompt = case
@@ -81,7 +75,7 @@ def test_greedy_identical_and_a_prefix_hit_equals_a_fresh_prefill(case):
     pages = Pages(runner, seed=5)
     fresh_table = pages.take(len(prompt) + NEW_TOKENS)
     fresh = runner.execute([SeqChunk(prompt, 0, fresh_table, True)])[0]
-    ours = _greedy(runner, prompt, fresh_table, fresh)
+    ours = greedy_after(runner, prompt, fresh_table, fresh, NEW_TOKENS)
     reference = _oracle(oracle, prompt + ours[:-1])[len(prompt) - 1:]
     assert reference.argmax(-1).tolist() == ours
     cached = (len(prompt) - 1) // 16 * 16
@@ -90,7 +84,7 @@ def test_greedy_identical_and_a_prefix_hit_equals_a_fresh_prefill(case):
     table = prefix_table + pages.take(len(prompt) + NEW_TOKENS - cached)
     hit = runner.execute([SeqChunk(prompt[cached:], cached, table, True)])[0]
     assert (hit - fresh).abs().max().item() < LAYOUT_ATOL
-    assert _greedy(runner, prompt, table, hit) == ours
+    assert greedy_after(runner, prompt, table, hit, NEW_TOKENS) == ours
 
 
 def test_alone_equals_batched_and_the_torch_path_agrees(case):
@@ -98,8 +92,8 @@ def test_alone_equals_batched_and_the_torch_path_agrees(case):
     runner = _runner(loaded)
     pages = Pages(runner, seed=11)
     alone_table = pages.take(len(prompt) + NEW_TOKENS)
-    alone = _greedy(runner, prompt, alone_table,
-                    runner.execute([SeqChunk(prompt, 0, alone_table, True)])[0])
+    alone = greedy_after(runner, prompt, alone_table,
+                         runner.execute([SeqChunk(prompt, 0, alone_table, True)])[0], NEW_TOKENS)
     prompts = [prompt[: len(prompt) // 2], prompt, prompt[3:]]
     tables = [pages.take(len(p) + NEW_TOKENS) for p in prompts]
     first = runner.execute([SeqChunk(p, 0, t, True) for p, t in zip(prompts, tables, strict=True)])
@@ -114,4 +108,4 @@ def test_alone_equals_batched_and_the_torch_path_agrees(case):
                                            dtype="fp32", native_kernels=False)
     table = Pages(torch_runner).take(len(prompt) + NEW_TOKENS)
     first = torch_runner.execute([SeqChunk(prompt, 0, table, True)])[0]
-    assert _greedy(torch_runner, prompt, table, first) == alone
+    assert greedy_after(torch_runner, prompt, table, first, NEW_TOKENS) == alone

@@ -15,6 +15,7 @@ from prefixgate.gateway.engine.loader import load_model
 from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
 from prefixgate.kernels.cpu.mxfp4 import Mxfp4Linear, mxfp4_native_path
 from prefixgate.kernels.torch_cpu.mxfp4 import Mxfp4Experts
+from tests.engine.models.greedy import greedy_after
 from tests.engine.test_fidelity import LAYOUT_ATOL, PREFILL_ATOL, Pages
 from tests.mxfp4_fixture import gpt_oss_mxfp4_dir, transformers_oracle
 
@@ -37,13 +38,6 @@ def _runner(loaded, native: bool = True) -> ModelRunner:
 def _experts(runner: ModelRunner) -> list:
     return [pair for layer in runner.model.layers for pair in layer.mlp.experts]
 
-
-def _greedy(runner, prompt, table, first) -> list[int]:
-    tokens = [int(first.argmax())]
-    for step in range(NEW_TOKENS - 1):
-        chunk = SeqChunk([tokens[-1]], len(prompt) + step, table, True)
-        tokens.append(int(runner.execute([chunk])[0].argmax()))
-    return tokens
 
 
 def test_the_experts_stay_in_blocks_and_equal_transformers_dequantization(case):
@@ -75,7 +69,7 @@ def test_prefill_and_greedy_match_transformers_on_the_native_kernel(case):
         ours = runner.execute([SeqChunk(prompt[start:end], start, table, True)])[0]
         diff = (ours - reference[end - 1]).abs().max().item()
         assert diff < PREFILL_ATOL, f"chunk {start}:{end} logits differ by {diff}"
-    tokens = _greedy(runner, prompt, table, ours)
+    tokens = greedy_after(runner, prompt, table, ours, NEW_TOKENS)
     with torch.inference_mode():
         again = oracle(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
     assert again.argmax(-1).tolist() == tokens
@@ -87,23 +81,23 @@ def test_cached_equals_uncached_alone_equals_batched_and_the_torch_path_agrees(c
     pages = Pages(runner, seed=11)
     fresh_table = pages.take(len(prompt) + NEW_TOKENS)
     fresh = runner.execute([SeqChunk(prompt, 0, fresh_table, True)])[0]
-    alone = _greedy(runner, prompt, fresh_table, fresh)
+    alone = greedy_after(runner, prompt, fresh_table, fresh, NEW_TOKENS)
     cached = (len(prompt) - 1) // 16 * 16
     prefix_table = pages.take(cached)
     runner.execute([SeqChunk(prompt[:cached], 0, prefix_table, False)])
     table = prefix_table + pages.take(len(prompt) + NEW_TOKENS - cached)
     hit = runner.execute([SeqChunk(prompt[cached:], cached, table, True)])[0]
     assert (hit - fresh).abs().max().item() < LAYOUT_ATOL
-    assert _greedy(runner, prompt, table, hit) == alone
+    assert greedy_after(runner, prompt, table, hit, NEW_TOKENS) == alone
     prompts = [prompt[: len(prompt) // 2], prompt, prompt[3:]]
     tables = [pages.take(len(p) + NEW_TOKENS) for p in prompts]
     first = runner.execute([SeqChunk(p, 0, t, True) for p, t in zip(prompts, tables, strict=True)])
-    assert _greedy(runner, prompts[1], tables[1], first[1]) == alone
+    assert greedy_after(runner, prompts[1], tables[1], first[1], NEW_TOKENS) == alone
     torch_runner = _runner(loaded, native=False)
     assert not any(layer.native for pair in _experts(torch_runner) for layer in pair)
     torch_table = Pages(torch_runner).take(len(prompt) + NEW_TOKENS)
     torch_first = torch_runner.execute([SeqChunk(prompt, 0, torch_table, True)])[0]
-    assert _greedy(torch_runner, prompt, torch_table, torch_first) == alone
+    assert greedy_after(torch_runner, prompt, torch_table, torch_first, NEW_TOKENS) == alone
 
 
 def test_another_quantization_method_is_refused_with_a_clear_error():
