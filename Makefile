@@ -27,7 +27,7 @@ serve: setup
 	$(VENV)/bin/prefixgate serve $(SERVE_ARGS)
 
 lint: setup
-	$(VENV)/bin/ruff check gateway cache kernels agents tests benchmarks
+	$(VENV)/bin/ruff check gateway engine cache kernels agents tests benchmarks
 
 setup: $(STAMP) system-deps
 

@@ -242,7 +242,7 @@ class PromptCounter:
     """Prompt token counts as the gateway computes them (the router's rendering path)."""
 
     def __init__(self) -> None:
-        from prefixgate.gateway.engine.loader.tokenizer_only import load_tokenizer_only
+        from prefixgate.engine.loader.tokenizer_only import load_tokenizer_only
 
         self.loaded = load_tokenizer_only(None)
 
@@ -264,7 +264,7 @@ class PromptCounter:
         """K and V of one page over all layers, fp32 (the CPU default)."""
         from gguf import GGUFReader
 
-        from prefixgate.gateway.engine.loader.gguf import _read_config
+        from prefixgate.engine.loader.gguf import _read_config
 
         reader = GGUFReader(self.loaded.path)
         shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}

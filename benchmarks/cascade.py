@@ -103,8 +103,8 @@ def kernel_figures(dtype: torch.dtype, repeats: int) -> dict[str, float]:
 
 def step_figures(rounds: int) -> dict[str, float]:
     """Median b16 decode step (ms) of the real model over a 2,048-token shared prefix."""
-    from prefixgate.gateway.engine.loader import load_model
-    from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
+    from prefixgate.engine.loader import load_model
+    from prefixgate.engine.runner import ModelRunner, SeqChunk
 
     shared = SHARED_PAGES * PAGE_SIZE
     per = -(-(OWN_TOKENS + 40) // PAGE_SIZE)

@@ -37,11 +37,11 @@ import torch
 
 from benchmarks.common import base_parser, print_table, write_json
 from prefixgate.agents import texts
-from prefixgate.gateway.engine.api import Delta, GenerationRequest, SamplingParams
-from prefixgate.gateway.engine.build import create_llm_engine
-from prefixgate.gateway.engine.config import EngineConfig
-from prefixgate.gateway.engine.loader import load_model
-from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
+from prefixgate.engine.api import Delta, GenerationRequest, SamplingParams
+from prefixgate.engine.build import create_llm_engine
+from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.loader import load_model
+from prefixgate.engine.runner import ModelRunner, SeqChunk
 
 NUM_AGENTS, NUM_TURNS, MAX_TOKENS = 16, 3, 32
 SYSTEM_TOKENS, TASK_TOKENS, FOLLOWUP_TOKENS = 2150, 50, 35  # approx budgets -> ~2,000 real tokens

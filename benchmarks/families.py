@@ -52,13 +52,13 @@ import torch
 
 from benchmarks.common import base_parser, print_table, write_json
 from benchmarks.model import _OurDecode
-from prefixgate.gateway.engine.config import EngineConfig
-from prefixgate.gateway.engine.model_config import (
+from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.model_config import (
     LinearAttentionConfig,
     ModelConfig,
     expected_weight_shapes,
 )
-from prefixgate.gateway.engine.runner import ZERO_STATE, ChunkState, ModelRunner, SeqChunk
+from prefixgate.engine.runner import ZERO_STATE, ChunkState, ModelRunner, SeqChunk
 from prefixgate.kernels.torch_cpu.mxfp4 import Mxfp4Experts, quantize_mxfp4
 
 FIRST_ORDINARY_TOKEN = 100

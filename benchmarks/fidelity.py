@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import base_parser, print_table, write_json
-from prefixgate.gateway.engine.loader import LoadedModel, load_model
-from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
+from prefixgate.engine.loader import LoadedModel, load_model
+from prefixgate.engine.runner import ModelRunner, SeqChunk
 from prefixgate.kernels.cpu.library import bf16_instructions, int8_instructions
 
 # stdlib modules whose docstrings make the corpus, in this order (pure-Python sources)

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PRODUCT_DIRS = ("gateway", "cache", "kernels", "agents")
+PRODUCT_DIRS = ("gateway", "engine", "cache", "kernels", "agents")
 MAX_LINES = 60
 PARSER_MIN_ADD_ARGUMENT = 3
 

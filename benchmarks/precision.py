@@ -38,9 +38,9 @@ import torch
 
 from benchmarks.common import base_parser, print_table, write_json
 from benchmarks.model import _OurDecode
-from prefixgate.gateway.engine.loader import LoadedModel, load_model
-from prefixgate.gateway.engine.model_config import ModelConfig
-from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
+from prefixgate.engine.loader import LoadedModel, load_model
+from prefixgate.engine.model_config import ModelConfig
+from prefixgate.engine.runner import ModelRunner, SeqChunk
 from prefixgate.kernels.cpu.library import _cpu_flags, bf16_instructions, int8_instructions
 from prefixgate.kernels.cpu.ops import linear_bf16_native, pack_bf16_weight
 from prefixgate.kernels.quant import QuantizedTensor

@@ -138,7 +138,7 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from prefixgate.gateway.engine.loader.tokenizer_only import load_tokenizer_only
+    from prefixgate.engine.loader.tokenizer_only import load_tokenizer_only
 
     tokenizer = load_tokenizer_only(None).tokenizer
     swarm = SwarmConfig(groups=args.groups, agents_per_group=args.agents_per_group,

@@ -60,10 +60,10 @@ import torch
 from benchmarks.common import base_parser, free_port, print_table, write_json
 from prefixgate.agents.runner import Endpoint, RunResult, run_workload
 from prefixgate.agents.workload import SwarmConfig, build_workload
-from prefixgate.gateway.engine.async_engine import AsyncEngine
-from prefixgate.gateway.engine.build import create_llm_engine
-from prefixgate.gateway.engine.config import EngineConfig
-from prefixgate.gateway.engine.loader import load_model
+from prefixgate.engine.async_engine import AsyncEngine
+from prefixgate.engine.build import create_llm_engine
+from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.loader import load_model
 from prefixgate.gateway.router.app import create_router_app
 from prefixgate.gateway.router.launch import router_server
 from prefixgate.gateway.router.settings import RouterSettings

@@ -65,10 +65,10 @@ from benchmarks.trace_workload import (
     select,
 )
 from prefixgate.cache import KVCacheManager
-from prefixgate.gateway.engine.api import SamplingParams
-from prefixgate.gateway.engine.scheduler import Scheduler
-from prefixgate.gateway.engine.sequence import SeqStatus, Sequence
-from prefixgate.gateway.engine.step_budget import settings_as_given
+from prefixgate.engine.api import SamplingParams
+from prefixgate.engine.scheduler import Scheduler
+from prefixgate.engine.sequence import SeqStatus, Sequence
+from prefixgate.engine.step_budget import settings_as_given
 
 STEP_BASE_S, STEP_UNIT_S, CONTEXT_SCALE, PAGE = 0.012, 0.0015, 3072, 16
 STEP_KV_READ_S = 0.000013

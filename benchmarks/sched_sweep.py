@@ -28,10 +28,10 @@ from typing import Any
 
 from benchmarks.common import base_parser, print_table, write_json
 from benchmarks.engine import run_swarm
-from prefixgate.gateway.engine.api import Delta, GenerationRequest, SamplingParams
-from prefixgate.gateway.engine.build import create_llm_engine
-from prefixgate.gateway.engine.config import EngineConfig
-from prefixgate.gateway.engine.loader import load_model
+from prefixgate.engine.api import Delta, GenerationRequest, SamplingParams
+from prefixgate.engine.build import create_llm_engine
+from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.loader import load_model
 
 # the old defaults (one 192 budget, no protection), the workaround, and the new parts
 ARMS: dict[str, dict[str, Any]] = {

@@ -31,10 +31,10 @@ import time
 
 from benchmarks.common import base_parser, bounded_schema, print_table, write_json
 from prefixgate.agents import texts
-from prefixgate.gateway.engine.api import Delta, GenerationRequest, GrammarSpec, SamplingParams
-from prefixgate.gateway.engine.build import create_llm_engine
-from prefixgate.gateway.engine.config import EngineConfig
-from prefixgate.gateway.engine.loader import load_model
+from prefixgate.engine.api import Delta, GenerationRequest, GrammarSpec, SamplingParams
+from prefixgate.engine.build import create_llm_engine
+from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.loader import load_model
 
 REPEATING = [
     'Previous call: {"name": "search_code", "arguments": {"query": "retry policy", "path": '

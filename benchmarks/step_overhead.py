@@ -56,15 +56,15 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from benchmarks.common import base_parser, print_table, write_json
-from prefixgate.gateway.engine import async_engine as async_engine_module
-from prefixgate.gateway.engine import step_sampling
-from prefixgate.gateway.engine.api import Delta, EngineError, GenerationRequest, SamplingParams
-from prefixgate.gateway.engine.async_engine import AsyncEngine
-from prefixgate.gateway.engine.build import create_llm_engine
-from prefixgate.gateway.engine.config import EngineConfig
-from prefixgate.gateway.engine.engine_core import LLMEngine
-from prefixgate.gateway.engine.loader import LoadedModel, load_model
-from prefixgate.gateway.engine.stop_strings import StopStringMatcher
+from prefixgate.engine import async_engine as async_engine_module
+from prefixgate.engine import step_sampling
+from prefixgate.engine.api import Delta, EngineError, GenerationRequest, SamplingParams
+from prefixgate.engine.async_engine import AsyncEngine
+from prefixgate.engine.build import create_llm_engine
+from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.engine_core import LLMEngine
+from prefixgate.engine.loader import LoadedModel, load_model
+from prefixgate.engine.stop_strings import StopStringMatcher
 
 NEVER_MATCHING_STOPS = ("<END_OF_ANSWER>", "[[stop here]]")
 WORDS = ["agent", "tool", "cache", "page", "prefix", "token", "retry", "request", "schema", "build", "test", "deploy", "log", "metric", "queue", "worker", "session", "result", "error", "timeout", "search", "file", "patch", "review", "merge", "branch", "commit", "plan", "step", "budget", "memory", "report", "status", "owner", "task", "input", "output", "value"]

@@ -18,8 +18,8 @@ Two passes per (mode, workload), one after the other:
        - ``gemm``: our linear kernels (linear*.c) or a torch/oneDNN matmul;
        - ``attention``: paged_prefill/decode/cascade.c or torch SDPA;
        - ``native_ops``: our per-token ops (cpu_ops.c: RMSNorm, SiLU, RoPE, KV writes);
-       - ``sampling``: anything under gateway/engine/sampler.py;
-       - ``grammar``: under gateway/engine/grammar, step_masks.py, xgrammar or the bitmask kernel;
+       - ``sampling``: anything under engine/sampler.py;
+       - ``grammar``: under engine/grammar, step_masks.py, xgrammar or the bitmask kernel;
        - ``torch_ops``: other torch kernels (adds, copies, gathers, argmax) called by the model;
        - ``dispatch``: calling into native code: the kernels' Python wrappers (kernels/*.py:
          argument checks, ctypes pointers), ctypes/libffi, torch's argument parsing, dispatcher
@@ -57,11 +57,11 @@ from typing import Any
 import torch
 
 from benchmarks.common import base_parser, print_table, write_json
-from prefixgate.gateway.engine.api import GenerationRequest, GrammarSpec, SamplingParams
-from prefixgate.gateway.engine.build import create_llm_engine
-from prefixgate.gateway.engine.config import EngineConfig
-from prefixgate.gateway.engine.engine_core import LLMEngine
-from prefixgate.gateway.engine.loader import LoadedModel, load_model
+from prefixgate.engine.api import GenerationRequest, GrammarSpec, SamplingParams
+from prefixgate.engine.build import create_llm_engine
+from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.engine_core import LLMEngine
+from prefixgate.engine.loader import LoadedModel, load_model
 
 WORKLOADS = ("decode_b1", "decode_b16", "decode_b16_grammar", "prefill_2k")
 MODES = ("fp32", "bf16", "q8")
@@ -107,9 +107,9 @@ def _frame_file(frame: str) -> str:
 def category(frames: list[str]) -> str:
     """The category of one sampled stack (root first), as the module docstring lists them."""
     files = [_frame_file(f) for f in frames]
-    if any("gateway/engine/sampler" in f for f in files):
+    if any("engine/sampler" in f for f in files):
         return "sampling"
-    if any(s in f for f in files for s in ("gateway/engine/grammar", "step_masks", "xgrammar")):
+    if any(s in f for f in files for s in ("engine/grammar", "step_masks", "xgrammar")):
         return "grammar"
     last_py = max((i for i, f in enumerate(files) if f.endswith(".py")), default=-1)
     native = frames[last_py + 1:]  # the native frames below the innermost Python frame

@@ -95,21 +95,21 @@ import torch
 from benchmarks.common import base_parser, free_port, print_table, write_json
 from prefixgate.agents import texts
 from prefixgate.agents.ideal import SentPrompt, ideal_hits
-from prefixgate.gateway.engine.api import (
+from prefixgate.engine.api import (
     Delta,
     EngineError,
     GenerationRequest,
     GrammarSpec,
     SamplingParams,
 )
-from prefixgate.gateway.engine.async_engine import AsyncEngine
-from prefixgate.gateway.engine.build import create_llm_engine
-from prefixgate.gateway.engine.config import EngineConfig
-from prefixgate.gateway.engine.engine_core import LLMEngine
-from prefixgate.gateway.engine.grammar import new_matcher
-from prefixgate.gateway.engine.loader import load_model
-from prefixgate.gateway.engine.sampler import SampleRow, sample
-from prefixgate.gateway.engine.step_masks import row_bitmask
+from prefixgate.engine.async_engine import AsyncEngine
+from prefixgate.engine.build import create_llm_engine
+from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.engine_core import LLMEngine
+from prefixgate.engine.grammar import new_matcher
+from prefixgate.engine.loader import load_model
+from prefixgate.engine.sampler import SampleRow, sample
+from prefixgate.engine.step_masks import row_bitmask
 from prefixgate.gateway.server import ServerSettings, create_app
 from prefixgate.gateway.server.launch import GatewayServer, ServersThread, uvicorn_config
 from prefixgate.gateway.server.openai.schemas import ChatCompletionRequest

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.common import base_parser, write_json
-from prefixgate.gateway.engine.tokenizer import Tokenizer
+from prefixgate.engine.tokenizer import Tokenizer
 from prefixgate.gateway.server.tools.dialect import ToolDialect, choose_dialect
 from prefixgate.gateway.server.tools.formats.reasoning import thinking_kwargs
 from prefixgate.gateway.server.tools.prompt import call_begin, canonical_json

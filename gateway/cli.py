@@ -3,7 +3,7 @@
 Every flag has an environment twin: ``--kv-memory 4`` is ``PREFIXGATE_KV_MEMORY=4``
 (repeatable flags take a comma-separated list). The command line wins over the environment,
 which wins over the defaults. The flags are generated from the typed configs' fields
-(gateway/setting.py); docs/settings.md lists them.
+(engine/setting.py); docs/settings.md lists them.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.setting import Knob, build
 from prefixgate.gateway import flags
-from prefixgate.gateway.engine.config import EngineConfig
 from prefixgate.gateway.router.settings import RouterSettings
 from prefixgate.gateway.server.settings import ServerSettings
-from prefixgate.gateway.setting import Knob, build
 
 # each command and the configs its flags fill
 COMMANDS: dict[str, tuple[type, ...]] = {
@@ -89,7 +89,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     values = resolve(args, parser, environ)
     try:
         engine_config, settings = configs(values)
-        from prefixgate.gateway.engine.precision import check_precision  # torch: only to serve
+        from prefixgate.engine.precision import check_precision  # torch: only to serve
 
         check_precision(engine_config.device, engine_config.dtype)
     except ValueError as exc:

@@ -1,5 +1,5 @@
 """A command's flags generated from its typed configs, and how a value is resolved: the
-command line, else the ``PREFIXGATE_*`` variable, else the default (gateway/setting.py).
+command line, else the ``PREFIXGATE_*`` variable, else the default (engine/setting.py).
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import argparse
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from prefixgate.gateway.setting import Knob, knobs
+from prefixgate.engine.setting import Knob, knobs
 
 # --help sections with a line of their own under the title
 GROUP_HELP = {

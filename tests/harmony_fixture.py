@@ -109,7 +109,7 @@ def harmony_tokenizer_dir() -> Path:
 
 def harmony_tokenizer(chat_template: str | None = None) -> Any:
     """Our :class:`Tokenizer` over o200k_harmony with gpt-oss's template (the sdist's)."""
-    from prefixgate.gateway.engine.tokenizer import Tokenizer
+    from prefixgate.engine.tokenizer import Tokenizer
 
     folder = harmony_tokenizer_dir()
     config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from prefixgate.gateway.engine.config import EngineConfig
+from prefixgate.engine.config import EngineConfig
 from prefixgate.gateway.server import ServerSettings, create_app
 from prefixgate.gateway.server.launch import GatewayServer, uvicorn_config
 
@@ -77,7 +77,7 @@ def _wait_started(thread: _ServerThread, servers: list[GatewayServer]) -> None:
 
 @pytest.fixture(scope="session")
 def engine(loaded_model):
-    from prefixgate.gateway.engine.async_engine import build_engine
+    from prefixgate.engine.async_engine import build_engine
 
     return build_engine(
         EngineConfig(num_pages=NUM_PAGES, page_size=PAGE_SIZE, max_waiting=MAX_WAITING),

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from prefixgate.gateway.engine.loader import LoadedModel, default_model_path, load_model
-from prefixgate.gateway.engine.tokenizer import Tokenizer
+from prefixgate.engine.loader import LoadedModel, default_model_path, load_model
+from prefixgate.engine.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
-PRODUCT_DIRS = ("agents", "cache", "gateway", "kernels")
+PRODUCT_DIRS = ("agents", "cache", "engine", "gateway", "kernels")
 SURFACES = ("openai", "responses", "anthropic")  # gateway/server/<surface>/
 SURFACE_PACKAGES = tuple(f"prefixgate.gateway.server.{name}" for name in SURFACES)
 
@@ -111,10 +111,10 @@ def test_the_scan_sees_every_product_folder():
 
 
 def test_agents_is_an_http_client_only():
-    ours = ("prefixgate.gateway", "prefixgate.cache", "prefixgate.kernels")
+    ours = ("prefixgate.gateway", "prefixgate.engine", "prefixgate.cache", "prefixgate.kernels")
     _assert_none(_violations(
         "agents/", lambda imp: _within(imp.module, *ours),
-        "agents/ must not import gateway, cache or kernels: it is a client, HTTP only"))
+        "agents/ must not import gateway, engine, cache or kernels: it is a client, HTTP only"))
 
 
 def test_server_router_and_scaleout_do_not_import_kernels():
@@ -125,14 +125,13 @@ def test_server_router_and_scaleout_do_not_import_kernels():
 
 
 def test_engine_imports_no_http_framework_redis_or_anything_above_it():
-    above = ("prefixgate.gateway.server", "prefixgate.gateway.router",
-             "prefixgate.gateway.scaleout", "prefixgate.gateway.cli", "prefixgate.agents")
+    above = ("prefixgate.gateway", "prefixgate.agents")
     _assert_none(_violations(
-        "gateway/engine/",
+        "engine/",
         lambda imp: _top(imp.module) in {"fastapi", "starlette", "uvicorn", "redis"}
         or _within(imp.module, *above),
-        "gateway/engine must not import fastapi (starlette, uvicorn), redis, or the server, "
-        "router, scaleout, cli or agents above it"))
+        "engine/ must not import fastapi (starlette, uvicorn), redis, or anything of "
+        "gateway/ (server, router, scaleout, http, cli) or agents/ above it"))
 
 
 def test_cache_imports_only_stdlib_xxhash_and_itself():
@@ -160,7 +159,7 @@ CACHE_INTERNALS = tuple(f"prefixgate.cache.{name}" for name in (
 
 
 def test_only_the_kv_manager_touches_the_cache_internals():
-    for folder in ("gateway/", "agents/", "kernels/"):
+    for folder in ("gateway/", "engine/", "agents/", "kernels/"):
         _assert_none(_violations(
             folder, lambda imp: _within(imp.module, *CACHE_INTERNALS),
             f"{folder} must not import cache/ internals (block pool, pages, free queue, "
@@ -170,12 +169,12 @@ def test_only_the_kv_manager_touches_the_cache_internals():
 # the scheduler's KV side: the scheduler (its steps and its admission half), its connector (second-tier pages) and
 # KVControl (pins, retention, stats, events, reset for the engine and the gateway); the build
 # module only constructs the manager
-KV_OWNERS = tuple(f"gateway/engine/{name}.py" for name in (
+KV_OWNERS = tuple(f"engine/{name}.py" for name in (
     "scheduler", "admission", "kv_connector", "kv_control"))
-KV_BUILDERS = ("gateway/engine/build.py",)
+KV_BUILDERS = ("engine/build.py",)
 # where ``.cache`` would mean the KV manager: the engine's own modules (its subpackages keep
 # other caches: the grammar compiler's) and every gateway package above it
-KV_CALLERS = ("gateway/engine/*.py", "gateway/server/**/*.py", "gateway/router/**/*.py",
+KV_CALLERS = ("engine/*.py", "gateway/server/**/*.py", "gateway/router/**/*.py",
               "gateway/scaleout/**/*.py")
 
 
@@ -216,8 +215,8 @@ KERNEL_BACKENDS = tuple(f"prefixgate.kernels.{name}" for name in ("cpu", "triton
 
 def test_models_import_no_kernel_backend():
     _assert_none(_violations(
-        "gateway/engine/models/", lambda imp: _within(imp.module, *KERNEL_BACKENDS),
-        "gateway/engine/models must not import a kernel backend (kernels.cpu, kernels.triton, "
+        "engine/models/", lambda imp: _within(imp.module, *KERNEL_BACKENDS),
+        "engine/models must not import a kernel backend (kernels.cpu, kernels.triton, "
         "kernels.torch_cpu): bind ops through the registry (kernels.layer_ops) or the dispatch"))
 
 
@@ -232,13 +231,13 @@ def _module_file(module: str) -> Path | None:
 
 
 def test_the_scheduler_imports_no_torch_even_indirectly():
-    """What ``import prefixgate.gateway.engine.scheduler`` runs: the scheduler, each of our
+    """What ``import prefixgate.engine.scheduler`` runs: the scheduler, each of our
     modules it imports at module level, theirs, and the packages around them. Only the runner
     builds tensors."""
     by_file: dict[str, list[Import]] = {}
     for imp in all_imports():
         by_file.setdefault(imp.path, []).append(imp)
-    chain = {"prefixgate.gateway.engine.scheduler": "the scheduler"}
+    chain = {"prefixgate.engine.scheduler": "the scheduler"}
     todo = list(chain)
     bad = []
     while todo:

@@ -1,8 +1,8 @@
 """The distribution installs ONE import namespace, ``prefixgate.*``, beside the agent SDKs.
 
-The repository folders gateway/, cache/, kernels/, agents/ become prefixgate.gateway,
-prefixgate.cache, prefixgate.kernels, prefixgate.agents; no bare top-level name is installed,
-so ``import agents`` stays the OpenAI Agents SDK's and ``import kernels`` Hugging Face's.
+The repository folders gateway/, engine/, cache/, kernels/, agents/ become prefixgate.gateway,
+prefixgate.engine, prefixgate.cache, prefixgate.kernels, prefixgate.agents; no bare top-level
+name is installed, so ``import agents`` stays the OpenAI Agents SDK's and ``import kernels`` Hugging Face's.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-FOLDERS = ("gateway", "cache", "kernels", "agents")
+FOLDERS = ("gateway", "engine", "cache", "kernels", "agents")
 
 # Run in a scratch directory: the working directory must not put the repository on sys.path.
 # A bare name may exist only as somebody else's package (the Agents SDK's `agents`, HF's
@@ -46,9 +46,10 @@ def test_editable_install_is_one_namespace(tmp_path: Path) -> None:
     """The development install (pip install -e) maps prefixgate.<folder> to the folders; nothing
     is importable under a folder's bare name, and each module exists once."""
     out = _run(sys.executable, BARE_NAMES_ABSENT + textwrap.dedent("""
-        import prefixgate.cache, prefixgate.gateway.cli, prefixgate.kernels, prefixgate.agents.swarm
+        import prefixgate.cache, prefixgate.engine.scheduler, prefixgate.gateway.cli
+        import prefixgate.kernels, prefixgate.agents.swarm
         from prefixgate.cache import KVCacheManager
-        from prefixgate.gateway.engine.scheduler import KVCacheManager as used_by_engine
+        from prefixgate.engine.scheduler import KVCacheManager as used_by_engine
         assert KVCacheManager is used_by_engine
         print(prefixgate.cache.__file__)
         print(prefixgate.gateway.cli.__file__)

@@ -2,7 +2,7 @@
 (OpenAI's; routes under /v1/messages answer in Anthropic's, ``anthropic_error_body``). Every
 surface's envelope lives here, so the shared core never imports a surface (docs/design.md).
 
-Engine errors (:class:`gateway.engine.api.EngineError` and subclasses) carry their own HTTP
+Engine errors (:class:`engine.api.EngineError` and subclasses) carry their own HTTP
 status; the gateway adds its own subclasses below. FastAPI's 422 for a malformed body becomes a
 400 that names the offending field, as OpenAI does.
 """
@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from prefixgate.gateway.engine.api import EngineError, InvalidRequestError, OverloadedError
+from prefixgate.engine.api import EngineError, InvalidRequestError, OverloadedError
 
 logger = logging.getLogger("prefixgate.server")
 

@@ -9,7 +9,7 @@ import argparse
 import re
 from dataclasses import dataclass
 
-from prefixgate.gateway.setting import positive_int, setting
+from prefixgate.engine.setting import positive_int, setting
 
 MIB = 1024 * 1024
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmg]i?b?|b)?\s*$", re.IGNORECASE)

@@ -25,7 +25,7 @@ import httpx
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from prefixgate.gateway.engine.api import EngineError
+from prefixgate.engine.api import EngineError
 from prefixgate.gateway.http.auth import Principal, authenticate, require_admin
 from prefixgate.gateway.http.disconnect import ClientDisconnected, until_disconnect
 from prefixgate.gateway.http.errors import install_exception_handlers
@@ -342,7 +342,7 @@ def create_router_app(settings: RouterSettings, *, tokenizer: Any = None,
             read from ``settings.model`` without loading weights.
     """
     if tokenizer is None or model_id is None:
-        from prefixgate.gateway.engine.loader.tokenizer_only import load_tokenizer_only
+        from prefixgate.engine.loader.tokenizer_only import load_tokenizer_only
 
         loaded = load_tokenizer_only(settings.model)
         tokenizer, model_id = loaded.tokenizer, loaded.model_id

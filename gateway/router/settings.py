@@ -1,5 +1,5 @@
 """Router settings in one typed place. Every field that is a knob of ``prefixgate route``
-carries its flag and help (:func:`gateway.setting.setting`); the parser, the ``PREFIXGATE_*``
+carries its flag and help (:func:`engine.setting.setting`); the parser, the ``PREFIXGATE_*``
 twins and docs/settings.md are generated from them, as for ``prefixgate serve``."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from prefixgate.engine.setting import nested, positive_float, positive_int, setting
 from prefixgate.gateway.http.api_keys import merge_api_keys, with_keys_file
 from prefixgate.gateway.http.limits import ConnectionLimits
 from prefixgate.gateway.scaleout.keys import DEFAULT_NAMESPACE
 from prefixgate.gateway.server.settings import LOG_LEVELS, TOOL_CALL_FORMATS
-from prefixgate.gateway.setting import nested, positive_float, positive_int, setting
 
 POLICIES: tuple[str, ...] = ("cache_aware", "round_robin", "random")
 _FLEET, _PLACE, _HASH, _HTTP = "fleet", "placement", "hashing (must match the replicas)", "HTTP"

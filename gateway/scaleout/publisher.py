@@ -117,7 +117,7 @@ class ReplicaPublisher:
     """Publishes one engine's index, heartbeat and stats.
 
     Args:
-        engine: an :class:`gateway.engine.async_engine.AsyncEngine` (needs ``add_event_sink``,
+        engine: an :class:`engine.async_engine.AsyncEngine` (needs ``add_event_sink``,
             ``cached_block_hashes``, ``engine_stats``, ``cache_stats`` and the hashing facts
             ``model_id``, ``page_size``, ``hash_seed``).
         config: where and how often.

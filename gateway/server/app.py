@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from prefixgate.gateway.engine.api import EngineLike
+from prefixgate.engine.api import EngineLike
 from prefixgate.gateway.http.api_keys import DEFAULT_TENANT
 from prefixgate.gateway.http.auth import KeyTable
 from prefixgate.gateway.http.errors import REQUEST_ID_HEADER, install_exception_handlers
@@ -39,7 +39,7 @@ def create_app(
     """Build the gateway app around an engine.
 
     Args:
-        engine: anything implementing :class:`gateway.engine.api.EngineLike`.
+        engine: anything implementing :class:`engine.api.EngineLike`.
         settings: HTTP settings; defaults to an open server (no auth, no CORS).
         manage_engine: start the engine when the app starts and shut it down when it stops.
             Pass False when another app (or the caller) owns the engine's lifecycle.

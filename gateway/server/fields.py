@@ -80,7 +80,7 @@ FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Z
 # --------------------------------------------------------------------------------------------
 # A lone surrogate cannot be encoded (the tokenizer, the JSON encoder of a response and the
 # logs all fail on it, as 500s); noncharacters are for a process's internal use, and the chat
-# renderer marks user text with them (gateway/engine/chat_template.py), so none may come in.
+# renderer marks user text with them (engine/chat_template.py), so none may come in.
 _BMP_UNSAFE = re.compile("[\ud800-\udfff\ufdd0-\ufdef\ufffe\uffff]")
 # (astral characters in a character class make re slow on every string: searched apart, only
 # in strings that have astral characters at all)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 
-from prefixgate.gateway.engine.api import Delta, EngineLike, GenerationRequest, Usage
+from prefixgate.engine.api import Delta, EngineLike, GenerationRequest, Usage
 
 
 def sum_usage(usages: Sequence[Usage]) -> Usage:

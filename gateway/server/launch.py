@@ -11,9 +11,9 @@ from typing import Any
 
 import uvicorn
 
-from prefixgate.gateway.engine.api import EngineLike
-from prefixgate.gateway.engine.config import EngineConfig
-from prefixgate.gateway.engine.kernel_report import engine_kernel_report
+from prefixgate.engine.api import EngineLike
+from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.kernel_report import engine_kernel_report
 from prefixgate.gateway.http.bound_server import EVENT_LOOP, BoundServer
 from prefixgate.gateway.http.slow_clients import uvicorn_options
 from prefixgate.gateway.server.app import create_app
@@ -127,7 +127,7 @@ def uvicorn_config(app: Any, settings: ServerSettings) -> uvicorn.Config:
 
 def serve(engine_config: EngineConfig, settings: ServerSettings) -> None:
     """Load the model, then serve until interrupted (the app starts and stops the engine)."""
-    from prefixgate.gateway.engine.async_engine import build_engine  # heavy: torch, the model
+    from prefixgate.engine.async_engine import build_engine  # heavy: torch, the model
 
     engine = build_engine(engine_config, tier_store=tier_store(engine_config, settings))
     engine.warm_grammars()

@@ -23,7 +23,7 @@ from prometheus_client.registry import Collector
 
 from prefixgate.cache.stats import CacheStats, HitStats
 from prefixgate.cache.ttl_policy import RecomputeCost
-from prefixgate.gateway.engine.api import Delta, EngineLike, EngineStats, Usage
+from prefixgate.engine.api import Delta, EngineLike, EngineStats, Usage
 from prefixgate.gateway.http.metric_labels import StickyLabeler
 
 PREFIX = "prefixgate:"
@@ -408,7 +408,7 @@ _TIER_METRICS = (
 
 def tier_metrics(tier: Mapping[str, float], counter: Callable[[str, str, float], Metric],
                  gauge: Callable[[str, str, float], Metric]) -> Iterator[Metric]:
-    """The second tier's counters and its size (see gateway/engine/kv_tier.py), built with the
+    """The second tier's counters and its size (see engine/kv_tier.py), built with the
     collector's ``counter`` / ``gauge`` (its prefix and labels)."""
     for name, key, text in _TIER_METRICS:
         yield counter(name, text, tier[key])

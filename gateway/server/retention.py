@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from starlette.requests import Request
 
 from prefixgate.cache.ttl_policy import TTLPolicy
-from prefixgate.gateway.engine.api import InvalidRequestError
+from prefixgate.engine.api import InvalidRequestError
 from prefixgate.gateway.server.state import server_state
 
 logger = logging.getLogger("prefixgate.server")

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from prefixgate.cache.stats import CacheStats, HitStats
 from prefixgate.cache.ttl_policy import TTLPolicy
-from prefixgate.gateway.engine.api import EngineStats
+from prefixgate.engine.api import EngineStats
 from prefixgate.gateway.http.auth import Principal, authenticate, require_admin
 from prefixgate.gateway.http.metric_labels import OTHER_LABEL
 from prefixgate.gateway.server.retention import retention_policy

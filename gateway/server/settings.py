@@ -1,7 +1,7 @@
 """Server settings in one typed place (HTTP, auth, metrics); engine settings live in EngineConfig.
 
 Every field that is a knob of ``prefixgate serve`` carries its flag and help
-(:func:`gateway.setting.setting`): the CLI flag ``--api-keys-file`` is the environment variable
+(:func:`engine.setting.setting`): the CLI flag ``--api-keys-file`` is the environment variable
 ``PREFIXGATE_API_KEYS_FILE``, and docs/settings.md lists them all. API keys map to tenants
 (gateway/http/api_keys.py).
 """
@@ -15,17 +15,17 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from prefixgate.cache.ttl_policy import TTLPolicy
-from prefixgate.gateway.http.api_keys import check_token, merge_api_keys, with_keys_file
-from prefixgate.gateway.http.limits import ConnectionLimits
-from prefixgate.gateway.scaleout.kv_events.config import KVEventsConfig, parse_kv_events_config
-from prefixgate.gateway.server.fields import MAX_ALIAS_CHARS, MAX_MODEL_ALIASES
-from prefixgate.gateway.setting import (
+from prefixgate.engine.setting import (
     nested,
     non_negative_int,
     positive_float,
     positive_int,
     setting,
 )
+from prefixgate.gateway.http.api_keys import check_token, merge_api_keys, with_keys_file
+from prefixgate.gateway.http.limits import ConnectionLimits
+from prefixgate.gateway.scaleout.kv_events.config import KVEventsConfig, parse_kv_events_config
+from prefixgate.gateway.server.fields import MAX_ALIAS_CHARS, MAX_MODEL_ALIASES
 
 # --tool-call-format: "auto" (the one the chat template teaches) or a registered format
 # (gateway/server/tools/formats; a test keeps this list equal to the registry, which the CLI
@@ -63,7 +63,7 @@ def check_model_aliases(aliases: Iterable[str], source: str = "--model-alias") -
 
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
-    """HTTP-side settings (the engine's live in :class:`gateway.engine.config.EngineConfig`).
+    """HTTP-side settings (the engine's live in :class:`engine.config.EngineConfig`).
 
     Auth is on when any API key or an admin key is configured: every endpoint except
     ``/health`` then needs ``Authorization: Bearer <key>``; the cache admin endpoints (pin,

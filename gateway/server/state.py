@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from prefixgate.cache.stats import CacheStats
-from prefixgate.gateway.engine.api import EngineLike, EngineStats, InvalidRequestError
+from prefixgate.engine.api import EngineLike, EngineStats, InvalidRequestError
 from prefixgate.gateway.http.auth import KeyTable
 from prefixgate.gateway.http.errors import ModelNotFoundError
 from prefixgate.gateway.http.headers import AGENT_HEADER

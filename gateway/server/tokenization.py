@@ -10,8 +10,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from prefixgate.gateway.engine.api import EngineLike, InvalidRequestError
-from prefixgate.gateway.engine.tokenizer import PromptTooLongError
+from prefixgate.engine.api import EngineLike, InvalidRequestError
+from prefixgate.engine.tokenizer import PromptTooLongError
 from prefixgate.gateway.server.tools import FunctionTool
 from prefixgate.gateway.server.tools.dialect import ToolDialect, choose_dialect
 from prefixgate.gateway.server.tools.repeats import GuardedParser

@@ -19,7 +19,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from prefixgate.gateway.engine.api import (
+from prefixgate.engine.api import (
     ContextLengthError,
     GenerationRequest,
     GrammarSpec,

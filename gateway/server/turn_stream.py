@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
-from prefixgate.gateway.engine.api import Delta, TokenLogprob, Usage
+from prefixgate.engine.api import Delta, TokenLogprob, Usage
 from prefixgate.gateway.http.disconnect import until_disconnect
 from prefixgate.gateway.server.generation import DeltaStream, merge_streams, sum_usage
 from prefixgate.gateway.server.metrics import RequestTimer

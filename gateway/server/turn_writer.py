@@ -13,7 +13,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from prefixgate.gateway.engine.api import EngineError
+from prefixgate.engine.api import EngineError
 from prefixgate.gateway.http.disconnect import ClientDisconnected
 from prefixgate.gateway.http.errors import request_id_of
 from prefixgate.gateway.server.sse import SSEResponse

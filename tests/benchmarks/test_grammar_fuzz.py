@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import grammar_fuzz as bench
-from prefixgate.gateway.engine.grammar import GrammarCompiler
-from prefixgate.gateway.engine.grammar.worker_pool import CompileLimits
+from prefixgate.engine.grammar import GrammarCompiler
+from prefixgate.engine.grammar.worker_pool import CompileLimits
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,8 @@
 
 from benchmarks.step_profile import attribute, category
 
-ROOT = ["<module> (bench.py:1)", "LLMEngine.step (gateway/engine/llm_engine.py:199)"]
-FORWARD = ROOT + ["DecoderModel.forward (gateway/engine/models/decoder.py:283)"]
+ROOT = ["<module> (bench.py:1)", "LLMEngine.step (engine/llm_engine.py:199)"]
+FORWARD = ROOT + ["DecoderModel.forward (engine/models/decoder.py:283)"]
 CALL = ["PyCFuncPtr_call (_ctypes.c:4201)", "ffi_call (libffi.so.8)"]
 
 
@@ -29,10 +29,10 @@ def test_wrappers_and_ctypes_are_dispatch_the_model_code_is_python():
 
 
 def test_sampling_and_grammar_win_over_what_runs_below_them():
-    sampler = ROOT + ["Sampler.sample (gateway/engine/sampler.py:50)",
+    sampler = ROOT + ["Sampler.sample (engine/sampler.py:50)",
                       "at::native::argmax (libtorch_cpu.so)"]
     assert category(sampler) == "sampling"
-    masks = ROOT + ["StepMasks.apply (gateway/engine/step_masks.py:10)",
+    masks = ROOT + ["StepMasks.apply (engine/step_masks.py:10)",
                     "pg_apply_token_bitmask_f32 (prefixgate_cpu.so)"]
     assert category(masks) == "grammar"
 
@@ -41,6 +41,6 @@ def test_attribute_counts_only_stacks_inside_a_step():
     raw = "\n".join([
         "thread (1): MainThread;" + ";".join(FORWARD) + " 7",
         "thread (1): MainThread;<module> (bench.py:1);sleep (time.py:1) 50",
-        "thread (2): prefixgate-grammar;worker (gateway/engine/grammar/masker.py:35) 9",
+        "thread (2): prefixgate-grammar;worker (engine/grammar/masker.py:35) 9",
     ])
     assert attribute(raw) == {"python": 7}

@@ -16,9 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixgate.gateway.engine.build import create_llm_engine
-from prefixgate.gateway.engine.config import EngineConfig
-from prefixgate.gateway.engine.runner import ModelRunner
+from prefixgate.engine.build import create_llm_engine
+from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.runner import ModelRunner
 
 RUNNER_NUM_PAGES = 512
 RUNNER_PAGE_SIZE = 16

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from prefixgate.gateway.engine.chat_template import ChatTemplate, ChatTemplateError
-from prefixgate.gateway.engine.tokenizer import Tokenizer
+from prefixgate.engine.chat_template import ChatTemplate, ChatTemplateError
+from prefixgate.engine.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import json
 import jsonschema
 import pytest
 
-from prefixgate.gateway.engine.api import (
+from prefixgate.engine.api import (
     GenerationRequest,
     GrammarSpec,
     InvalidRequestError,

@@ -3,7 +3,7 @@ length adapts."""
 
 from __future__ import annotations
 
-from prefixgate.gateway.engine.drafter import DraftState, NgramDrafter
+from prefixgate.engine.drafter import DraftState, NgramDrafter
 
 
 def test_proposes_what_followed_the_latest_earlier_occurrence():

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from prefixgate.gateway.engine.api import (
+from prefixgate.engine.api import (
     ContextLengthError,
     Delta,
     GenerationRequest,
@@ -15,8 +15,8 @@ from prefixgate.gateway.engine.api import (
     OverloadedError,
     SamplingParams,
 )
-from prefixgate.gateway.engine.async_engine import AsyncEngine
-from prefixgate.gateway.engine.config import (
+from prefixgate.engine.async_engine import AsyncEngine
+from prefixgate.engine.config import (
     EngineConfig,
     decode_token_budget,
     short_prefill_budget,
@@ -344,7 +344,7 @@ def test_requests_compiling_their_grammar_count_against_the_waiting_queue(make_e
     """A burst of cold schemas must not all pass the queue-full check while they compile."""
     import threading
 
-    from prefixgate.gateway.engine.api import GrammarSpec
+    from prefixgate.engine.api import GrammarSpec
 
     engine = AsyncEngine(make_engine(max_waiting=1), model_name="m")
     release = threading.Event()

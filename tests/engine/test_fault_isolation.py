@@ -14,14 +14,14 @@ import asyncio
 
 import pytest
 
-from prefixgate.gateway.engine import step_sampling
-from prefixgate.gateway.engine.api import (
+from prefixgate.engine import step_sampling
+from prefixgate.engine.api import (
     EngineError,
     GenerationRequest,
     InvalidRequestError,
     SamplingParams,
 )
-from prefixgate.gateway.engine.async_engine import AsyncEngine
+from prefixgate.engine.async_engine import AsyncEngine
 from tests.engine.test_constrained import JSON, valid
 from tests.engine.test_engine import TASKS, chat, run
 
@@ -258,7 +258,7 @@ def _paused_session_with_tier(make_engine, tokenizer):
     """An engine with a host tier whose turn-1 pages were evicted into it by other traffic:
     (engine, turn 1's prompt). Its turn 2 loads them back."""
     from prefixgate.cache.tier import HostTier, entry_slot_bytes
-    from prefixgate.gateway.engine.kv_tier import KVTier
+    from prefixgate.engine.kv_tier import KVTier
     from tests.engine.test_engine import greedy
     from tests.engine.test_kv_tier import PROMPT
 

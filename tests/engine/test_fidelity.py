@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from prefixgate import kernels
-from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
+from prefixgate.engine.runner import ModelRunner, SeqChunk
 
 pytestmark = pytest.mark.slow
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixgate.gateway.engine.config import EngineConfig
-from prefixgate.gateway.engine.kv_budget import (
+from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.kv_budget import (
     GIB,
     kv_page_bytes,
     plan_kv_budget,

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from prefixgate.cache.tier import HostTier, entry_slot_bytes
-from prefixgate.gateway.engine import build as factory
-from prefixgate.gateway.engine.api import GenerationRequest
-from prefixgate.gateway.engine.config import EngineConfig, auto_tier_bytes
+from prefixgate.engine import build as factory
+from prefixgate.engine.api import GenerationRequest
+from prefixgate.engine.config import EngineConfig, auto_tier_bytes
 from tests.engine.test_engine import SYSTEM, TASKS, chat, greedy, run, tokens
 
 PROMPT = SYSTEM + " " + SYSTEM + " Plan the release checklist."
@@ -45,7 +45,7 @@ def test_a_tier_hit_loads_the_evicted_prefix_with_identical_output(make_engine, 
 
     engine, page_bytes = _tier_engine(make_engine)
     store = HostTier(64 * entry_slot_bytes(page_bytes), entry_slot_bytes(page_bytes))
-    from prefixgate.gateway.engine.kv_tier import KVTier
+    from prefixgate.engine.kv_tier import KVTier
 
     # a long deadline: on a loaded CI box a late load would (correctly) recompute
     engine.attach_tier(KVTier(store, engine.runner.kv_pool, load_timeout_s=30.0))
@@ -62,7 +62,7 @@ def test_a_tier_hit_loads_the_evicted_prefix_with_identical_output(make_engine, 
 def test_tier_round_trip_is_byte_identical(make_engine):
     engine, page_bytes = _tier_engine(make_engine)
     from prefixgate.cache.hashing import HashedBlock
-    from prefixgate.gateway.engine.kv_tier import KVTier
+    from prefixgate.engine.kv_tier import KVTier
 
     pool = engine.runner.kv_pool
     store = HostTier(8 * entry_slot_bytes(page_bytes), entry_slot_bytes(page_bytes))
@@ -100,7 +100,7 @@ def test_an_entry_of_another_pool_dtype_is_never_loaded():
     """An entry spilled from an fp32 pool does not load into a bf16 pool of the same shape (nor
     the reverse): the layout tag carries the dtype, and the payload size differs too."""
     from prefixgate.cache.hashing import HashedBlock
-    from prefixgate.gateway.engine.kv_tier import KVTier, pool_layout
+    from prefixgate.engine.kv_tier import KVTier, pool_layout
 
     fp32 = torch.randn(2, 2, 4, 16, 3, 64)
     bf16 = torch.zeros(fp32.shape, dtype=torch.bfloat16)
@@ -157,7 +157,7 @@ def test_a_load_right_after_an_eviction_waits_for_its_spill():
     import torch
 
     from prefixgate.cache.hashing import HashedBlock
-    from prefixgate.gateway.engine.kv_tier import KVTier
+    from prefixgate.engine.kv_tier import KVTier
 
     pool = torch.randn(2, 2, 8, 4, 2, 8)
     page_bytes = pool[:, :, 0].numel() * pool.element_size()
@@ -184,7 +184,7 @@ def test_a_failed_spill_write_releases_its_blocks():
 
     from prefixgate.cache.hashing import HashedBlock
     from prefixgate.cache.tier import HostTier, entry_slot_bytes
-    from prefixgate.gateway.engine.kv_tier import KVTier
+    from prefixgate.engine.kv_tier import KVTier
 
     pool = torch.randn(2, 2, 8, 4, 2, 8)
     page_bytes = pool[:, :, 0].numel() * pool.element_size()

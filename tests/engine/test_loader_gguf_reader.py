@@ -1,4 +1,4 @@
-"""The fast GGUF metadata reader (gateway/engine/loader/gguf_reader.py) reads exactly what
+"""The fast GGUF metadata reader (engine/loader/gguf_reader.py) reads exactly what
 gguf-py's own reader reads (every metadata value, the tokenizer's vocabulary, merges, scores
 and token types, the tensors), and the loaders no longer make a numpy view per vocabulary
 entry (gguf-py's reader took 9.5 s on Qwen's 151,936-token vocabulary)."""
@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from gguf import GGUFEndian, GGUFReader, GGUFValueType, GGUFWriter
 
-from prefixgate.gateway.engine.loader import default_model_path
-from prefixgate.gateway.engine.loader.gguf import _read_vocab
-from prefixgate.gateway.engine.loader.gguf_reader import FastGGUFReader, field_value
-from prefixgate.gateway.engine.loader.tokenizer_only import load_tokenizer_only
+from prefixgate.engine.loader import default_model_path
+from prefixgate.engine.loader.gguf import _read_vocab
+from prefixgate.engine.loader.gguf_reader import FastGGUFReader, field_value
+from prefixgate.engine.loader.tokenizer_only import load_tokenizer_only
 from tests.family_fixtures import vocab_gguf
 
 

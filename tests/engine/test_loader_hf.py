@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from prefixgate.gateway.engine.loader import UnsupportedModelError, load_hf, load_model
-from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
+from prefixgate.engine.loader import UnsupportedModelError, load_hf, load_model
+from prefixgate.engine.runner import ModelRunner, SeqChunk
 from tests.engine.tiny_models import VOCAB, tiny_hf_model
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The CPU bf16 and q8 modes (gateway/engine/precision.py, docs/precision.md) on the real default
+"""The CPU bf16 and q8 modes (engine/precision.py, docs/precision.md) on the real default
 model: refused where they cannot run; bf16 matrices, fp32 activations and the bf16 KV by default /
 the GGUF blocks on int8 activations, fp32 KV; greedy output identical with a cache hit vs a miss
 and alone vs batched; reported by the engine. Their quality bounds against the fp32 path:
@@ -11,12 +11,12 @@ import dataclasses
 import pytest
 import torch
 
-from prefixgate.gateway.engine import precision
-from prefixgate.gateway.engine.async_engine import AsyncEngine
-from prefixgate.gateway.engine.build import create_llm_engine
-from prefixgate.gateway.engine.config import EngineConfig
-from prefixgate.gateway.engine.kv_budget import resolve_dtype
-from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
+from prefixgate.engine import precision
+from prefixgate.engine.async_engine import AsyncEngine
+from prefixgate.engine.build import create_llm_engine
+from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.kv_budget import resolve_dtype
+from prefixgate.engine.runner import ModelRunner, SeqChunk
 from prefixgate.kernels.cpu.library import bf16_instructions, int8_instructions
 from prefixgate.kernels.cpu.ops import q8_native_available
 from tests.engine.test_fidelity import CHATS
@@ -186,7 +186,7 @@ def test_engine_reports_the_q8_mode(loaded_model):
 @needs_q8
 @pytest.mark.parametrize("name", ["phi3", "qwen3_moe"])  # split q|k|v; experts
 def test_q8_runs_other_families_in_their_blocks(name):
-    from prefixgate.gateway.engine.loader import load_gguf
+    from prefixgate.engine.loader import load_gguf
     from tests.family_fixtures import quantized_gguf
 
     loaded = load_gguf(quantized_gguf(name, "Q8_0"))

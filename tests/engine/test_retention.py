@@ -3,7 +3,7 @@ agents' traffic, where the plain LRU recomputes it; greedy output is the same ei
 
 from __future__ import annotations
 
-from prefixgate.gateway.engine.api import GenerationRequest
+from prefixgate.engine.api import GenerationRequest
 from tests.engine.test_engine import SYSTEM, TASKS, chat, greedy, run, tokens
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import prefixgate.kernels.cpu.host_memory as hm
-from prefixgate.gateway.engine.kv_budget import GIB, kv_page_bytes
-from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
+from prefixgate.engine.kv_budget import GIB, kv_page_bytes
+from prefixgate.engine.runner import ModelRunner, SeqChunk
 
 pytestmark = pytest.mark.slow
 

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from prefixgate.gateway.engine.api import InvalidRequestError, SamplingParams
-from prefixgate.gateway.engine.sampler import SampleRow, make_generator, sample, verify
+from prefixgate.engine.api import InvalidRequestError, SamplingParams
+from prefixgate.engine.sampler import SampleRow, make_generator, sample, verify
 
 
 def row(seed=None, choice=0, prompt=(), output=(), **kw):

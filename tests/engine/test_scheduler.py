@@ -3,10 +3,10 @@
 import pytest
 
 from prefixgate.cache import KVCacheManager
-from prefixgate.gateway.engine.api import SamplingParams
-from prefixgate.gateway.engine.scheduler import Scheduler
-from prefixgate.gateway.engine.sequence import SeqStatus, Sequence
-from prefixgate.gateway.engine.step_budget import settings_as_given
+from prefixgate.engine.api import SamplingParams
+from prefixgate.engine.scheduler import Scheduler
+from prefixgate.engine.sequence import SeqStatus, Sequence
+from prefixgate.engine.step_budget import settings_as_given
 
 
 def make_scheduler(cache, *, connector=None, drafter=None, pacer=None, clock=None, **settings):

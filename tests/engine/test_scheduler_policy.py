@@ -2,7 +2,7 @@
 hit, cache-aware admission with an age bound (docs/scheduling.md)."""
 
 from prefixgate.cache import KVCacheManager
-from prefixgate.gateway.engine.scheduler import Scheduler
+from prefixgate.engine.scheduler import Scheduler
 from tests.engine.test_scheduler import make_scheduler, seq, step
 
 

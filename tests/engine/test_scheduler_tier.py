@@ -9,11 +9,11 @@ import random
 import pytest
 
 from prefixgate.cache import KVCacheManager
-from prefixgate.gateway.engine.api import SamplingParams
-from prefixgate.gateway.engine.kv_connector import KVConnector
-from prefixgate.gateway.engine.kv_tier import TierLoad
-from prefixgate.gateway.engine.scheduler import Scheduler
-from prefixgate.gateway.engine.sequence import SeqStatus, Sequence
+from prefixgate.engine.api import SamplingParams
+from prefixgate.engine.kv_connector import KVConnector
+from prefixgate.engine.kv_tier import TierLoad
+from prefixgate.engine.scheduler import Scheduler
+from prefixgate.engine.sequence import SeqStatus, Sequence
 from tests.engine.test_scheduler import make_scheduler, seq, step
 
 PAGE = 4

@@ -9,8 +9,8 @@ import json
 
 import torch
 
-from prefixgate.gateway.engine import step_sampling
-from prefixgate.gateway.engine.api import (
+from prefixgate.engine import step_sampling
+from prefixgate.engine.api import (
     EngineError,
     GenerationRequest,
     GrammarSpec,

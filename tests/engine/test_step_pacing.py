@@ -1,4 +1,4 @@
-"""The step pacer (gateway/engine/step_pacing.py): what it measures of the engine's steps, and
+"""The step pacer (engine/step_pacing.py): what it measures of the engine's steps, and
 the cap it puts on a step's prefill while streams decode (Scheduler.step_budget)."""
 
 import random
@@ -6,8 +6,8 @@ import random
 import pytest
 
 from prefixgate.cache import KVCacheManager
-from prefixgate.gateway.engine.config import EngineConfig, decode_slowdown
-from prefixgate.gateway.engine.step_pacing import StepPacer
+from prefixgate.engine.config import EngineConfig, decode_slowdown
+from prefixgate.engine.step_pacing import StepPacer
 from tests.engine.test_scheduler import make_scheduler, seq, step
 
 

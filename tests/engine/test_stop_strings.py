@@ -1,6 +1,6 @@
 import pytest
 
-from prefixgate.gateway.engine.stop_strings import StopStringMatcher
+from prefixgate.engine.stop_strings import StopStringMatcher
 
 
 def run(stop, pieces):

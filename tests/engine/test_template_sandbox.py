@@ -1,6 +1,6 @@
 """A hostile chat template (from a GGUF's metadata) is bounded in time, loop range and size:
 each payload fails its request alone with a clear 400, never a 500, a stall or GBs of memory
-(gateway/engine/template_sandbox.py)."""
+(engine/template_sandbox.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import time
 import httpx
 import pytest
 
-from prefixgate.gateway.engine.async_engine import build_engine
-from prefixgate.gateway.engine.chat_template import ChatTemplate, ChatTemplateError
-from prefixgate.gateway.engine.config import EngineConfig
-from prefixgate.gateway.engine.loader import load_model
-from prefixgate.gateway.engine.template_sandbox import MAX_RENDER_SECONDS
+from prefixgate.engine.async_engine import build_engine
+from prefixgate.engine.chat_template import ChatTemplate, ChatTemplateError
+from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.loader import load_model
+from prefixgate.engine.template_sandbox import MAX_RENDER_SECONDS
 from prefixgate.gateway.server import ServerSettings
 from tests.engine.tiny_models import tiny_hf_model, write_gguf
 from tests.live_gateway import live_servers

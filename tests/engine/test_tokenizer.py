@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from prefixgate.gateway.engine.api import TokenizerLike
-from prefixgate.gateway.engine.gguf_vocab import GGUFVocab
-from prefixgate.gateway.engine.tokenizer import Tokenizer, TokenizerError
+from prefixgate.engine.api import TokenizerLike
+from prefixgate.engine.gguf_vocab import GGUFVocab
+from prefixgate.engine.tokenizer import Tokenizer, TokenizerError
 
 pytestmark = pytest.mark.slow
 
@@ -157,7 +157,7 @@ def test_sentencepiece_vocab_without_merges_derives_them():
 def test_max_token_bytes_bounds_every_text(tokenizer, text):
     """The refusal before tokenizing (Tokenizer.check_fits) rests on this: no token spells more
     than max_token_bytes bytes of the input, so bytes / max_token_bytes <= tokens."""
-    from prefixgate.gateway.engine.tokenizer import PromptTooLongError
+    from prefixgate.engine.tokenizer import PromptTooLongError
 
     bound = tokenizer.max_token_bytes
     assert bound is not None and 16 <= bound <= 128

@@ -16,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 
-from prefixgate.gateway.engine.config import EngineConfig
+from prefixgate.engine.config import EngineConfig
 from prefixgate.gateway.server import ServerSettings
 from tests.live_gateway import live_servers, wait_idle
 
@@ -36,7 +36,7 @@ SYSTEM = ("You are a coding agent. You read files, run commands and answer brief
 
 @pytest.fixture(scope="module")
 def server_url(loaded_model) -> Iterator[str]:
-    from prefixgate.gateway.engine.async_engine import build_engine
+    from prefixgate.engine.async_engine import build_engine
 
     engine = build_engine(EngineConfig(num_pages=512, page_size=16), loaded=loaded_model)
     settings = ServerSettings(host="127.0.0.1", port=0, log_level="warning",

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from prefixgate.gateway.cli import build_parser, configs, resolve
-from prefixgate.gateway.engine.model_config import (
+from prefixgate.engine.model_config import (
     ModelConfig,
     parse_rope_override,
     with_rope_override,
 )
+from prefixgate.gateway.cli import build_parser, configs, resolve
 from prefixgate.gateway.server.anthropic.schemas import MessagesRequest
 from prefixgate.gateway.server.clients import (
     ClientCounters,

@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from prefixgate.gateway.engine.config import EngineConfig
+from prefixgate.engine.config import EngineConfig
 from prefixgate.gateway.server import ServerSettings
 from tests.live_gateway import live_servers
 
@@ -75,7 +75,7 @@ def npm_bin() -> Path:
 
 @pytest.fixture(scope="module")
 def gateway_url(loaded_model) -> Iterator[str]:
-    from prefixgate.gateway.engine.async_engine import build_engine
+    from prefixgate.engine.async_engine import build_engine
 
     # 1,024 pages x 16 = 16k tokens: Codex's ~9.2k-token prompt and Claude Code's turns;
     # 2,048 (32k) for Claude Code's full default (~23k tokens)

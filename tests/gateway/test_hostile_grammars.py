@@ -14,7 +14,7 @@ import threading
 import httpx
 import pytest
 
-from prefixgate.gateway.engine.config import EngineConfig
+from prefixgate.engine.config import EngineConfig
 from prefixgate.gateway.server import ServerSettings
 from tests.live_gateway import live_servers, wait_idle
 
@@ -73,7 +73,7 @@ def test_the_recursive_schema_is_a_400_on_every_surface(client: httpx.Client, ga
 
 
 def test_a_compile_past_its_limit_is_a_400_while_others_are_served(loaded_model):
-    from prefixgate.gateway.engine.async_engine import build_engine
+    from prefixgate.engine.async_engine import build_engine
 
     engine = build_engine(EngineConfig(num_pages=64, page_size=16, grammar_compile_timeout_s=4.0,
                                        grammar_workers=1), loaded=loaded_model)
@@ -109,9 +109,9 @@ def test_a_compile_past_its_limit_is_a_400_while_others_are_served(loaded_model)
 _FORCED_FOREVER = textwrap.dedent("""
     import json, resource, sys
     resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
-    from prefixgate.gateway.engine.api import GenerationRequest, GrammarSpec, SamplingParams
-    from prefixgate.gateway.engine.config import EngineConfig
-    from prefixgate.gateway.engine.build import create_llm_engine
+    from prefixgate.engine.api import GenerationRequest, GrammarSpec, SamplingParams
+    from prefixgate.engine.config import EngineConfig
+    from prefixgate.engine.build import create_llm_engine
     engine, _ = create_llm_engine(EngineConfig(num_pages=64, num_speculative_tokens=4))
     prompt = tuple(engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Write the letter a."}]))
@@ -148,8 +148,8 @@ def test_a_grammar_forcing_text_without_end_decodes_instead_of_growing_the_proce
 
 @pytest.mark.parametrize("kind", ["regex", "grammar"])
 def test_user_regexes_and_grammars_never_jump_forward(kind):
-    from prefixgate.gateway.engine.api import GrammarSpec
-    from prefixgate.gateway.engine.grammar.drafts import jump_forward_allowed
+    from prefixgate.engine.api import GrammarSpec
+    from prefixgate.engine.grammar.drafts import jump_forward_allowed
 
     spec = GrammarSpec("ebnf" if kind == "grammar" else "regex", "x", param=kind)
     assert not jump_forward_allowed(spec)

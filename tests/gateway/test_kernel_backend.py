@@ -9,9 +9,9 @@ import logging
 import httpx
 import pytest
 
-from prefixgate.gateway.engine.config import EngineConfig
-from prefixgate.gateway.engine.kernel_report import engine_kernel_report, kernel_report
-from prefixgate.gateway.engine.runner import ModelRunner
+from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.kernel_report import engine_kernel_report, kernel_report
+from prefixgate.engine.runner import ModelRunner
 from prefixgate.gateway.server import ServerSettings
 from prefixgate.kernels.cpu import library as native_lib
 from tests.live_gateway import live_servers
@@ -38,7 +38,7 @@ def test_a_library_that_did_not_build_is_reported_and_warned_about(
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     native_lib.library.cache_clear()
     try:
-        from prefixgate.gateway.engine.async_engine import build_engine
+        from prefixgate.engine.async_engine import build_engine
 
         engine = build_engine(EngineConfig(num_pages=32, page_size=16, device="cpu"),
                               loaded=loaded_model)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import httpx
 
-from prefixgate.gateway.engine.config import EngineConfig
+from prefixgate.engine.config import EngineConfig
 from prefixgate.gateway.server import ServerSettings
 from tests.engine.test_engine import SYSTEM, TASKS
 from tests.live_gateway import ADMIN_KEY, API_KEYS, KEY_ALPHA, live_servers
@@ -22,7 +22,7 @@ def _chat(client: httpx.Client, text: str, max_tokens: int) -> dict:
 
 
 def test_a_session_returns_from_the_host_tier_over_http(loaded_model):
-    from prefixgate.gateway.engine.async_engine import build_engine
+    from prefixgate.engine.async_engine import build_engine
 
     engine = build_engine(EngineConfig(num_pages=24, page_size=16, watermark=0.0, kv_tier="host",
                                        kv_tier_size_gb=0.05), loaded=loaded_model)

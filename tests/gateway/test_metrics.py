@@ -114,7 +114,7 @@ def test_retention_series_per_tenant_and_agent_fold_like_the_hits():
     from prometheus_client import CollectorRegistry, generate_latest
 
     from prefixgate.cache.stats import CacheStats, HitStats
-    from prefixgate.gateway.engine.api import EngineStats, Usage
+    from prefixgate.engine.api import EngineStats, Usage
     from prefixgate.gateway.http.metric_labels import OTHER_LABEL
     from prefixgate.gateway.server.metrics import EngineCollector, GatewayMetrics
 

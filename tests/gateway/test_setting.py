@@ -1,4 +1,4 @@
-"""gateway/setting.py and gateway/flags.py on a config of their own: one field is a flag, an
+"""engine/setting.py and gateway/flags.py on a config of their own: one field is a flag, an
 environment variable, a default and a docs row, with nothing else to write."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from prefixgate.engine.setting import build, knobs, nested, positive_int, setting
 from prefixgate.gateway import flags
-from prefixgate.gateway.setting import build, knobs, nested, positive_int, setting
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
+from prefixgate.engine.config import SERVE_KV_TIER, STEP_TOKEN_BUDGET, EngineConfig
+from prefixgate.engine.setting import env_var
 from prefixgate.gateway import cli
-from prefixgate.gateway.engine.config import SERVE_KV_TIER, STEP_TOKEN_BUDGET, EngineConfig
 from prefixgate.gateway.http.api_keys import load_api_keys_file, merge_api_keys, parse_api_key
 from prefixgate.gateway.server.settings import ServerSettings
-from prefixgate.gateway.setting import env_var
 
 
 def test_env_var_names():
@@ -272,7 +272,7 @@ def test_dtype_flag_reaches_the_engine_config(capsys):
 
 
 def test_bf16_on_a_cpu_without_bf16_instructions_is_a_usage_error(monkeypatch, capsys):
-    from prefixgate.gateway.engine import precision
+    from prefixgate.engine import precision
 
     monkeypatch.setattr(precision, "bf16_instructions", lambda: None)
     with pytest.raises(SystemExit) as exit_info:

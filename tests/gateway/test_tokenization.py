@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from prefixgate.gateway.engine.api import InvalidRequestError
-from prefixgate.gateway.engine.chat_template import ChatTemplate
+from prefixgate.engine.api import InvalidRequestError
+from prefixgate.engine.chat_template import ChatTemplate
 from prefixgate.gateway.server.tokenization import Tokenization
 from prefixgate.gateway.server.tools import FunctionTool
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from prefixgate.gateway.engine.api import Delta, Usage
+from prefixgate.engine.api import Delta, Usage
 from prefixgate.gateway.server.turn import ChatTurn, _at_end, _Caller
 from prefixgate.gateway.server.turn_stream import ChoiceOutput, OutputSplitter, TurnEnd
 

@@ -24,7 +24,7 @@ import httpx
 import pytest
 import redis
 
-from prefixgate.gateway.engine.config import EngineConfig
+from prefixgate.engine.config import EngineConfig
 from prefixgate.gateway.router.app import create_router_app
 from prefixgate.gateway.router.launch import router_server
 from prefixgate.gateway.router.settings import RouterSettings
@@ -135,7 +135,7 @@ def own_redis() -> Iterator[RedisServer]:
 def make_engine(loaded_model, num_pages: int = NUM_PAGES):
     """An engine of its own (KV pool, cache, thread) over the session's one loaded model
     (``loaded_model`` comes from the root plugin tests/model_fixtures.py)."""
-    from prefixgate.gateway.engine.async_engine import build_engine
+    from prefixgate.engine.async_engine import build_engine
 
     return build_engine(EngineConfig(num_pages=num_pages, page_size=PAGE_SIZE, max_waiting=128),
                         loaded=loaded_model)

@@ -95,8 +95,8 @@ def test_dockerfile():
     lines = (REPO / ".dockerignore").read_text().splitlines()
     ignored = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
     assert {".git", ".venv", "tests"} <= set(ignored)
-    assert not {"gateway", "cache", "kernels", "agents", "README.md", "pyproject.toml"} & set(
-        ignored)
+    packages = {"gateway", "engine", "cache", "kernels", "agents"}
+    assert not (packages | {"README.md", "pyproject.toml"}) & set(ignored)
 
 
 def test_the_kv_tier_secret_reaches_every_replica():

@@ -201,7 +201,7 @@ def test_second_tiers_publish_with_their_medium(publisher, tier, request):
     import torch
 
     from prefixgate.cache.tier import HostTier, TierEntry, entry_slot_bytes
-    from prefixgate.gateway.engine.kv_tier import KVTier, pool_layout
+    from prefixgate.engine.kv_tier import KVTier, pool_layout
 
     chain = _chain(list(range(1, 13)))
     kv_pool = torch.zeros(1, 2, 4, PS, 1, 2)  # [L, 2, pages, ps, Hkv, D]

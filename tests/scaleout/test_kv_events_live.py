@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from prefixgate.gateway.engine.config import EngineConfig
+from prefixgate.engine.config import EngineConfig
 from prefixgate.gateway.scaleout.kv_events import wire
 from prefixgate.gateway.scaleout.kv_events.config import parse_kv_events_config
 from prefixgate.gateway.server import ServerSettings
@@ -26,7 +26,7 @@ CONFIG = ('{"enable_kv_cache_events": true, "publisher": "zmq", '
 
 @pytest.fixture(scope="module")
 def replica(loaded_model):
-    from prefixgate.gateway.engine.async_engine import build_engine
+    from prefixgate.engine.async_engine import build_engine
 
     # 20 pages of 16 tokens: a few prompts evict; a host tier of ~13 pages spills and drops
     engine = build_engine(EngineConfig(num_pages=20, page_size=PAGE_SIZE, max_waiting=32,

@@ -10,9 +10,9 @@ import threading
 
 from prefixgate.cache.hashing import HashedBlock
 from prefixgate.cache.tier import TierEntry, decode_entry
-from prefixgate.gateway.engine.api import GenerationRequest
-from prefixgate.gateway.engine.build import create_llm_engine
-from prefixgate.gateway.engine.config import EngineConfig
+from prefixgate.engine.api import GenerationRequest
+from prefixgate.engine.build import create_llm_engine
+from prefixgate.engine.config import EngineConfig
 from prefixgate.gateway.scaleout.kv_tier_redis import MAC_BYTES, RedisTier, entry_mac, mac_key
 from tests.engine.test_engine import SYSTEM, TASKS, chat, greedy, run, tokens
 

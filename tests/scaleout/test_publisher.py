@@ -13,7 +13,7 @@ import pytest
 
 from prefixgate.cache.events import BlockRemoved, BlockStored
 from prefixgate.cache.hashing import BlockHasher, make_extra_keys
-from prefixgate.gateway.engine.api import GenerationRequest, SamplingParams
+from prefixgate.engine.api import GenerationRequest, SamplingParams
 from prefixgate.gateway.scaleout.event_buffer import EventBuffer
 from prefixgate.gateway.scaleout.fleet_stats import read_fleet_stats
 from prefixgate.gateway.scaleout.heartbeat import Heartbeat

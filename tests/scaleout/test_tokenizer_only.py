@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from prefixgate.gateway.engine.loader.tokenizer_only import load_tokenizer_only
-from prefixgate.gateway.engine.model_config import UnsupportedModelError
+from prefixgate.engine.loader.tokenizer_only import load_tokenizer_only
+from prefixgate.engine.model_config import UnsupportedModelError
 
 pytestmark = pytest.mark.slow
 

@@ -48,7 +48,7 @@ class PrefixgateIngress:
     """The ingress deployment class (see the module docstring)."""
 
     def __init__(self, replicas: DeploymentHandle, options: IngressOptions):
-        from prefixgate.gateway.engine.loader.tokenizer_only import load_tokenizer_only
+        from prefixgate.engine.loader.tokenizer_only import load_tokenizer_only
 
         loaded = load_tokenizer_only(options.model)
         self.hasher = PromptHasher(loaded.tokenizer, loaded.model_id, options.page_size,

@@ -56,8 +56,8 @@ class PrefixgateReplica:
         import torch
         from ray import serve
 
-        from prefixgate.gateway.engine.async_engine import build_engine
-        from prefixgate.gateway.engine.config import EngineConfig
+        from prefixgate.engine.async_engine import build_engine
+        from prefixgate.engine.config import EngineConfig
         from prefixgate.gateway.server import ServerSettings, create_app
         from prefixgate.gateway.server.launch import GatewayServer, ServersThread, uvicorn_config
 

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-from prefixgate.gateway.engine.api import GrammarSpec
+from prefixgate.engine.api import GrammarSpec
 from prefixgate.gateway.server.clients import is_attribution, strip_attribution
 from prefixgate.gateway.server.content import require_part_types
 from prefixgate.gateway.server.fields import (

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from prefixgate.gateway.engine.api import EngineError, Usage
+from prefixgate.engine.api import EngineError, Usage
 from prefixgate.gateway.http.errors import anthropic_error_body
 from prefixgate.gateway.server.sse import sse_named_event
 from prefixgate.gateway.server.tools import (

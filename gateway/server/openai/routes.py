@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
-from prefixgate.gateway.engine.kernel_report import engine_kernel_report
+from prefixgate.engine.kernel_report import engine_kernel_report
 from prefixgate.gateway.http.auth import Principal, authenticate, require_admin
 from prefixgate.gateway.server.openai.render import RenderedPrompt, render
 from prefixgate.gateway.server.openai.schemas import (

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from prefixgate.gateway.engine.api import EngineError, TokenLogprob, Usage
+from prefixgate.engine.api import EngineError, TokenLogprob, Usage
 from prefixgate.gateway.http.errors import engine_error_body, error_body
 from prefixgate.gateway.server.openai.schemas import (
     AssistantMessage,

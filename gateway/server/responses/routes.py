@@ -14,7 +14,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from prefixgate.gateway.engine.api import InvalidRequestError
+from prefixgate.engine.api import InvalidRequestError
 from prefixgate.gateway.http.auth import Principal, authenticate
 from prefixgate.gateway.http.errors import NotFoundError
 from prefixgate.gateway.server.responses.schemas import ResponsesRequest

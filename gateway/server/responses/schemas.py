@@ -27,7 +27,7 @@ from pydantic import (
     model_validator,
 )
 
-from prefixgate.gateway.engine.api import GrammarSpec
+from prefixgate.engine.api import GrammarSpec
 from prefixgate.gateway.server.content import require_part_types
 from prefixgate.gateway.server.fields import (
     MAX_CONTENT_PARTS,

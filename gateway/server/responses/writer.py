@@ -10,7 +10,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from prefixgate.gateway.engine.api import EngineError
+from prefixgate.engine.api import EngineError
 from prefixgate.gateway.http.auth import Principal
 from prefixgate.gateway.http.errors import engine_error_body, error_body
 from prefixgate.gateway.server.responses.schemas import ResponsesRequest, dumps, output_messages

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from prefixgate.gateway.engine.api import GrammarSpec
+from prefixgate.engine.api import GrammarSpec
 from prefixgate.gateway.server.tools.formats import ToolCallFormat, format_for_template
 from prefixgate.gateway.server.tools.formats.base import FormatStreamParser
 from prefixgate.gateway.server.tools.formats.harmony import AnalysisStore

@@ -23,11 +23,11 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from prefixgate.gateway.engine.api import GrammarSpec, InvalidRequestError
-from prefixgate.gateway.engine.grammar import json_schema_ebnf
-from prefixgate.gateway.engine.grammar.schema_bounds import check_schema_bounds, has_regex
-from prefixgate.gateway.engine.grammar.scoped_cache import ScopedLRUCache
-from prefixgate.gateway.engine.grammar.worker_pool import short_error
+from prefixgate.engine.api import GrammarSpec, InvalidRequestError
+from prefixgate.engine.grammar import json_schema_ebnf
+from prefixgate.engine.grammar.schema_bounds import check_schema_bounds, has_regex
+from prefixgate.engine.grammar.scoped_cache import ScopedLRUCache
+from prefixgate.engine.grammar.worker_pool import short_error
 from prefixgate.gateway.server.tools.prompt import (
     CALL_END,
     CALL_SEPARATOR,

@@ -24,7 +24,7 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from prefixgate.gateway.engine.api import InvalidRequestError
+from prefixgate.engine.api import InvalidRequestError
 from prefixgate.gateway.server.tools.records import FunctionTool
 
 TOOL_CALL_OPEN = "<tool_call>"

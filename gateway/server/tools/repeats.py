@@ -5,7 +5,7 @@ With ``parallel_tool_calls`` on (OpenAI's default) a small model may write
 truncated turn (``length`` / ``incomplete`` / ``max_tokens``). Running the same call twice in one
 turn can only return the same answer twice, so the first exact repeat (same function, same
 arguments text) ends the turn there: the repeat is dropped, the engine is told to finish the
-request (gateway/engine/engine_core.py ``finish_early``), and the turn ends with the calls made
+request (engine/engine_core.py ``finish_early``), and the turn ends with the calls made
 before it, as a turn that stopped on its own (``tool_calls`` / ``tool_use`` / completed).
 
 A repeat is known as soon as its arguments are whole, not only at the call's closing tag: the

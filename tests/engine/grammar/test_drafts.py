@@ -1,4 +1,4 @@
-"""gateway/engine/grammar/drafts.py on real xgrammar matchers and the default tokenizer: what a
+"""engine/grammar/drafts.py on real xgrammar matchers and the default tokenizer: what a
 constrained row drafts (forced tokens, else the n-gram proposal up to the first rejected
 token, never a stop token), the per-position masks that verify it, and a matcher that is
 always left where it was."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixgate.gateway.engine.grammar import GrammarCompiler, new_matcher
-from prefixgate.gateway.engine.grammar.drafts import GrammarDrafts, draft_bitmask, walk
+from prefixgate.engine.grammar import GrammarCompiler, new_matcher
+from prefixgate.engine.grammar.drafts import GrammarDrafts, draft_bitmask, walk
 from prefixgate.gateway.server.tools import FunctionTool, ToolChoice, tool_grammar
 from tests.engine.test_constrained import JSON
 

@@ -1,4 +1,4 @@
-"""gateway/engine/grammar/schema_bounds.py: schemas no finite value satisfies, or whose smallest
+"""engine/grammar/schema_bounds.py: schemas no finite value satisfies, or whose smallest
 value is huge, are refused before compiling; the shortest-value figure is a true lower bound."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixgate.gateway.engine.api import InvalidRequestError
-from prefixgate.gateway.engine.grammar.schema_bounds import (
+from prefixgate.engine.api import InvalidRequestError
+from prefixgate.engine.grammar.schema_bounds import (
     DEFAULT_LIMITS,
     SchemaLimits,
     _collect,

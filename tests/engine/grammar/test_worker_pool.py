@@ -1,4 +1,4 @@
-"""gateway/engine/grammar/worker_pool.py (+ worker.py, frames.py) with the default tokenizer:
+"""engine/grammar/worker_pool.py (+ worker.py, frames.py) with the default tokenizer:
 a compile past its time or memory limit is a 400 naming the limit, the worker is replaced and
 the next compile works; the result is the same grammar an in-process compile gives; concurrent
 compiles share the workers; the compiled-grammar cache is bounded in bytes per tenant."""
@@ -10,9 +10,9 @@ import threading
 
 import pytest
 
-from prefixgate.gateway.engine.api import GrammarSpec, InvalidRequestError, OverloadedError
-from prefixgate.gateway.engine.grammar import GrammarCompiler, new_matcher
-from prefixgate.gateway.engine.grammar.worker_pool import CompileLimits
+from prefixgate.engine.api import GrammarSpec, InvalidRequestError, OverloadedError
+from prefixgate.engine.grammar import GrammarCompiler, new_matcher
+from prefixgate.engine.grammar.worker_pool import CompileLimits
 
 CITY = GrammarSpec("json_schema", json.dumps({
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}))

@@ -11,8 +11,8 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from prefixgate.gateway.engine.loader import LoadedModel, load_model
-from prefixgate.gateway.engine.runner import ModelRunner
+from prefixgate.engine.loader import LoadedModel, load_model
+from prefixgate.engine.runner import ModelRunner
 from tests.family_fixtures import FamilyFixture, family_fixture
 
 NUM_PAGES = 96

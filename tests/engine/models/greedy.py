@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from prefixgate.gateway.engine.runner import SeqChunk
+from prefixgate.engine.runner import SeqChunk
 
 
 def greedy_after(runner, prompt: list[int], table: list[int], first: torch.Tensor,

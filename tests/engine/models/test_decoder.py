@@ -9,9 +9,9 @@ import pytest
 import torch
 import transformers
 
-from prefixgate.gateway.engine.loader import load_gguf, load_model
-from prefixgate.gateway.engine.models.moe import StackedExperts
-from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
+from prefixgate.engine.loader import load_gguf, load_model
+from prefixgate.engine.models.moe import StackedExperts
+from prefixgate.engine.runner import ModelRunner, SeqChunk
 from prefixgate.kernels import dispatch
 from prefixgate.kernels.cpu.ops import quant_native_available
 from prefixgate.kernels.quant import QuantizedTensor

@@ -15,9 +15,9 @@ import dataclasses
 import pytest
 import torch
 
-from prefixgate.gateway.engine.loader import load_model
-from prefixgate.gateway.engine.models import family_for
-from prefixgate.gateway.engine.runner import SeqChunk
+from prefixgate.engine.loader import load_model
+from prefixgate.engine.models import family_for
+from prefixgate.engine.runner import SeqChunk
 from tests.engine.models.conftest import make_runner
 from tests.engine.models.greedy import greedy_after
 from tests.engine.test_fidelity import LAYOUT_ATOL, PREFILL_ATOL, Pages

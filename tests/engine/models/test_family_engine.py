@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from prefixgate.gateway.engine.api import GenerationRequest, SamplingParams
-from prefixgate.gateway.engine.build import create_llm_engine
-from prefixgate.gateway.engine.config import EngineConfig
+from prefixgate.engine.api import GenerationRequest, SamplingParams
+from prefixgate.engine.build import create_llm_engine
+from prefixgate.engine.config import EngineConfig
 from tests.engine.test_engine import run, tokens
 
 pytestmark = pytest.mark.slow

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixgate.gateway.engine.loader import load_model
-from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
+from prefixgate.engine.loader import load_model
+from prefixgate.engine.runner import ModelRunner, SeqChunk
 from tests.engine.models.greedy import greedy_after
 from tests.engine.test_fidelity import LAYOUT_ATOL, PREFILL_ATOL, Pages
 from tests.harmony_fixture import gpt_oss_tiny_dir

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from prefixgate.gateway.engine.loader import load_model
-from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
+from prefixgate.engine.loader import load_model
+from prefixgate.engine.runner import ModelRunner, SeqChunk
 from tests.engine.models.test_llama_cpp_converter import llama_cpp_converter
 from tests.engine.test_fidelity import PREFILL_ATOL
 from tests.family_fixtures import _build_once, fixture_root

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixgate.gateway.engine.loader import load_model
-from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
+from prefixgate.engine.loader import load_model
+from prefixgate.engine.runner import ModelRunner, SeqChunk
 from prefixgate.kernels.cpu.mxfp4 import Mxfp4Linear, mxfp4_native_path
 from prefixgate.kernels.torch_cpu.mxfp4 import Mxfp4Experts
 from tests.engine.models.greedy import greedy_after
@@ -101,8 +101,8 @@ def test_cached_equals_uncached_alone_equals_batched_and_the_torch_path_agrees(c
 
 
 def test_another_quantization_method_is_refused_with_a_clear_error():
-    from prefixgate.gateway.engine.model_config import UnsupportedModelError
-    from prefixgate.gateway.engine.models.gpt_oss import _hf_config
+    from prefixgate.engine.model_config import UnsupportedModelError
+    from prefixgate.engine.models.gpt_oss import _hf_config
 
     raw = {"num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
            "intermediate_size": 64, "quantization_config": {"quant_method": "bitsandbytes"}}
@@ -112,8 +112,8 @@ def test_another_quantization_method_is_refused_with_a_clear_error():
 
 
 def test_a_blocks_tensor_without_its_scales_is_refused():
-    from prefixgate.gateway.engine.model_config import UnsupportedModelError
-    from prefixgate.gateway.engine.models.gpt_oss import _adapt_hf
+    from prefixgate.engine.model_config import UnsupportedModelError
+    from prefixgate.engine.models.gpt_oss import _adapt_hf
 
     weights = {"model.layers.0.mlp.experts.down_proj_blocks": torch.zeros(4, 64, 2, 16,
                                                                           dtype=torch.uint8)}

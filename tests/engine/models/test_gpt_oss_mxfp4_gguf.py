@@ -18,10 +18,10 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
-from prefixgate.gateway.engine.loader import load_model
-from prefixgate.gateway.engine.loader.gguf import _read_tensor
-from prefixgate.gateway.engine.loader.gguf_reader import FastGGUFReader
-from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
+from prefixgate.engine.loader import load_model
+from prefixgate.engine.loader.gguf import _read_tensor
+from prefixgate.engine.loader.gguf_reader import FastGGUFReader
+from prefixgate.engine.runner import ModelRunner, SeqChunk
 from prefixgate.kernels.torch_cpu.mxfp4 import Mxfp4Experts, Mxfp4Tensor
 from tests.engine.test_fidelity import LAYOUT_ATOL, Pages
 

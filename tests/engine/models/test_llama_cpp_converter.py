@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from prefixgate.gateway.engine.loader import load_model
-from prefixgate.gateway.engine.models import family_for
-from prefixgate.gateway.engine.runner import SeqChunk
+from prefixgate.engine.loader import load_model
+from prefixgate.engine.models import family_for
+from prefixgate.engine.runner import SeqChunk
 from tests.engine.models.conftest import make_runner
 from tests.engine.test_fidelity import PREFILL_ATOL, Pages
 from tests.family_fixtures import (

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from prefixgate import kernels
-from prefixgate.gateway.engine.loader import load_model
-from prefixgate.gateway.engine.models.moe import GroupedMoEMLP, MoEMLP
-from prefixgate.gateway.engine.runner import ModelRunner, SeqChunk
+from prefixgate.engine.loader import load_model
+from prefixgate.engine.models.moe import GroupedMoEMLP, MoEMLP
+from prefixgate.engine.runner import ModelRunner, SeqChunk
 from tests.engine.test_fidelity import PREFILL_ATOL
 from tests.family_fixtures import family_fixture
 

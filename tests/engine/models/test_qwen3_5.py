@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixgate.gateway.engine.runner import ZERO_STATE, ChunkState, SeqChunk
+from prefixgate.engine.runner import ZERO_STATE, ChunkState, SeqChunk
 from tests.engine.test_fidelity import LAYOUT_ATOL, PREFILL_ATOL, Pages
 
 pytestmark = pytest.mark.slow
@@ -141,7 +141,7 @@ def test_multimodal_checkpoint_loads_its_language_model(tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from prefixgate.gateway.engine.loader import load_model
+    from prefixgate.engine.loader import load_model
     from tests.family_fixtures import family_fixture
 
     text_dir = family_fixture("qwen3_5").hf_dir

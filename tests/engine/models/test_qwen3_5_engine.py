@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from prefixgate.gateway.engine.api import GenerationRequest, SamplingParams
-from prefixgate.gateway.engine.build import create_llm_engine
-from prefixgate.gateway.engine.config import EngineConfig
+from prefixgate.engine.api import GenerationRequest, SamplingParams
+from prefixgate.engine.build import create_llm_engine
+from prefixgate.engine.config import EngineConfig
 from tests.engine.test_engine import run, tokens
 
 pytestmark = pytest.mark.slow
@@ -76,7 +76,7 @@ def test_tier_load_restores_pages_and_checkpoint_like_a_recompute(family_case):
     in the state pool; turn 2 loads the pages back, restores the checkpoint and decodes what
     an engine without the tier (which recomputes) decodes."""
     from prefixgate.cache.tier import HostTier, entry_slot_bytes
-    from prefixgate.gateway.engine.kv_tier import KVTier
+    from prefixgate.engine.kv_tier import KVTier
 
     loaded = family_case("qwen3_5").loaded
     paused = list(range(300, 380))  # five full blocks
@@ -123,7 +123,7 @@ def test_evicted_checkpoints_spill_to_host_memory_and_come_back(family_case):
     evicted by other traffic into the state tier (host memory); when it returns, its pages
     are still in the pool and its last checkpoint comes back from the tier, so it hits as far
     as with ample slots and decodes what a cold engine decodes."""
-    from prefixgate.gateway.engine.state_tier import StateTier
+    from prefixgate.engine.state_tier import StateTier
 
     loaded = family_case("qwen3_5").loaded
     paused = list(range(300, 380))  # five full blocks

@@ -14,12 +14,12 @@ import os
 import pytest
 import torch
 
-from prefixgate.gateway.engine.loader import load_gguf, load_model
-from prefixgate.gateway.engine.loader.gguf_reader import FastGGUFReader
-from prefixgate.gateway.engine.models import family_for
-from prefixgate.gateway.engine.models.moe import StackedExperts
-from prefixgate.gateway.engine.models.qwen3_5 import QWEN3_5, _columns
-from prefixgate.gateway.engine.runner import ZERO_STATE
+from prefixgate.engine.loader import load_gguf, load_model
+from prefixgate.engine.loader.gguf_reader import FastGGUFReader
+from prefixgate.engine.models import family_for
+from prefixgate.engine.models.moe import StackedExperts
+from prefixgate.engine.models.qwen3_5 import QWEN3_5, _columns
+from prefixgate.engine.runner import ZERO_STATE
 from prefixgate.kernels.cpu.ops import quant_native_available
 from prefixgate.kernels.quant import QuantizedTensor
 from tests.engine.models.conftest import make_runner

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from prefixgate.gateway.engine.loader.hf import config_from_hf
-from prefixgate.gateway.engine.model_config import UnsupportedModelError
-from prefixgate.gateway.engine.models import build_model, families, family_for
-from prefixgate.gateway.engine.models.registry import ModelFamily, register_family
+from prefixgate.engine.loader.hf import config_from_hf
+from prefixgate.engine.model_config import UnsupportedModelError
+from prefixgate.engine.models import build_model, families, family_for
+from prefixgate.engine.models.registry import ModelFamily, register_family
 
 
 def test_families_are_registered_by_both_spellings():

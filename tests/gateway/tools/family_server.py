@@ -15,9 +15,9 @@ from typing import Any
 
 import jsonschema
 
-from prefixgate.gateway.engine.async_engine import build_engine
-from prefixgate.gateway.engine.config import EngineConfig
-from prefixgate.gateway.engine.loader import load_model
+from prefixgate.engine.async_engine import build_engine
+from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.loader import load_model
 from prefixgate.gateway.server import ServerSettings
 from tests.family_fixtures import family_fixture
 from tests.live_gateway import live_servers

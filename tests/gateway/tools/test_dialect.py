@@ -11,8 +11,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from prefixgate.gateway.engine.api import Usage
-from prefixgate.gateway.engine.chat_template import ChatTemplate
+from prefixgate.engine.api import Usage
+from prefixgate.engine.chat_template import ChatTemplate
 from prefixgate.gateway.server.anthropic.writer import MessagesWriter
 from prefixgate.gateway.server.responses.schemas import ResponsesRequest
 from prefixgate.gateway.server.responses.writer import ResponsesWriter
@@ -264,7 +264,7 @@ def test_granite_sees_its_calls_in_the_history():
 
 
 def test_the_router_hashes_with_the_replicas_dialect():
-    from prefixgate.gateway.engine.loader.hf import _load_tokenizer
+    from prefixgate.engine.loader.hf import _load_tokenizer
     from prefixgate.gateway.http.auth import KeyTable
     from prefixgate.gateway.router.prompt import PromptHasher
     from tests.family_fixtures import family_fixture

@@ -11,9 +11,9 @@ import anthropic
 import openai
 import pytest
 
-from prefixgate.gateway.engine.async_engine import build_engine
-from prefixgate.gateway.engine.config import EngineConfig
-from prefixgate.gateway.engine.loader import load_model
+from prefixgate.engine.async_engine import build_engine
+from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.loader import load_model
 from prefixgate.gateway.server import ServerSettings
 from tests.gateway.tools.family_server import (
     CHAT_TOOLS,

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from prefixgate.gateway.engine.api import GrammarSpec, InvalidRequestError
-from prefixgate.gateway.engine.grammar import GrammarCompiler, new_matcher
+from prefixgate.engine.api import GrammarSpec, InvalidRequestError
+from prefixgate.engine.grammar import GrammarCompiler, new_matcher
 from prefixgate.gateway.server.tools import FunctionTool, ToolChoice, tool_grammar
 from prefixgate.gateway.server.tools.grammar import MAX_SCHEMA_DEPTH, schema_depth
 from prefixgate.gateway.server.tools.prompt import render_call

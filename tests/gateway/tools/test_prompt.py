@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from prefixgate.gateway.engine.api import InvalidRequestError
+from prefixgate.engine.api import InvalidRequestError
 from prefixgate.gateway.server.tools import FunctionTool, parse_output, prepare_messages
 from prefixgate.gateway.server.tools.prompt import render_call, tools_section
 

@@ -58,7 +58,7 @@ def test_silu_mul_matches_torch(rows: int) -> None:
 
 @pytest.mark.parametrize("rows", [1, 4, 200])
 def test_rope_rotates_in_place_like_torch(rows: int) -> None:
-    from prefixgate.gateway.engine.models.rope import RotaryEmbedding
+    from prefixgate.engine.models.rope import RotaryEmbedding
 
     torch.manual_seed(rows)
     heads_q, heads_kv, head_dim = 9, 3, 64

@@ -169,7 +169,7 @@ class ModelCard(BaseModel):
     dtype: str | None = None
     kv_dtype: str | None = None
     # the kernels serving it: "native-cpu", "torch-cpu", "torch-cuda" or "triton", and why
-    # not the native CPU kernels where they could run (a failed build: gateway/engine/
+    # not the native CPU kernels where they could run (a failed build: engine/
     # kernel_report.py)
     kernel_backend: str | None = None
     kernel_fallback_reason: str | None = None

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from prefixgate.gateway.engine.api import GrammarSpec
+from prefixgate.engine.api import GrammarSpec
 from prefixgate.gateway.server.tools.grammar import schema_grammar, tool_grammar
 from prefixgate.gateway.server.tools.parser import (
     CallArguments,

@@ -29,8 +29,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from prefixgate.gateway.engine.api import GrammarSpec
-from prefixgate.gateway.engine.grammar.schema_bounds import has_regex
+from prefixgate.engine.api import GrammarSpec
+from prefixgate.engine.grammar.schema_bounds import has_regex
 from prefixgate.gateway.server.tools.formats.base import ParsedCall, ToolCallFormat
 from prefixgate.gateway.server.tools.formats.registry import register_format
 from prefixgate.gateway.server.tools.grammar import schema_grammar, tool_grammar

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prefixgate.gateway.engine.api import InvalidRequestError
+from prefixgate.engine.api import InvalidRequestError
 from prefixgate.gateway.server.tools.formats.base import ToolCallFormat
 
 _FORMATS: dict[str, ToolCallFormat] = {}

@@ -13,7 +13,7 @@ import pytest
 from xgrammar import Grammar
 from xgrammar.testing import _is_grammar_accept_string
 
-from prefixgate.gateway.engine.chat_template import ChatTemplate
+from prefixgate.engine.chat_template import ChatTemplate
 from prefixgate.gateway.server.tools.formats import (
     FormatStreamParser,
     format_for_template,

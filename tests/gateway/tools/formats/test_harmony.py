@@ -9,8 +9,8 @@ import json
 import pytest
 import xgrammar as xgr
 
-from prefixgate.gateway.engine.api import GrammarSpec
-from prefixgate.gateway.engine.grammar.compiler import CompileLimits, GrammarCompiler
+from prefixgate.engine.api import GrammarSpec
+from prefixgate.engine.grammar.compiler import CompileLimits, GrammarCompiler
 from prefixgate.gateway.server.tools.dialect import choose_dialect
 from prefixgate.gateway.server.tools.formats.harmony import HARMONY
 from prefixgate.gateway.server.tools.formats.reasoning import thinking_kwargs

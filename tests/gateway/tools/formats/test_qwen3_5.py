@@ -11,9 +11,9 @@ import json
 import pytest
 import xgrammar as xgr
 
-from prefixgate.gateway.engine.api import GrammarSpec
-from prefixgate.gateway.engine.grammar.compiler import CompileLimits, GrammarCompiler
-from prefixgate.gateway.engine.tokenizer import Tokenizer
+from prefixgate.engine.api import GrammarSpec
+from prefixgate.engine.grammar.compiler import CompileLimits, GrammarCompiler
+from prefixgate.engine.tokenizer import Tokenizer
 from prefixgate.gateway.server.tools.dialect import choose_dialect
 from prefixgate.gateway.server.tools.formats.harmony import AnalysisStore
 from prefixgate.gateway.server.tools.formats.qwen3_coder import QWEN3_CODER

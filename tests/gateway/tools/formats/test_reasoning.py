@@ -3,7 +3,7 @@ and ``enable_thinking`` (what every surface's reasoning controls become) switch 
 
 from __future__ import annotations
 
-from prefixgate.gateway.engine.chat_template import ChatTemplate
+from prefixgate.engine.chat_template import ChatTemplate
 from prefixgate.gateway.server.tools.formats.reasoning import (
     THINK,
     reasoning_for_template,

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from prefixgate.gateway.engine.loader.hf import _load_tokenizer
+from prefixgate.engine.loader.hf import _load_tokenizer
 from prefixgate.gateway.server.tools.formats import format_for_template
 from tests.family_fixtures import family_fixture
 
