@@ -71,7 +71,7 @@ class BlockPool:
         self._held: dict[BlockHash, int] = {}
         self.protected = FreePageQueue()
         # called with (page id, its block) when a cached page is evicted for reuse, before its
-        # K/V is overwritten (the second tier copies it out: gateway/engine/kv_tier.py)
+        # K/V is overwritten (the second tier copies it out: engine/kv_tier.py)
         self.evict_sink: Callable[[int, HashedBlock], None] | None = None
 
     @property

@@ -1,6 +1,6 @@
 """The sequence record as the cache reads it, and the manager's own state of a live sequence.
 
-One record per sequence (gateway/engine/sequence.py's ``Sequence`` in the engine) owns its
+One record per sequence (engine/sequence.py's ``Sequence`` in the engine) owns its
 token ids and its block-hash chain; the manager reads it through :class:`CacheSequence` and
 keeps only what is the cache's: the block table and how many blocks are registered. Writers:
   * the scheduler appends ``token_ids`` (sampled tokens, accepted drafts); never shrinks them;

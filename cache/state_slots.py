@@ -48,7 +48,7 @@ class StateOps(NamedTuple):
 
 
 class StateSecondTier(Protocol):
-    """Where evicted checkpoints go (gateway/engine/state_tier.py: host memory)."""
+    """Where evicted checkpoints go (engine/state_tier.py: host memory)."""
 
     def __contains__(self, block_hash: bytes) -> bool: ...
 

@@ -8,7 +8,7 @@ corrupt, foreign or late entry means the block is recomputed, never served.
 
 Stores are byte stores keyed by block hash (pure Python, no torch): :class:`HostTier` here (a
 bounded slot arena in host memory, or a memory-mapped file on local disk) and the Redis store
-of the fleet (gateway/scaleout/kv_tier_redis.py). The engine side (gateway/engine/kv_tier.py)
+of the fleet (gateway/scaleout/kv_tier_redis.py). The engine side (engine/kv_tier.py)
 turns pages into payload bytes and back, off the engine thread.
 
 Entry layout (little endian)::

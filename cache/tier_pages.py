@@ -1,6 +1,6 @@
 """The KV manager's second-tier half: evicted cached pages recorded for the connector (it
 copies them out before the step's writes reuse them), and verified blocks loaded from the tier
-installed in pages of their own (gateway/engine/kv_connector.py drives both)."""
+installed in pages of their own (engine/kv_connector.py drives both)."""
 
 from __future__ import annotations
 
