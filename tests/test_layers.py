@@ -302,12 +302,12 @@ def test_a_rule_names_the_file_the_import_and_the_rule(monkeypatch):
 
 # what the router may take from gateway/server (issue 39): the surfaces' wire formats, parsed as
 # a replica parses them, and what renders a prompt exactly as a replica does (tokenization,
-# tools, the settings' format names), the dashboard page and the cache-stats JSON. HTTP plumbing
-# (auth, errors, request ids, limits, header names, metric labels, the bound uvicorn server)
-# comes from gateway/http, which both import; nothing else of a surface.
+# tools, the settings' format names). HTTP plumbing (auth, errors, request ids, limits, header
+# names, metric labels, the bound uvicorn server) and what both serve (the dashboard page, the
+# cache-stats JSON pieces) come from gateway/http, which both import; nothing else of a surface.
 ROUTER_MAY_USE = (*(f"prefixgate.gateway.server.{name}.schemas" for name in SURFACES),
                   *(f"prefixgate.gateway.server.{name}" for name in (
-                      "tokenization", "tools", "settings", "dashboard", "routes_cache")))
+                      "tokenization", "tools", "settings")))
 
 
 def test_the_router_imports_no_server_internals():

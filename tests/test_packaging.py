@@ -124,7 +124,7 @@ def test_wheel_installs_beside_openai_agents(tmp_path: Path) -> None:
         from prefixgate import kernels
         assert agents.__file__.startswith({str(site)!r}) and "prefixgate" not in agents.__file__
         assert prefixgate.gateway.cli.__file__.startswith({str(site)!r})
-        assert (files("prefixgate.gateway.server") / "static" / "dashboard.html").is_file()
+        assert (files("prefixgate.gateway.http") / "static" / "dashboard.html").is_file()
         assert (files("prefixgate.kernels.cpu") / "csrc" / "linear.c").is_file()
         if {hf_kernels!r}:
             import kernels as hf

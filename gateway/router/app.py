@@ -26,6 +26,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from prefixgate.engine.api import EngineError
+from prefixgate.gateway.http import dashboard
 from prefixgate.gateway.http.auth import Principal, authenticate, require_admin
 from prefixgate.gateway.http.disconnect import ClientDisconnected, until_disconnect
 from prefixgate.gateway.http.errors import install_exception_handlers
@@ -51,7 +52,6 @@ from prefixgate.gateway.router.proxy import (
 from prefixgate.gateway.router.settings import RouterSettings
 from prefixgate.gateway.router.state import RouterState
 from prefixgate.gateway.router.stats import fleet_stats_json
-from prefixgate.gateway.server import dashboard
 
 logger = logging.getLogger("prefixgate.router")
 router = APIRouter()

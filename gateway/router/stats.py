@@ -25,10 +25,10 @@ import httpx
 
 from prefixgate.cache.stats import HitStats
 from prefixgate.gateway.http.auth import Principal
+from prefixgate.gateway.http.stats_json import busiest, hit_json, scope_json
 from prefixgate.gateway.router.fleet import ReplicaState
 from prefixgate.gateway.router.state import RouterState
 from prefixgate.gateway.scaleout.fleet_stats import add_counters
-from prefixgate.gateway.server.routes_cache import busiest, hit_json, scope_json
 
 MAX_STATS_AGENTS = 200
 

@@ -11,12 +11,13 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from prefixgate.engine.api import EngineLike
+from prefixgate.gateway.http import dashboard
 from prefixgate.gateway.http.api_keys import DEFAULT_TENANT
 from prefixgate.gateway.http.auth import KeyTable
 from prefixgate.gateway.http.errors import REQUEST_ID_HEADER, install_exception_handlers
 from prefixgate.gateway.http.request_id import RequestIdMiddleware
 from prefixgate.gateway.http.slow_clients import BodyLimitMiddleware, prompt_body_caps
-from prefixgate.gateway.server import dashboard, routes_cache, routes_ops
+from prefixgate.gateway.server import routes_cache, routes_ops
 from prefixgate.gateway.server.anthropic import routes as anthropic_routes
 from prefixgate.gateway.server.metrics import GatewayMetrics
 from prefixgate.gateway.server.openai import routes as openai_routes

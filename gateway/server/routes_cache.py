@@ -9,17 +9,16 @@ With auth on, a tenant key's stats cover its own tenant only; the admin key sees
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel
 
-from prefixgate.cache.stats import CacheStats, HitStats
+from prefixgate.cache.stats import CacheStats
 from prefixgate.cache.ttl_policy import TTLPolicy
 from prefixgate.engine.api import EngineStats
 from prefixgate.gateway.http.auth import Principal, authenticate, require_admin
-from prefixgate.gateway.http.metric_labels import OTHER_LABEL
+from prefixgate.gateway.http.stats_json import busiest, hit_json, scope_json
 from prefixgate.gateway.server.retention import retention_policy
 from prefixgate.gateway.server.state import ServerState, server_state
 
@@ -29,49 +28,10 @@ PREFIX_PREVIEW_WORDS = 12
 TOP_PREFIXES = 5  # shown per answer (the snapshot holds up to this many per tenant)
 
 
-def hit_json(stats: HitStats) -> dict[str, Any]:
-    return {
-        "requests": stats.requests,
-        "query_tokens": stats.query_tokens,
-        "hit_tokens": stats.hit_tokens,
-        "hit_rate": round(stats.hit_rate, 6),
-        "tokens_saved": stats.hit_tokens,  # a hit token is a prompt token not recomputed
-        # hits on pages retention kept for a returning turn (cache/stats.py)
-        "retention_hits": stats.retention_hits,
-        "retention_hit_tokens": stats.retention_hit_tokens,
-    }
-
-
-def busiest(per_key: Mapping[str, HitStats], limit: int) -> dict[str, dict[str, Any]]:
-    """The ``limit`` keys with most query tokens; the rest summed under ``__other__``."""
-    ranked = sorted(per_key.items(), key=lambda kv: (-kv[1].query_tokens, kv[0]))
-    out = {key: hit_json(stats) for key, stats in ranked[:limit]}
-    rest = [stats for _, stats in ranked[limit:]]
-    if rest:
-        folded = HitStats(
-            requests=sum(s.requests for s in rest),
-            query_tokens=sum(s.query_tokens for s in rest),
-            hit_tokens=sum(s.hit_tokens for s in rest),
-            retention_hits=sum(s.retention_hits for s in rest),
-            retention_hit_tokens=sum(s.retention_hit_tokens for s in rest),
-        )
-        out[OTHER_LABEL] = {**hit_json(folded), "num_agents": len(rest)}
-    return out
-
-
 def preview(text: str) -> str:
     words = text.split()
     head = " ".join(words[:PREFIX_PREVIEW_WORDS])
     return head + (" …" if len(words) > PREFIX_PREVIEW_WORDS else "")
-
-
-def scope_json(principal: Principal, auth_enabled: bool) -> dict[str, Any]:
-    """Whose view a stats answer is: ``open`` (no auth), ``admin`` (all tenants) or ``tenant``."""
-    if not auth_enabled:
-        return {"scope": "open"}
-    if principal.is_admin:
-        return {"scope": "admin"}
-    return {"scope": "tenant", "tenant": principal.tenant}
 
 
 def policy_json(policy: TTLPolicy, tenants: list[str], limit: int) -> dict[str, Any]:

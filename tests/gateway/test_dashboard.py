@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from prefixgate.gateway.server import dashboard
+from prefixgate.gateway.http import dashboard
 from tests.gateway.conftest import ADMIN_KEY, wait_idle
 
 WINDOW = (1440, 1500)  # screenshot size, CSS pixels

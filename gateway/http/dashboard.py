@@ -9,7 +9,7 @@ here: no second request, no build step, no CDN. The response's Content-Security-
 exactly that inlined code (by hash) and connections to the page's own origin only, so the
 browser fetches nothing from anywhere else.
 
-Any FastAPI app can serve it: ``app.include_router(gateway.server.dashboard.router)``. The page
+Any FastAPI app can serve it: ``app.include_router(gateway.http.dashboard.router)``. The page
 itself is open; the stats it fetches are behind the API's auth (the page sends a key given as
 ``?key=`` or typed in as ``Authorization: Bearer``).
 """
