@@ -8,7 +8,6 @@ reaps replicas that died without leaving the index).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -28,6 +27,7 @@ from prefixgate.gateway.router.policy import Candidate, Decision, least_loaded, 
 from prefixgate.gateway.router.prompt import RESPONSES_PATH, PromptHasher, PromptKey
 from prefixgate.gateway.router.recent import RecentRoutes, SessionTable
 from prefixgate.gateway.router.settings import RouterSettings
+from prefixgate.gateway.scaleout.background import cancel_and_wait
 from prefixgate.gateway.scaleout.keys import RESPONSE_KEY_PREFIX, RedisKeys
 from prefixgate.gateway.scaleout.redis_client import REDIS_ERRORS
 
@@ -109,11 +109,7 @@ class RouterState:
             await self.poll_heartbeats()  # know the fleet before the first request if we can
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._tasks)  # bounded even if a library swallows the cancel
         self._tasks.clear()
         if self.client is not None:
             await self.client.aclose()

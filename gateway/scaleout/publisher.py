@@ -26,7 +26,6 @@ resumes by itself when Redis is back.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import socket
@@ -38,6 +37,7 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from prefixgate.cache.stats import CacheStats
+from prefixgate.gateway.scaleout.background import cancel_and_wait, cancel_requested
 from prefixgate.gateway.scaleout.event_buffer import EventBuffer
 from prefixgate.gateway.scaleout.fleet_stats import queue_snapshot, snapshot_json
 from prefixgate.gateway.scaleout.heartbeat import Heartbeat
@@ -156,6 +156,7 @@ class ReplicaPublisher:
         self._stats_written: bytes | None = None  # the counters Redis holds from us
         self._epoch = str(round(self._started_at * 1000))  # this process's stats key
         self._sampler: asyncio.Task[None] | None = None
+        self._stopping = False  # the loops' own stop flag (background.py: why not cancel alone)
         self._audit_cursor = 0  # where the rotating check of our block keys goes on
         self._last_steps = (-1, time.monotonic())  # (steps taken, when that count was first seen)
 
@@ -163,6 +164,7 @@ class ReplicaPublisher:
         """Attach to the engine's event stream and start the background task (no I/O here)."""
         if self._task is not None:
             return
+        self._stopping = False
         self.engine.add_event_sink(self.buffer)
         self.redis = connect(self.config.redis_url, timeout_s=self.config.redis_timeout_s)
         self.writer = IndexWriter(self.redis, self.keys, self.config.replica_id)
@@ -176,11 +178,8 @@ class ReplicaPublisher:
         if self._task is None:
             return
         self.buffer.close()
-        for task in (self._task, self._sampler):
-            assert task is not None
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):  # our own cancellation
-                await task
+        self._stopping = True
+        await cancel_and_wait((self._task, self._sampler), grace_s=timeout_s)
         self._task = self._sampler = None
         assert self.writer is not None
         try:
@@ -191,7 +190,11 @@ class ReplicaPublisher:
             logger.warning("could not remove replica %s from Redis: %s", self.config.replica_id,
                            describe(exc))
         finally:
-            await self.redis.aclose()
+            try:
+                await asyncio.wait_for(self.redis.aclose(), timeout_s)
+            except (*REDIS_ERRORS, TimeoutError) as exc:
+                logger.warning("closing replica %s's Redis connections: %s",
+                               self.config.replica_id, describe(exc))
 
     @property
     def dirty(self) -> bool:
@@ -200,7 +203,7 @@ class ReplicaPublisher:
     async def _run(self) -> None:
         interval = self.config.heartbeat_interval_s
         next_beat = 0.0
-        while True:
+        while not self._stopping:
             try:
                 if self.dirty:
                     await self._resync()
@@ -211,15 +214,19 @@ class ReplicaPublisher:
                 self._up()
                 await asyncio.sleep(self.config.flush_interval_s)
             except REDIS_ERRORS as exc:
+                if cancel_requested():  # the library's error may be our cancellation
+                    raise
                 self._down(describe(exc))
                 await asyncio.sleep(interval)
             except Exception as exc:  # a bug here must not take the replica down
+                if cancel_requested():
+                    raise
                 logger.exception("index publisher failed; resynchronising")
                 self._down(describe(exc))
                 await asyncio.sleep(interval)
 
     async def _sample_loop(self) -> None:
-        while True:
+        while not self._stopping:
             self._cache_sample = await asyncio.to_thread(self.engine.cache_stats)
             await asyncio.sleep(self.config.heartbeat_interval_s)
 
