@@ -1,18 +1,10 @@
 """Project-wide pytest set-up."""
 
 import os
-import sys
-from pathlib import Path
 
 import torch
 
-# The repository root is on sys.path only so that `tests.*` and `benchmarks.*` import; it goes
-# LAST. Its folders gateway/, cache/, kernels/, agents/ are the prefixgate.* subpackages, and a
-# bare `import agents` must find the OpenAI Agents SDK, never this repository's client folder
-# (`python -m pytest` puts the working directory first; `--import-mode=append` in pyproject.toml
-# covers pytest's own insertion).
-_REPO = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _REPO] + [str(_REPO)]
+import tests  # noqa: F401  (first: the repository root goes last on sys.path)
 
 # Triton decides at decoration time whether kernels run in its CPU interpreter, so the switch
 # must be set before `kernels` imports any Triton module; without a GPU the interpreter is
