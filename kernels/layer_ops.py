@@ -32,7 +32,8 @@ ggml blocks, ``int8``          linear_q8.c          (the q8 mode needs the nativ
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -40,6 +41,11 @@ import torch
 import torch.nn.functional as F
 
 from prefixgate.kernels import dispatch
+from prefixgate.kernels.cpu.decode_step import (
+    DenseDecodeStep,
+    DenseLayerOps,
+    bind_dense_decode_step,
+)
 from prefixgate.kernels.cpu.host_memory import HugePageArena
 from prefixgate.kernels.cpu.library import library
 from prefixgate.kernels.cpu.linear import NativeLinear, NativeLinearF32, pack_linear_weight
@@ -269,6 +275,17 @@ class LayerOps:
         backend = self.choice.backend
         return None if backend is None or self.native_linear else dispatch.moe_experts_op(backend)
 
+    def dense_decode_step(self, layers: Sequence[DenseLayerOps], rope: object | None,
+                          **shape: Any) -> DenseDecodeStep | None:
+        """Every layer of a decode step in one native call (kernels/cpu/decode_step.py:
+        bit-identical to running the layers' ops one by one), where each op of each layer is
+        one it runs; None otherwise, and where ``PREFIXGATE_DECODE_STEP=0`` (the per-op path,
+        for comparisons). ``shape``: ``hidden``, ``num_heads``, ``num_kv_heads``,
+        ``head_dim``, ``eps``, ``scale``."""
+        if not self.native or os.environ.get("PREFIXGATE_DECODE_STEP", "1") == "0":
+            return None
+        return bind_dense_decode_step(layers, rope, **shape)
+
     def gated_delta(self) -> Any:
         """A hybrid model's linear-attention ops (``kernels.gated_delta_ops``)."""
         return dispatch.gated_delta_ops(self.choice.backend or "torch", self.choice.native)
@@ -302,6 +319,8 @@ def linear_form(op: LinearOp) -> LinearForm:
 
 
 __all__ = [
+    "DenseDecodeStep",
+    "DenseLayerOps",
     "KernelChoice",
     "LayerOps",
     "LinearOp",

@@ -38,7 +38,7 @@ from prefixgate.engine.models.linear import Linear
 from prefixgate.engine.models.moe import GroupedMoEMLP, MoEMLP
 from prefixgate.engine.models.rope import RotaryEmbedding
 from prefixgate.engine.models.weights import WeightPlacer
-from prefixgate.kernels.layer_ops import KernelChoice, LayerOps
+from prefixgate.kernels.layer_ops import DenseDecodeStep, DenseLayerOps, KernelChoice, LayerOps
 
 Op = Callable[[torch.Tensor], torch.Tensor]
 
@@ -121,6 +121,8 @@ class DecoderModel:
         self._rotate = self.ops.rope(config.head_dim, config.rotary_dim)
         self.layers = [self._layer(place, index) for index in range(config.num_layers)]
         self.int8_layers = place.int8_layers  # linear layers on int8 activations (q8 mode)
+        # every layer of a decode step in one native call, where all of them fit it
+        self.decode_step: DenseDecodeStep | None = self._bind_decode_step()
 
     # ---- loading -----------------------------------------------------------------------
 
@@ -177,6 +179,27 @@ class DecoderModel:
             sinks=place.place(place.weights[attn + "sinks"], torch.float32)
             if cfg.attention_sinks else None,
         )
+
+    def _bind_decode_step(self) -> DenseDecodeStep | None:
+        """The registry's whole-step decode for a plain pre-norm dense stack (no q/k or
+        sandwich norms, windows, sinks, residual scale or MoE; one RoPE table for all layers or
+        none), or None: the layers then run op by op."""
+        cfg = self.config
+        ropes = {layer.rope for layer in self.layers}
+        if (self.residual_scale is not None or len(ropes) != 1 or any(
+                layer.input_norm is None or layer.mlp_norm is None or layer.qk_norm is not None
+                or layer.attn_out_norm is not None or layer.mlp_out_norm is not None
+                or layer.window is not None or layer.sinks is not None
+                or not isinstance(layer.mlp, DenseMLP) for layer in self.layers)):
+            return None
+        layers = [DenseLayerOps(layer.input_norm, layer.qkv.op, layer.o.op, layer.mlp_norm,
+                                layer.mlp.gate_up.op, layer.mlp.act, layer.mlp.down.op)
+                  for layer in self.layers]
+        rope = None if ropes == {None} else self._rotate
+        return self.ops.dense_decode_step(
+            layers, rope, hidden=cfg.hidden_size, num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
+            scale=self.scale)
 
     def _bound_norm(self, place: WeightPlacer, name: str) -> Op:
         """The RMSNorm of weight ``name``, bound to the registry's op for it."""
@@ -258,21 +281,11 @@ class DecoderModel:
                                        sinks=layer.sinks)  # sinks: gpt-oss
         return attn.reshape(num_tokens, q_size)
 
-    @torch.inference_mode()
-    def forward(
-        self, batch: ForwardBatch, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
-    ) -> torch.Tensor:
-        """Run one step; write every token's K/V into its slot; return logits.
-
-        Args:
-            batch: flat tokens and attention addressing (on this model's device).
-            kv_caches: per layer ``(k_cache, v_cache)``, each ``[num_pages, page_size, Hkv, D]``.
-
-        Returns:
-            ``[len(batch.logits_indices), vocab]`` fp32 logits of the selected rows.
-        """
-        hidden = self._embed(batch.input_ids)  # [T, H]
-        rope_tables = [rope.lookup(batch.positions) for rope in self.ropes]  # [T, 1, D/2] each
+    def _layers(
+        self, hidden: torch.Tensor, rope_tables: list[tuple[torch.Tensor, torch.Tensor]],
+        batch: ForwardBatch, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:  # [T, H] -> [T, H]
+        """Every layer, op by op (each op the registry bound at load)."""
         scale = self.residual_scale
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = hidden if layer.input_norm is None else layer.input_norm(hidden)
@@ -290,6 +303,30 @@ class DecoderModel:
                 hidden = torch.add(hidden, layer.mlp(x), alpha=scale)
             else:
                 hidden = hidden + layer.mlp_out_norm(layer.mlp(x))
+        return hidden
+
+    @torch.inference_mode()
+    def forward(
+        self, batch: ForwardBatch, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
+        """Run one step; write every token's K/V into its slot; return logits.
+
+        Args:
+            batch: flat tokens and attention addressing (on this model's device).
+            kv_caches: per layer ``(k_cache, v_cache)``, each ``[num_pages, page_size, Hkv, D]``.
+
+        Returns:
+            ``[len(batch.logits_indices), vocab]`` fp32 logits of the selected rows.
+        """
+        hidden = self._embed(batch.input_ids)  # [T, H]
+        rope_tables = [rope.lookup(batch.positions) for rope in self.ropes]  # [T, 1, D/2] each
+        step, plan = self.decode_step, batch.attention_plan
+        if (step is not None and batch.max_query_len == 1 and batch.recurrent is None
+                and step.accepts(plan, kv_caches[0][0].dtype)):
+            cos_sin = None if self.layers[0].rope is None else rope_tables[0]
+            hidden = step.run(hidden.contiguous(), cos_sin, batch.slot_mapping, plan, kv_caches)
+        else:
+            hidden = self._layers(hidden, rope_tables, batch, kv_caches)
         # only the rows that sample pay for the final norm and the vocab projection
         last = self._final_norm(hidden.index_select(0, batch.logits_indices))  # [N, H]
         logits = self.lm_head(last).float()  # [N, V]

@@ -102,6 +102,11 @@ class Linear:
         self.quant, self.q8, self.bf16 = form.quant, form.q8, form.bf16
         self.bias = form.bias if form.native is not None else bias
 
+    @property
+    def op(self) -> LinearOp:
+        """The op the registry bound (what a whole-step binding reads)."""
+        return self._op
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         return self._op(x)
 

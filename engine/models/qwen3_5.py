@@ -108,6 +108,9 @@ class HybridModel(DecoderModel):
         self.delta_ops = self.ops.gated_delta()
         self._recurrent = [kind == "recurrent" for kind in self.layer_kinds()]  # once, not per step
 
+    def _bind_decode_step(self) -> None:  # type: ignore[override]
+        return None  # its layers are not the dense stack's records: they run op by op
+
     def layer_kinds(self) -> list[str]:
         """Per layer ``"attention"`` (paged K/V) or ``"recurrent"`` (a state slot)."""
         return ["recurrent" if is_linear else "attention" for is_linear in self.linear.layers]

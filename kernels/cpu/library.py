@@ -290,6 +290,13 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
         _i32,  # window (0: none)
         _p,  # sinks [Hq] fp32 (NULL: none)
     ], _i32),
+    # decode_step.c (pointers to the ctypes Structures of kernels/cpu/decode_step.py)
+    "pg_dense_decode_step": ([
+        *(_p, _p, _i64),  # model, 2L K/V cache pointers, pool pages
+        *(_p, _p, _p, _p, _p, _p, _p),  # hidden, spare, x, qkv, attn, gate_up, act
+        *(_i64, _p, _p, _p),  # rows, cos, sin, slots
+        *(_p, _i32, _i32),  # groups, their count, threads
+    ], _i32),
     # paged_cascade.c
     "pg_cascade_decode_f32": ([
         *(_p, _i64, _p, _p, _p, _i64, _i32),  # query, its row stride, k/v caches, run pages,

@@ -1,0 +1,127 @@
+"""The whole-step native decode (kernels/cpu/decode_step.py) is bit-identical to running the
+layers op by op: logits and every K/V byte written, per precision mode and KV dtype, for one
+sequence, several, and sequences whose pages share a prefix run (cascade groups); and it is
+bound only where every layer fits it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from prefixgate.engine.runner import ModelRunner, SeqChunk
+from prefixgate.kernels.attention_plan import MIN_SHARED_SAVING_TOKENS
+from prefixgate.kernels.cpu.library import bf16_instructions, int8_instructions, library
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(library() is None, reason="needs the native CPU library")]
+
+PAGE = 16
+
+
+def _modes() -> list[tuple[str, str | None]]:
+    modes = [("fp32", None), ("fp32", "bf16")]
+    if bf16_instructions():
+        modes.append(("bf16", None))
+    if int8_instructions():
+        modes.append(("q8", None))
+    return modes
+
+
+def _runner(loaded, dtype: str, kv_dtype: str | None, num_pages: int) -> ModelRunner:
+    return ModelRunner.from_loaded(loaded, num_pages=num_pages, page_size=PAGE, device="cpu",
+                                   dtype=dtype, kv_dtype=kv_dtype)
+
+
+def _decode(runner: ModelRunner, prompts: list[list[int]], tables: list[list[int]],
+            steps: int, native: bool, ran: list[int] | None = None,
+            ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Prefill each prompt, then ``steps`` greedy decode steps of all of them together; the
+    decode steps' logits and the pool afterwards. ``ran`` gets, per native step, its
+    number of cascade groups."""
+    model = runner.model
+    saved = model.decode_step
+    assert saved is not None, "the native step should bind for this model"
+    model.decode_step = saved if native else None
+    if native and ran is not None:
+        run = saved.run
+
+        def counted(hidden, cos_sin, slots, plan, kv_caches):
+            ran.append(len(plan.shared))
+            return run(hidden, cos_sin, slots, plan, kv_caches)
+        saved.run = counted
+    runner.kv_pool.zero_()
+    try:
+        for prompt, table in zip(prompts, tables, strict=True):
+            runner.execute([SeqChunk(prompt, 0, table, True)])
+        tokens = [p[-1] for p in prompts]
+        positions = [len(p) for p in prompts]
+        out = []
+        for _ in range(steps):
+            logits = runner.execute([SeqChunk([tok], pos, table, True) for tok, pos, table
+                                     in zip(tokens, positions, tables, strict=True)])
+            out.append(logits.clone())
+            tokens = logits.argmax(-1).tolist()
+            positions = [p + 1 for p in positions]
+        return out, runner.kv_pool.clone()
+    finally:
+        model.decode_step = saved
+        vars(saved).pop("run", None)
+
+
+@pytest.mark.parametrize(("dtype", "kv_dtype"), _modes())
+def test_one_call_per_step_is_bit_identical_to_the_per_op_path(loaded_model, dtype, kv_dtype):
+    gen = torch.Generator().manual_seed(7)
+    shared = torch.randint(100, 1000, (MIN_SHARED_SAVING_TOKENS // 2 + PAGE,),
+                           generator=gen).tolist()
+    n_shared = len(shared) // PAGE
+    cases = {
+        "one sequence": ([torch.randint(100, 1000, (37,), generator=gen).tolist()], False),
+        "three apart": ([torch.randint(100, 1000, (n,), generator=gen).tolist()
+                         for n in (5, 40, 77)], False),
+        # three members over a run of full pages: the plan attends the run once (cascade)
+        "shared run": ([shared + torch.randint(100, 1000, (n,), generator=gen).tolist()
+                        for n in (3, 9, 20)], True),
+    }
+    runner = _runner(loaded_model, dtype, kv_dtype, num_pages=200)
+    for name, (prompts, share) in cases.items():
+        tables, next_page = [], 0
+        for prompt in prompts:
+            own = -(-(len(prompt) + 8) // PAGE)
+            if share and tables:  # the shared run's pages are the first member's
+                table = tables[0][:n_shared] + list(range(next_page, next_page + own - n_shared))
+                next_page += own - n_shared
+            else:
+                table = list(range(next_page, next_page + own))
+                next_page += own
+            tables.append(table)
+        ran: list[int] = []
+        ours, pool_ours = _decode(runner, prompts, tables, steps=4, native=True, ran=ran)
+        assert len(ran) == 4 and all(ran) == share, (name, ran)  # it ran, cascade where shared
+        ref, pool_ref = _decode(runner, prompts, tables, steps=4, native=False)
+        for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
+            assert torch.equal(a, b), (name, step, (a - b).abs().max().item())
+        assert torch.equal(pool_ours, pool_ref), name
+
+
+def test_the_step_takes_shared_runs_as_cascade_groups(loaded_model):
+    """The case above named "shared run" really plans a cascade group (else it would test the
+    plain groups twice)."""
+    from prefixgate.kernels.attention_plan import plan_attention
+
+    shared_pages = (MIN_SHARED_SAVING_TOKENS // 2 + PAGE) // PAGE
+    tables = [list(range(shared_pages)) + [100 + i] for i in range(3)]
+    lens = [shared_pages * PAGE + 5] * 3
+    plan = plan_attention(tables, lens, [0, 1, 2, 3], page_size=PAGE,
+                          kv_row_elems=loaded_model.config.kv_size)
+    assert plan.shared and not plan.padded
+
+
+def test_it_binds_only_where_every_layer_fits(loaded_model):
+    runner = _runner(loaded_model, "fp32", None, num_pages=8)
+    assert runner.model.decode_step is not None
+    # a residual scale (Granite) is not in the native step: the model keeps the per-op path
+    config = dataclasses.replace(loaded_model.config, residual_scale=0.5)
+    scaled = _runner(dataclasses.replace(loaded_model, config=config), "fp32", None, 8)
+    assert scaled.model.decode_step is None
