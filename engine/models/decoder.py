@@ -321,10 +321,11 @@ class DecoderModel:
         hidden = self._embed(batch.input_ids)  # [T, H]
         rope_tables = [rope.lookup(batch.positions) for rope in self.ropes]  # [T, 1, D/2] each
         step, plan = self.decode_step, batch.attention_plan
-        if (step is not None and batch.max_query_len == 1 and batch.recurrent is None
-                and step.accepts(plan, kv_caches[0][0].dtype)):
+        if (step is not None and batch.recurrent is None
+                and step.accepts(hidden.shape[0], plan, kv_caches[0][0].dtype)):
             cos_sin = None if self.layers[0].rope is None else rope_tables[0]
-            hidden = step.run(hidden.contiguous(), cos_sin, batch.slot_mapping, plan, kv_caches)
+            hidden = step.run(hidden.contiguous(), cos_sin, batch.slot_mapping,
+                              batch.block_tables, plan, kv_caches)
         else:
             hidden = self._layers(hidden, rope_tables, batch, kv_caches)
         # only the rows that sample pay for the final norm and the vocab projection

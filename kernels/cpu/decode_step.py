@@ -11,8 +11,9 @@ so the output is bit-identical to it (tests/kernels/test_decode_step.py).
 It takes what the per-op path would run natively and nothing else: fp32 activations, native
 RMSNorm, SiLU-and-multiply and full-width RoPE (or none), each linear one of the native kinds
 (fp32, bf16, ggml blocks weight-only, q8), no q/k norms, no sandwich norms, no residual
-scale, no sliding window or attention sinks, and a step whose rows are all decode rows whose
-attention the native kernels take (:meth:`DenseDecodeStep.accepts`). Anything else stays on
+scale, no sliding window or attention sinks, and a step of at most ``MAX_ROWS`` rows (decode
+rows, draft verifications, small prefill chunks) whose attention the native kernels take
+(:meth:`DenseDecodeStep.accepts`). Anything else stays on
 the per-op path: the binding returns None, or the step declines.
 """
 
@@ -38,6 +39,11 @@ from prefixgate.kernels.cpu.ops import NativeRMSNorm, NativeRope, NativeSiluMul
 
 _P, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
+# the most rows of a step the native step runs: decode rows, draft verifications and small
+# prefill chunks; a longer chunk's time is its GEMMs and attention, and its workspace
+# (rows x ~13 x hidden floats) would stay allocated
+MAX_ROWS = 128
+
 
 class _LinearOp(ctypes.Structure):
     _fields_ = [("kind", _I32), ("qtype", _I32), ("n", _I32), ("k", _I32),
@@ -60,7 +66,8 @@ class _Model(ctypes.Structure):
 class _Group(ctypes.Structure):
     _fields_ = [("rows", _P), ("pages", _P), ("max_pages", _I64), ("lengths", _P),
                 ("num_seqs", _I32), ("shared_len", _I32), ("shared_pages", _P),
-                ("n_shared_pages", _I64), ("own_lse", _P)]
+                ("n_shared_pages", _I64), ("own_lse", _P), ("prefill_rows", _I32),
+                ("ctx_len", _I32), ("first_row", _I64)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,26 +118,34 @@ class DenseDecodeStep:
         self._cache_ptrs: ctypes.Array | None = None
         lib = library()
         self._cascade_rows = lib.cascade_max_rows
+        group = self._heads // self._model.num_kv_heads
         self._cascade_ok = (self._head_dim % 16 == 0
                             and self._head_dim <= lib.cascade_max_head_dim)
+        self._prefill_ok = (self._head_dim % 16 == 0 and self._head_dim
+                            <= lib.prefill_max_head_dim and group <= lib.prefill_max_group)
 
-    def accepts(self, plan: AttentionPlan | None, kv_dtype: torch.dtype) -> bool:
-        """Whether this step's attention is all decode rows the native kernels take."""
-        if plan is None or not plan.use_native or plan.prefill:
+    def accepts(self, rows: int, plan: AttentionPlan | None, kv_dtype: torch.dtype) -> bool:
+        """Whether the native step runs a step of ``rows`` rows with this attention plan: at
+        most :data:`MAX_ROWS` rows (its workspace stays small; a long prefill chunk gains
+        nothing from it), and every row's attention one the native kernels take."""
+        if (plan is None or not plan.use_native or rows > MAX_ROWS
+                or kv_dtype not in (torch.float32, torch.bfloat16)):
             return False
-        if kv_dtype not in (torch.float32, torch.bfloat16):
+        if plan.prefill and not self._prefill_ok:
             return False
-        group = self._heads // max(1, self._model.num_kv_heads)
+        group = self._heads // self._model.num_kv_heads
         return all(self._cascade_ok and g.suffix.rows.shape[0] * group <= self._cascade_rows
                    for g in plan.shared)
 
     def run(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
-            slot_mapping: torch.Tensor, plan: AttentionPlan,
+            slot_mapping: torch.Tensor, block_tables: torch.Tensor, plan: AttentionPlan,
             kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Run every layer over ``hidden [T, H]`` (fp32, dense; overwritten) and return it.
 
         ``cos_sin``: the RoPE table rows ``[T, 1, D/2]`` each (contiguous), or None;
-        ``slot_mapping [T]`` int64; ``plan`` the step's attention plan (:meth:`accepts` it).
+        ``slot_mapping [T]`` int64; ``block_tables [S, max_pages]`` (the pages of the
+        sequences with several new rows are read from it); ``plan`` the step's attention plan
+        (:meth:`accepts` it).
 
         Raises:
             ValueError: a slot, page id or row out of range.
@@ -138,9 +153,9 @@ class DenseDecodeStep:
         """
         rows = hidden.shape[0]
         work = self._buffers(rows)
-        groups, keep = self._groups(plan)
-        caches = self._cache_pointers(kv_caches)
         k_cache = kv_caches[0][0]
+        groups, keep = self._groups(plan, block_tables, k_cache.shape[1])
+        caches = self._cache_pointers(kv_caches)
         num_pages = k_cache.shape[0]
         self._model.page_size = k_cache.shape[1]
         self._model.kv_bf16 = int(k_cache.dtype == torch.bfloat16)
@@ -180,8 +195,16 @@ class DenseDecodeStep:
             self._cache_ptrs = (ctypes.c_void_p * len(key))(*key)
         return self._cache_ptrs
 
-    def _groups(self, plan: AttentionPlan) -> tuple[ctypes.Array, list[torch.Tensor]]:
+    def _groups(self, plan: AttentionPlan, block_tables: torch.Tensor, page_size: int
+                ) -> tuple[ctypes.Array, list[torch.Tensor]]:
         groups, keep = [], []
+        for s in plan.prefill:  # as the per-op path: the pages holding its context, as int64
+            ctx_len, first = plan.lens[s], plan.starts[s]
+            pages = block_tables[s, : -(-ctx_len // page_size)].long()
+            keep.append(pages)
+            groups.append(_Group(pages=pages.data_ptr(), max_pages=pages.shape[0],
+                                 prefill_rows=plan.starts[s + 1] - first, ctx_len=ctx_len,
+                                 first_row=first))
         for chunk in plan.padded:
             groups.append(_Group(rows=chunk.rows.data_ptr(), pages=chunk.pages.data_ptr(),
                                  max_pages=chunk.pages.shape[1],

@@ -1,4 +1,5 @@
-// One decode step through every layer of a pre-norm dense decoder, in one call.
+// One decode step through every layer of a pre-norm dense decoder, in one call (a step of a
+// few rows: decode rows, draft verifications, small prefill chunks).
 //
 // Why: a decode step's per-layer ops are small (one row per sequence), and driving each from
 // Python costs a ctypes call and a fresh output tensor per op, a quarter of a b1 step on
@@ -9,7 +10,8 @@
 // below carry the packed weights and which kernel reads them.
 //
 // Layer: x = norm(h); qkv = x W_qkv (+ b); rotate q|k; write k, v into the pages; attention of
-// each row over its pages (plain groups, or cascade groups sharing a run of pages); h += attn
+// each row over its pages (plain groups, cascade groups sharing a run of pages, or one
+// sequence's consecutive rows, causal); h += attn
 // W_o; x = norm(h); h += silu(x W_gate) * (x W_up) W_down.
 
 #include <stddef.h>
@@ -50,6 +52,12 @@ int pg_paged_decode_f32(const float *query, int64_t q_row_stride, const void *k_
                         int num_kv_heads, int head_dim, int page_size, float scale,
                         int num_threads, int64_t num_pages, int64_t num_rows, int kv_bf16,
                         int window, const float *sinks);
+int pg_paged_prefill_f32(const float *query, int64_t q_row_stride, const void *k_cache,
+                         const void *v_cache, const int64_t *pages, int64_t n_pages, int ctx_len,
+                         int n_rows, float *out, int64_t out_row_stride, int num_q_heads,
+                         int num_kv_heads, int head_dim, int page_size, float scale,
+                         int num_threads, int64_t num_pages, int kv_bf16, int window,
+                         const float *sinks);
 int pg_cascade_decode_f32(const float *query, int64_t q_row_stride, const void *k_cache,
                           const void *v_cache, const int64_t *shared_pages,
                           int64_t n_shared_pages, int shared_len, const int64_t *seq_rows,
@@ -95,6 +103,9 @@ typedef struct {
     const int64_t *shared_pages; // cascade: [n_shared_pages]
     int64_t n_shared_pages;
     float *own_lse;              // cascade: [B, Hq] scratch
+    int32_t prefill_rows;        // > 0: one sequence's consecutive new rows (causal over its
+    int32_t ctx_len;             // ctx_len tokens, ``pages`` its pages), from query row
+    int64_t first_row;           // first_row on (a prefill chunk, a draft verification)
 } pg_decode_group;
 
 static int run_linear(const pg_linear_op *op, const float *x, int64_t ldx,
@@ -133,6 +144,17 @@ static int attend(const pg_dense_model *m, const float *qkv, int64_t ld_qkv, con
     const int q = m->num_heads * m->head_dim;
     for (int g = 0; g < num_groups; ++g) {
         const pg_decode_group *grp = &groups[g];
+        if (grp->prefill_rows > 0) {
+            int rc = pg_paged_prefill_f32(qkv + grp->first_row * ld_qkv, ld_qkv, kc, vc,
+                                          grp->pages, grp->max_pages, grp->ctx_len,
+                                          grp->prefill_rows, attn + grp->first_row * q, q,
+                                          m->num_heads, m->num_kv_heads, m->head_dim,
+                                          m->page_size, m->scale, threads, num_pages,
+                                          m->kv_bf16, 0, NULL);
+            if (rc != 0)
+                return rc == -2 ? -2 : -3;
+            continue;
+        }
         int rc = pg_paged_decode_f32(qkv, ld_qkv, kc, vc, grp->pages, grp->max_pages,
                                      grp->lengths, grp->rows, attn, q,
                                      grp->shared_len ? grp->own_lse : NULL, grp->num_seqs,

@@ -1,6 +1,7 @@
 """The whole-step native decode (kernels/cpu/decode_step.py) is bit-identical to running the
 layers op by op: logits and every K/V byte written, per precision mode and KV dtype, for one
-sequence, several, and sequences whose pages share a prefix run (cascade groups); and it is
+sequence, several, sequences whose pages share a prefix run (cascade groups), a sequence with
+several new rows beside decode rows (a draft verification) and short prefill chunks; and it is
 bound only where every layer fits it."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 
 from prefixgate.engine.runner import ModelRunner, SeqChunk
 from prefixgate.kernels.attention_plan import MIN_SHARED_SAVING_TOKENS
+from prefixgate.kernels.cpu.decode_step import MAX_ROWS
 from prefixgate.kernels.cpu.library import bf16_instructions, int8_instructions, library
 
 pytestmark = [pytest.mark.slow,
@@ -35,11 +37,12 @@ def _runner(loaded, dtype: str, kv_dtype: str | None, num_pages: int) -> ModelRu
 
 
 def _decode(runner: ModelRunner, prompts: list[list[int]], tables: list[list[int]],
-            steps: int, native: bool, ran: list[int] | None = None,
+            steps: int, native: bool, ran: list[tuple[int, int, int]] | None = None,
             ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Prefill each prompt, then ``steps`` greedy decode steps of all of them together; the
-    decode steps' logits and the pool afterwards. ``ran`` gets, per native step, its
-    number of cascade groups."""
+    """Prefill each prompt, then ``steps`` greedy steps of all of them together, the first of
+    which gives sequence 0 four more rows (a draft verification's shape); the logits of those
+    steps and the pool afterwards. ``ran`` gets, per native step, its rows, cascade groups and
+    sequences with several rows."""
     model = runner.model
     saved = model.decode_step
     assert saved is not None, "the native step should bind for this model"
@@ -47,23 +50,24 @@ def _decode(runner: ModelRunner, prompts: list[list[int]], tables: list[list[int
     if native and ran is not None:
         run = saved.run
 
-        def counted(hidden, cos_sin, slots, plan, kv_caches):
-            ran.append(len(plan.shared))
-            return run(hidden, cos_sin, slots, plan, kv_caches)
+        def counted(hidden, cos_sin, slots, block_tables, plan, kv_caches):
+            ran.append((hidden.shape[0], len(plan.shared), len(plan.prefill)))
+            return run(hidden, cos_sin, slots, block_tables, plan, kv_caches)
         saved.run = counted
     runner.kv_pool.zero_()
     try:
         for prompt, table in zip(prompts, tables, strict=True):
             runner.execute([SeqChunk(prompt, 0, table, True)])
-        tokens = [p[-1] for p in prompts]
+        tokens = [[p[-1]] for p in prompts]
+        tokens[0] += prompts[0][:4]  # verification rows: any tokens do
         positions = [len(p) for p in prompts]
         out = []
         for _ in range(steps):
-            logits = runner.execute([SeqChunk([tok], pos, table, True) for tok, pos, table
+            logits = runner.execute([SeqChunk(tok, pos, table, True) for tok, pos, table
                                      in zip(tokens, positions, tables, strict=True)])
             out.append(logits.clone())
-            tokens = logits.argmax(-1).tolist()
-            positions = [p + 1 for p in positions]
+            positions = [p + len(t) for p, t in zip(positions, tokens, strict=True)]
+            tokens = [[t] for t in logits.argmax(-1).tolist()]
         return out, runner.kv_pool.clone()
     finally:
         model.decode_step = saved
@@ -96,10 +100,17 @@ def test_one_call_per_step_is_bit_identical_to_the_per_op_path(loaded_model, dty
                 table = list(range(next_page, next_page + own))
                 next_page += own
             tables.append(table)
-        ran: list[int] = []
+        ran: list[tuple[int, int, int]] = []
         ours, pool_ours = _decode(runner, prompts, tables, steps=4, native=True, ran=ran)
-        assert len(ran) == 4 and all(ran) == share, (name, ran)  # it ran, cascade where shared
         ref, pool_ref = _decode(runner, prompts, tables, steps=4, native=False)
+        # it ran for every prompt of up to MAX_ROWS rows and every step; the first step has
+        # sequence 0's five rows; cascade groups where the pages are shared
+        prefills, first, rest = ran[:-4], ran[-4], ran[-3:]
+        assert [rows for rows, _, _ in prefills] == [len(p) for p in prompts
+                                                     if len(p) <= MAX_ROWS], (name, ran)
+        assert first[0] == len(prompts) + 4 and first[2] == 1, (name, first)
+        assert len(rest) == 3 and all(r[2] == 0 for r in rest), (name, rest)
+        assert all(bool(r[1]) == share for r in rest), (name, rest)
         for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
             assert torch.equal(a, b), (name, step, (a - b).abs().max().item())
         assert torch.equal(pool_ours, pool_ref), name
