@@ -323,7 +323,8 @@ class DecoderModel:
         step, plan = self.decode_step, batch.attention_plan
         if (step is not None and batch.recurrent is None
                 and step.accepts(hidden.shape[0], plan, kv_caches[0][0].dtype)):
-            cos_sin = None if self.layers[0].rope is None else rope_tables[0]
+            rope = self.layers[0].rope  # the same for every layer where the step binds
+            cos_sin = None if rope is None else rope_tables[rope]
             hidden = step.run(hidden.contiguous(), cos_sin, batch.slot_mapping,
                               batch.block_tables, plan, kv_caches)
         else:

@@ -6,7 +6,10 @@ per op, ten per layer) is a quarter of a one-sequence step. :func:`bind_dense_de
 reads, once, what the registry bound for every layer (the packed weights and which kernel
 reads them) into C descriptors; :meth:`DenseDecodeStep.run` then runs every layer in one call
 on preallocated buffers. The kernels and their arguments are the ones the per-op path uses,
-so the output is bit-identical to it (tests/kernels/test_decode_step.py).
+so the output is bit-identical to it (tests/engine/models/test_decode_step.py).
+
+Not reentrant: one workspace per model, and the step's page size and K/V dtype are written into
+the model's descriptor per call; a model's forward runs on one thread at a time (the engine's).
 
 It takes what the per-op path would run natively and nothing else: fp32 activations, native
 RMSNorm, SiLU-and-multiply and full-width RoPE (or none), each linear one of the native kinds
@@ -114,7 +117,7 @@ class DenseDecodeStep:
         self._hidden, self._q, self._kv, self._inter, self._heads, self._head_dim = sizes
         self._function = library().pg_dense_decode_step
         self._workspace = torch.empty(0, dtype=torch.float32)
-        self._caches: tuple[int, ...] = ()
+        self._caches: tuple[object, ...] = ()
         self._cache_ptrs: ctypes.Array | None = None
         lib = library()
         self._cascade_rows = lib.cascade_max_rows
@@ -148,14 +151,22 @@ class DenseDecodeStep:
         (:meth:`accepts` it).
 
         Raises:
-            ValueError: a slot, page id or row out of range.
+            ValueError: inputs that do not fit together, or a slot, page id, row or length out
+                of range (found before anything is written: the pool is untouched).
             MemoryError: a kernel could not allocate its scratch.
         """
         rows = hidden.shape[0]
-        work = self._buffers(rows)
-        k_cache = kv_caches[0][0]
-        groups, keep = self._groups(plan, block_tables, k_cache.shape[1])
+        if (plan.starts[-1] != rows or slot_mapping.shape != (rows,)
+                or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()
+                or hidden.dtype != torch.float32 or not hidden.is_contiguous()
+                or hidden.shape[1] != self._hidden):
+            raise ValueError(f"decode step: hidden {tuple(hidden.shape)}, slots "
+                             f"{tuple(slot_mapping.shape)} ({slot_mapping.dtype}) and a plan of "
+                             f"{plan.starts[-1]} rows do not fit together")
         caches = self._cache_pointers(kv_caches)
+        k_cache = kv_caches[0][0]
+        work = self._buffers(rows)
+        groups, keep = self._groups(plan, block_tables, k_cache.shape[1])
         num_pages = k_cache.shape[0]
         self._model.page_size = k_cache.shape[1]
         self._model.kv_bf16 = int(k_cache.dtype == torch.bfloat16)
@@ -168,10 +179,12 @@ class DenseDecodeStep:
         )
         del keep
         if rc == -2:
-            raise ValueError(f"decode step: a slot, page id or row outside the pool of "
-                             f"{num_pages} pages or the step's {rows} rows")
+            raise ValueError(f"decode step: a slot, page id, row or length outside the pool of "
+                             f"{num_pages} pages or the step's {rows} rows (nothing written)")
+        if rc == -3:
+            raise MemoryError("decode step: a kernel could not allocate its scratch")
         if rc != 0:
-            raise MemoryError(f"decode step: a kernel could not allocate its scratch ({rc})")
+            raise RuntimeError(f"decode step failed ({rc})")
         return hidden
 
     def _buffers(self, rows: int) -> list[torch.Tensor]:
@@ -189,10 +202,25 @@ class DenseDecodeStep:
         return views
 
     def _cache_pointers(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]):
-        key = tuple(t.data_ptr() for pair in kv_caches for t in pair)
-        if key != self._caches:
-            self._caches = key
-            self._cache_ptrs = (ctypes.c_void_p * len(key))(*key)
+        """The 2L cache pointers, rebuilt (and the pool's layout checked) when the pool
+        changes: one pair per layer, dense ``[num_pages, page_size, Hkv, D]`` fp32 or bf16,
+        all alike (the kernels index them with the model's sizes)."""
+        first = kv_caches[0][0] if kv_caches else None
+        pointers = tuple(t.data_ptr() for pair in kv_caches for t in pair)
+        key = (pointers, None if first is None else (tuple(first.shape), first.dtype))
+        if key == self._caches:
+            return self._cache_ptrs
+        heads = (self._model.num_kv_heads, self._head_dim)
+        if (first is None or len(kv_caches) != self._model.num_layers
+                or first.dtype not in (torch.float32, torch.bfloat16)
+                or first.dim() != 4 or tuple(first.shape[2:]) != heads
+                or any(t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous()
+                       or t.device.type != "cpu" for pair in kv_caches for t in pair)):
+            raise ValueError(f"decode step: {len(kv_caches)} K/V cache pairs do not fit "
+                             f"{self._model.num_layers} layers of {heads[0]} KV heads x "
+                             f"{heads[1]} (dense fp32 or bf16 pages on the CPU)")
+        self._caches = key
+        self._cache_ptrs = (ctypes.c_void_p * len(pointers))(*pointers)
         return self._cache_ptrs
 
     def _groups(self, plan: AttentionPlan, block_tables: torch.Tensor, page_size: int

@@ -5,7 +5,7 @@
 // Python costs a ctypes call and a fresh output tensor per op, a quarter of a b1 step on
 // SmolLM2. Here the loop over layers runs in C on preallocated buffers, and each op is the
 // same library function the per-op path calls, with the same arguments: the result is
-// bit-identical to that path (tests/kernels/test_decode_step.py), only the dispatch is gone.
+// bit-identical to that path (tests/engine/models/test_decode_step.py), only the dispatch is gone.
 // What each layer runs was bound once, at load (kernels/cpu/decode_step.py): the descriptors
 // below carry the packed weights and which kernel reads them.
 //
@@ -152,7 +152,7 @@ static int attend(const pg_dense_model *m, const float *qkv, int64_t ld_qkv, con
                                           m->page_size, m->scale, threads, num_pages,
                                           m->kv_bf16, 0, NULL);
             if (rc != 0)
-                return rc == -2 ? -2 : -3;
+                return -3;  // the addressing was checked: only its scratch can fail
             continue;
         }
         int rc = pg_paged_decode_f32(qkv, ld_qkv, kc, vc, grp->pages, grp->max_pages,
@@ -167,16 +167,55 @@ static int attend(const pg_dense_model *m, const float *qkv, int64_t ld_qkv, con
                                        m->num_heads, m->num_kv_heads, m->head_dim, m->page_size,
                                        m->scale, threads, num_pages, rows, m->kv_bf16);
         if (rc != 0)
-            return rc == -2 ? -2 : -3;
+            return -3;
     }
     return 0;
+}
+
+static int page_ok(int64_t page, int64_t num_pages) { return page >= 0 && page < num_pages; }
+
+// Every slot, row, length and page the step will use, checked once before layer 0 (the
+// addressing is the same for every layer): a bad one is refused before anything is written.
+static int addressing_ok(const pg_dense_model *m, int64_t num_pages, int64_t rows,
+                         const int64_t *slots, const pg_decode_group *groups, int num_groups) {
+    const int64_t num_slots = num_pages * m->page_size;
+    for (int64_t r = 0; r < rows; ++r)
+        if (slots[r] < -1 || slots[r] >= num_slots) return 0;
+    for (int g = 0; g < num_groups; ++g) {
+        const pg_decode_group *grp = &groups[g];
+        if (grp->prefill_rows > 0) {
+            if (grp->first_row < 0 || grp->first_row + grp->prefill_rows > rows ||
+                grp->ctx_len < grp->prefill_rows ||
+                grp->max_pages * m->page_size < grp->ctx_len)
+                return 0;
+            for (int64_t p = 0; p < (grp->ctx_len + m->page_size - 1) / m->page_size; ++p)
+                if (!page_ok(grp->pages[p], num_pages)) return 0;
+            continue;
+        }
+        for (int b = 0; b < grp->num_seqs; ++b) {
+            const int64_t len = grp->lengths[b];
+            if (grp->rows[b] < 0 || grp->rows[b] >= rows || len < 1 ||
+                len > grp->max_pages * m->page_size)
+                return 0;
+            for (int64_t p = 0; p < (len + m->page_size - 1) / m->page_size; ++p)
+                if (!page_ok(grp->pages[b * grp->max_pages + p], num_pages)) return 0;
+        }
+        if (grp->shared_len) {
+            if (grp->shared_len < 1 || grp->shared_len > grp->n_shared_pages * m->page_size)
+                return 0;
+            for (int64_t p = 0; p < grp->n_shared_pages; ++p)
+                if (!page_ok(grp->shared_pages[p], num_pages)) return 0;
+        }
+    }
+    return 1;
 }
 
 // The step. ``hidden [T, H]`` holds the embedded tokens and gets the last layer's output;
 // ``spare [T, H]`` and the other buffers are scratch of the sizes named. ``kv_caches``: 2 L
 // pointers (layer l's K then V pages, [num_pages, page_size, Hkv, D] fp32 or bf16); ``cos``,
-// ``sin``: [T, D/2] (NULL: no rotation). Returns 0, -2 for a slot, page or row out of range
-// (nothing is written from the layer that found it on), -3 when a kernel could not allocate.
+// ``sin``: [T, D/2] (NULL: no rotation). Returns 0; -2 for a slot, row, length or page out of
+// range (found before layer 0: nothing written); -3 when a kernel could not allocate its
+// scratch (the layers before it have written their K/V, as the per-op path would have).
 int pg_dense_decode_step(const pg_dense_model *m, void *const *kv_caches, int64_t num_pages,
                          float *hidden, float *spare, float *x, float *qkv, float *attn,
                          float *gate_up, float *act, int64_t rows, const float *cos_t,
@@ -186,6 +225,8 @@ int pg_dense_decode_step(const pg_dense_model *m, void *const *kv_caches, int64_
     const int q = m->num_heads * d, kv = m->num_kv_heads * d, inter = m->inter;
     const int64_t ld_qkv = q + 2 * kv, num_slots = num_pages * m->page_size;
     const int t = (int)rows;
+    if (!addressing_ok(m, num_pages, rows, slots, groups, num_groups))
+        return -2;
     for (int l = 0; l < m->num_layers; ++l) {
         const pg_dense_layer *layer = &m->layers[l];
         void *kc = kv_caches[2 * l], *vc = kv_caches[2 * l + 1];
@@ -200,7 +241,7 @@ int pg_dense_decode_step(const pg_dense_model *m, void *const *kv_caches, int64_
                                (uint16_t *)vc, slots, rows, kv, num_slots)
             : pg_write_kv_f32(qkv + q, ld_qkv, qkv + q + kv, ld_qkv, (float *)kc, (float *)vc,
                               slots, rows, kv, num_slots);
-        if (rc) return -2;
+        if (rc) return -2;  // not reached: the slots were checked
         rc = attend(m, qkv, ld_qkv, kc, vc, groups, num_groups, attn, num_pages, rows,
                     num_threads);
         if (rc) return rc;

@@ -129,10 +129,102 @@ def test_the_step_takes_shared_runs_as_cascade_groups(loaded_model):
     assert plan.shared and not plan.padded
 
 
-def test_it_binds_only_where_every_layer_fits(loaded_model):
+def test_a_residual_scale_keeps_the_per_op_path(loaded_model):
     runner = _runner(loaded_model, "fp32", None, num_pages=8)
     assert runner.model.decode_step is not None
     # a residual scale (Granite) is not in the native step: the model keeps the per-op path
     config = dataclasses.replace(loaded_model.config, residual_scale=0.5)
     scaled = _runner(dataclasses.replace(loaded_model, config=config), "fp32", None, 8)
     assert scaled.model.decode_step is None
+
+
+def _family(name: str):
+    from prefixgate.engine.loader import load_model
+    from tests.family_fixtures import family_fixture
+
+    return load_model(family_fixture(name).hf_dir)
+
+
+def _three_apart(runner: ModelRunner, vocab: int) -> tuple[list[list[int]], list[list[int]]]:
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(5, vocab, (n,), generator=gen).tolist() for n in (5, 21, 40)]
+    tables, next_page = [], 0
+    for prompt in prompts:
+        own = -(-(len(prompt) + 8) // PAGE)
+        tables.append(list(range(next_page, next_page + own)))
+        next_page += own
+    return prompts, tables
+
+
+def test_fp32_weights_a_bias_and_no_rope_are_bit_identical():
+    """Weights the default model does not have: fp32 matrices (linear.c, not blocks), q/k/v
+    biases (Qwen2's) and layers without RoPE, on a tiny Llama 3."""
+    loaded = _family("llama3")
+    config, layers = loaded.config, loaded.config.num_layers
+    gen = torch.Generator().manual_seed(11)
+    biases = {f"model.layers.{i}.self_attn.{n}_proj.bias":
+              torch.randn(size, generator=gen) * 0.1
+              for i in range(layers)
+              for n, size in (("q", config.q_size), ("k", config.kv_size), ("v", config.kv_size))}
+    variants = {
+        "fp32": loaded,
+        "bias": dataclasses.replace(loaded, config=dataclasses.replace(config, attention_bias=True),
+                                    weights={**loaded.weights, **biases}),
+        "no rope": dataclasses.replace(loaded, config=dataclasses.replace(
+            config, rope_layers=(False,) * layers)),
+    }
+    for name, variant in variants.items():
+        runner = _runner(variant, "fp32", None, num_pages=64)
+        qkv = runner.model.layers[0].qkv
+        assert qkv.native is not None and qkv.quant is None and not qkv.bf16, name
+        prompts, tables = _three_apart(runner, config.vocab_size)
+        ran: list[tuple[int, int, int]] = []
+        ours, pool_ours = _decode(runner, prompts, tables, steps=3, native=True, ran=ran)
+        ref, pool_ref = _decode(runner, prompts, tables, steps=3, native=False)
+        assert len(ran) == len(prompts) + 3, (name, ran)
+        for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
+            assert torch.equal(a, b), (name, step, (a - b).abs().max().item())
+        assert torch.equal(pool_ours, pool_ref), name
+
+
+@pytest.mark.parametrize("bad", ["slot", "page"])
+def test_bad_addressing_is_refused_before_anything_is_written(loaded_model, bad):
+    """A slot or a page id outside the pool is refused before layer 0 writes its K/V (the
+    kernels' own checks come per layer, after that layer's write)."""
+    runner = _runner(loaded_model, "fp32", None, num_pages=16)
+    step = runner.model.decode_step
+    prompts, tables = _three_apart(runner, 1000)
+    for prompt, table in zip(prompts, tables, strict=True):
+        runner.execute([SeqChunk(prompt, 0, table, True)])
+    before = runner.kv_pool.clone()
+    run = step.run
+    num_pages = runner.kv_pool.shape[2]
+
+    def corrupted(hidden, cos_sin, slots, block_tables, plan, kv_caches):
+        if bad == "slot":
+            slots = slots.clone()
+            slots[-1] = num_pages * PAGE  # one past the pool
+        else:
+            chunk = plan.padded[0]
+            pages = chunk.pages.clone()
+            pages[-1, 0] = num_pages
+            plan = dataclasses.replace(
+                plan, padded=[dataclasses.replace(chunk, pages=pages), *plan.padded[1:]])
+        return run(hidden, cos_sin, slots, block_tables, plan, kv_caches)
+    step.run = corrupted
+    try:
+        with pytest.raises(ValueError, match="nothing written"):
+            runner.execute([SeqChunk([p[-1]], len(p), t, True)
+                            for p, t in zip(prompts, tables, strict=True)])
+    finally:
+        del step.run
+    assert torch.equal(runner.kv_pool, before)
+
+
+def test_families_outside_the_dense_stack_keep_the_per_op_path(loaded_model, monkeypatch):
+    """Per-head q/k norms (Qwen3) and sliding layers with sandwich norms (Gemma 3) do not
+    bind; PREFIXGATE_DECODE_STEP=0 turns it off for any model."""
+    for name in ("qwen3", "gemma3"):
+        assert _runner(_family(name), "fp32", None, num_pages=8).model.decode_step is None, name
+    monkeypatch.setenv("PREFIXGATE_DECODE_STEP", "0")
+    assert _runner(loaded_model, "fp32", None, num_pages=8).model.decode_step is None
