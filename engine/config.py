@@ -244,6 +244,14 @@ class EngineConfig:
         True, flag="--native-kernels", switch=True, group=_MODEL,
         help="CPU fp32: native C kernels (decode attention, linear layers, fused layer ops), "
         "built on first use with cc (default {default})")
+    # with the native kernels: a dense model's small steps run every layer in one native call
+    # (kernels/cpu/decode_step.py), bit-identical to running the layers op by op; False = op by
+    # op (for comparisons: benchmarks.decode_step, the workload suite's --prefixgate-args)
+    native_decode_step: bool = setting(
+        True, flag="--native-decode-step", switch=True, group=_MODEL,
+        help="with the native kernels, run a dense model's steps of up to 128 rows (decode, "
+        "draft checks, small chunks) through every layer in one native call: the same results, "
+        "less Python per step (default {default})")
     # with the native kernels: run a GGUF's Q4_0/Q4_1/Q8_0 matrices in their blocks (a decode
     # step streams the blocks, not fp32, and the process holds under half the memory; from
     # ~16 rows the FMAs, not memory, bound it: benchmarks.model, docs/benchmarks.md);

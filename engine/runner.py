@@ -151,7 +151,7 @@ class ModelRunner:
             config, weights, device=self.device, dtype=self.dtype,
             max_positions=self.max_model_len, kernel_backend=self.kernel_backend,
             native_ops=self.native_cpu_kernels, quantized_weights=settings.quantized_weights,
-            int8_activations=self.int8_isa is not None,
+            int8_activations=self.int8_isa is not None, whole_step=settings.native_decode_step,
         )
         self.shared_prefix_attention = shared_prefix_attention
         self.page_size = settings.page_size

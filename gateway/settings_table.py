@@ -1,7 +1,7 @@
 """docs/settings.md: every flag of ``prefixgate serve`` and ``prefixgate route`` as a table,
 generated from the typed configs (engine/setting.py). A test keeps the file equal to it.
 
-Regenerate: ``python -m prefixgate.engine.settings_table`` (``--check`` only compares).
+Regenerate: ``python -m prefixgate.gateway.settings_table`` (``--check`` only compares).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ Every knob of `prefixgate serve` and `prefixgate route`: its flag, the environme
 mirrors it, its default and the config field it fills. The flag wins over the variable, which
 wins over the default; a repeatable flag's variable takes a comma-separated list. Generated from
 the typed configs (`EngineConfig`, `ServerSettings`, `ConnectionLimits`, `RouterSettings`: each
-field carries its flag and help, engine/setting.py) by `python -m prefixgate.engine.settings_table`;
+field carries its flag and help, engine/setting.py) by `python -m prefixgate.gateway.settings_table`;
 do not edit by hand (tests/gateway/test_settings_table.py compares).
 """
 
@@ -69,7 +69,7 @@ def main(argv: list[str]) -> int:
     text = render()
     if "--check" in argv:
         if DOC.read_text(encoding="utf-8") != text:
-            print(f"{DOC} is stale: run python -m prefixgate.engine.settings_table", file=sys.stderr)
+            print(f"{DOC} is stale: run python -m prefixgate.gateway.settings_table", file=sys.stderr)
             return 1
         return 0
     DOC.write_text(text, encoding="utf-8")

@@ -32,7 +32,6 @@ ggml blocks, ``int8``          linear_q8.c          (the q8 mode needs the nativ
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -94,12 +93,15 @@ class KernelChoice:
             activations): norm, activation, RoPE, the linear layers, the K/V write.
         quantized_weights: with ``native``, ggml-block matrices stay in their blocks.
         int8_activations: the q8 mode: those block matrices take int8-quantized inputs.
+        whole_step: with ``native``, a dense model's small steps run every layer in one
+            native call (:meth:`LayerOps.dense_decode_step`).
     """
 
     backend: str | None = None
     native: bool = False
     quantized_weights: bool = True
     int8_activations: bool = False
+    whole_step: bool = True
 
 
 # ---- the torch forms (any device; the oracle of the native ops in the tests) ----------
@@ -279,10 +281,10 @@ class LayerOps:
                           **shape: Any) -> DenseDecodeStep | None:
         """Every layer of a decode step in one native call (kernels/cpu/decode_step.py:
         bit-identical to running the layers' ops one by one), where each op of each layer is
-        one it runs; None otherwise, and where ``PREFIXGATE_DECODE_STEP=0`` (the per-op path,
-        for comparisons). ``shape``: ``hidden``, ``num_heads``, ``num_kv_heads``,
-        ``head_dim``, ``eps``, ``scale``."""
-        if not self.native or os.environ.get("PREFIXGATE_DECODE_STEP", "1") == "0":
+        one it runs; None otherwise, and where the runner asked for the per-op path
+        (``KernelChoice.whole_step``: ``--native-decode-step off``). ``shape``: ``hidden``,
+        ``num_heads``, ``num_kv_heads``, ``head_dim``, ``eps``, ``scale``."""
+        if not self.native or not self.choice.whole_step:
             return None
         return bind_dense_decode_step(layers, rope, **shape)
 

@@ -37,11 +37,13 @@ def build_model(
     native_ops: bool = False,
     quantized_weights: bool = True,
     int8_activations: bool = False,
+    whole_step: bool = True,
 ) -> Any:
     """Instantiate the model class of ``config.architecture``'s family on ``device``, its
     kernels chosen from the rest (``KernelChoice``, kernels/layer_ops.py)."""
     cls = family_for(config.architecture).model_class
-    choice = KernelChoice(kernel_backend, native_ops, quantized_weights, int8_activations)
+    choice = KernelChoice(kernel_backend, native_ops, quantized_weights, int8_activations,
+                          whole_step)
     return cls(config, weights, device=device, dtype=dtype, max_positions=max_positions,
                kernels=choice)
 

@@ -7,7 +7,7 @@ from prefixgate.gateway import cli, settings_table
 
 def test_the_docs_table_is_the_generated_one():
     assert settings_table.DOC.read_text(encoding="utf-8") == settings_table.render(), (
-        "docs/settings.md is stale: run python -m prefixgate.engine.settings_table")
+        "docs/settings.md is stale: run python -m prefixgate.gateway.settings_table")
 
 
 def test_every_flag_has_its_row():

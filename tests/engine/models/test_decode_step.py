@@ -221,10 +221,11 @@ def test_bad_addressing_is_refused_before_anything_is_written(loaded_model, bad)
     assert torch.equal(runner.kv_pool, before)
 
 
-def test_families_outside_the_dense_stack_keep_the_per_op_path(loaded_model, monkeypatch):
+def test_families_outside_the_dense_stack_keep_the_per_op_path(loaded_model):
     """Per-head q/k norms (Qwen3) and sliding layers with sandwich norms (Gemma 3) do not
-    bind; PREFIXGATE_DECODE_STEP=0 turns it off for any model."""
+    bind; ``--native-decode-step off`` turns it off for any model."""
     for name in ("qwen3", "gemma3"):
         assert _runner(_family(name), "fp32", None, num_pages=8).model.decode_step is None, name
-    monkeypatch.setenv("PREFIXGATE_DECODE_STEP", "0")
-    assert _runner(loaded_model, "fp32", None, num_pages=8).model.decode_step is None
+    off = ModelRunner.from_loaded(loaded_model, num_pages=8, page_size=PAGE, device="cpu",
+                                  native_decode_step=False)
+    assert off.model.decode_step is None
