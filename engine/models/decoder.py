@@ -123,6 +123,8 @@ class DecoderModel:
         self.int8_layers = place.int8_layers  # linear layers on int8 activations (q8 mode)
         # every layer of a decode step in one native call, where all of them fit it
         self.decode_step: DenseDecodeStep | None = self._bind_decode_step()
+        self._step_rotates = self.decode_step is not None and any(
+            layer.rope is not None for layer in self.layers)
 
     # ---- loading -----------------------------------------------------------------------
 
@@ -182,20 +184,21 @@ class DecoderModel:
 
     def _bind_decode_step(self) -> DenseDecodeStep | None:
         """The registry's whole-step decode for a plain pre-norm dense stack (no q/k or
-        sandwich norms, windows, sinks, residual scale or MoE; one RoPE table for all layers or
-        none), or None: the layers then run op by op."""
+        sandwich norms, windows, sinks, residual scale or MoE; one RoPE table, or
+        none per layer), or None: the layers then run op by op."""
         cfg = self.config
         ropes = {layer.rope for layer in self.layers}
-        if (self.residual_scale is not None or len(ropes) != 1 or any(
+        if (self.residual_scale is not None or not ropes <= {0, None} or any(
                 layer.input_norm is None or layer.mlp_norm is None or layer.qk_norm is not None
                 or layer.attn_out_norm is not None or layer.mlp_out_norm is not None
                 or layer.window is not None or layer.sinks is not None
                 or not isinstance(layer.mlp, DenseMLP) for layer in self.layers)):
             return None
         layers = [DenseLayerOps(layer.input_norm, layer.qkv.op, layer.o.op, layer.mlp_norm,
-                                layer.mlp.gate_up.op, layer.mlp.act, layer.mlp.down.op)
+                                layer.mlp.gate_up.op, layer.mlp.act, layer.mlp.down.op,
+                                rotate=layer.rope is not None)
                   for layer in self.layers]
-        rope = None if ropes == {None} else self._rotate
+        rope = self._rotate if 0 in ropes else None
         return self.ops.dense_decode_step(
             layers, rope, hidden=cfg.hidden_size, num_heads=cfg.num_heads,
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
@@ -323,8 +326,8 @@ class DecoderModel:
         step, plan = self.decode_step, batch.attention_plan
         if (step is not None and batch.recurrent is None
                 and step.accepts(hidden.shape[0], plan, kv_caches[0][0].dtype)):
-            rope = self.layers[0].rope  # the same for every layer where the step binds
-            cos_sin = None if rope is None else rope_tables[rope]
+            # the one table of every rotating layer (the step binds only then)
+            cos_sin = rope_tables[0] if self._step_rotates else None
             hidden = step.run(hidden.contiguous(), cos_sin, batch.slot_mapping,
                               batch.block_tables, plan, kv_caches)
         else:

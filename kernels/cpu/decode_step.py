@@ -12,7 +12,7 @@ Not reentrant: one workspace per model, and the step's page size and K/V dtype a
 the model's descriptor per call; a model's forward runs on one thread at a time (the engine's).
 
 It takes what the per-op path would run natively and nothing else: fp32 activations, native
-RMSNorm, SiLU-and-multiply and full-width RoPE (or none), each linear one of the native kinds
+RMSNorm, SiLU-and-multiply and full-width RoPE (one table; a layer may have none), each linear one of the native kinds
 (fp32, bf16, ggml blocks weight-only, q8), no q/k norms, no sandwich norms, no residual
 scale, no sliding window or attention sinks, and a step of at most ``MAX_ROWS`` rows (decode
 rows, draft verifications, small prefill chunks) whose attention the native kernels take
@@ -55,8 +55,8 @@ class _LinearOp(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _P), ("mlp_norm", _P), ("qkv", _LinearOp), ("o", _LinearOp),
-                ("gate_up", _LinearOp), ("down", _LinearOp)]
+    _fields_ = [("input_norm", _P), ("mlp_norm", _P), ("rotate", _I32), ("qkv", _LinearOp),
+                ("o", _LinearOp), ("gate_up", _LinearOp), ("down", _LinearOp)]
 
 
 class _Model(ctypes.Structure):
@@ -84,6 +84,7 @@ class DenseLayerOps:
     gate_up: object
     act: object
     down: object
+    rotate: bool = True  # False: a layer without RoPE (SmolLM3's NoPE layers)
 
 
 def _linear_op(op: object) -> _LinearOp | None:
@@ -259,10 +260,10 @@ def bind_dense_decode_step(
     """The whole-step decode of these layers, or None when any op is not one the native step
     runs (see the module docstring) or the library lacks it here.
 
-    ``rope``: the model's bound rotation (None: no layer rotates); every layer must use it or
-    none, as the caller ensures."""
+    ``rope``: the model's bound rotation, which every layer with ``rotate`` uses (None: no
+    layer rotates)."""
     lib = library()
-    if (lib is None or not layers
+    if (lib is None or not layers or (rope is None and any(layer.rotate for layer in layers))
             or num_heads // num_kv_heads > lib.max_group or head_dim > lib.max_head_dim
             or (rope is not None and not isinstance(rope, NativeRope))):
         return None
@@ -282,7 +283,8 @@ def bind_dense_decode_step(
                 or norms[0]._eps != eps or norms[1]._eps != eps):
             return None
         descriptors.append(_Layer(input_norm=norms[0]._weight_ptr, mlp_norm=norms[1]._weight_ptr,
-                                  qkv=qkv, o=o, gate_up=gate_up, down=down))
+                                  rotate=int(layer.rotate), qkv=qkv, o=o, gate_up=gate_up,
+                                  down=down))
         keep += [*norms, layer.qkv, layer.o, layer.gate_up, layer.down]
     array = (_Layer * len(descriptors))(*descriptors)
     model = _Model(num_layers=len(descriptors), hidden=hidden, num_heads=num_heads,

@@ -83,6 +83,7 @@ typedef struct {
 typedef struct {
     const float *input_norm;  // [H]
     const float *mlp_norm;    // [H]
+    int32_t rotate;           // 0: a layer without RoPE (SmolLM3's NoPE layers)
     pg_linear_op qkv, o, gate_up, down;
 } pg_dense_layer;
 
@@ -233,7 +234,7 @@ int pg_dense_decode_step(const pg_dense_model *m, void *const *kv_caches, int64_
         pg_rms_norm_f32(hidden, h, layer->input_norm, x, h, rows, h, m->eps, num_threads);
         int rc = run_linear(&layer->qkv, x, h, NULL, 0, qkv, ld_qkv, t, num_threads);
         if (rc) return rc;
-        if (cos_t != NULL)  // q and k heads turn together: they are adjacent in each row
+        if (cos_t != NULL && layer->rotate)  // q and k heads turn together: adjacent in a row
             pg_rope_f32(qkv, ld_qkv, m->num_heads + m->num_kv_heads, d, cos_t, sin_t, rows,
                         num_threads);
         rc = m->kv_bf16

@@ -158,7 +158,8 @@ def _three_apart(runner: ModelRunner, vocab: int) -> tuple[list[list[int]], list
 
 def test_fp32_weights_a_bias_and_no_rope_are_bit_identical():
     """Weights the default model does not have: fp32 matrices (linear.c, not blocks), q/k/v
-    biases (Qwen2's) and layers without RoPE, on a tiny Llama 3."""
+    biases (Qwen2's) and layers without RoPE, on a tiny Llama 3; and SmolLM3's mix of layers
+    with and without RoPE."""
     loaded = _family("llama3")
     config, layers = loaded.config, loaded.config.num_layers
     gen = torch.Generator().manual_seed(11)
@@ -173,7 +174,11 @@ def test_fp32_weights_a_bias_and_no_rope_are_bit_identical():
         "no rope": dataclasses.replace(loaded, config=dataclasses.replace(
             config, rope_layers=(False,) * layers)),
     }
+    # SmolLM3: every fourth layer without RoPE, the others with it
+    variants["smollm3"] = _family("smollm3")
+    assert set(variants["smollm3"].config.rope_layers) == {True, False}
     for name, variant in variants.items():
+        config = variant.config
         runner = _runner(variant, "fp32", None, num_pages=64)
         qkv = runner.model.layers[0].qkv
         assert qkv.native is not None and qkv.quant is None and not qkv.bf16, name
