@@ -26,6 +26,13 @@ BEFORE = json.loads((Path(__file__).parent / "cli_flags_before_39.json").read_te
 WIDENED = {("serve", "--parse-special-tokens"): {"0", "1"},
            ("route", "--parse-special-tokens"): {"0", "1"},
            ("route", "--metrics-public"): {"0", "1"}}
+# Flags added since (each one field of a typed config): its variable, and the field it fills
+# with its default and with "off"
+ADDED = {
+    "serve": {"--native-decode-step": ("PREFIXGATE_NATIVE_DECODE_STEP",
+                                       "engine.native_decode_step", "True", "False")},
+    "route": {},
+}
 
 
 def _fields(record: object, prefix: str) -> dict[str, str]:
@@ -62,8 +69,11 @@ def keys_file(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("command", ["serve", "route"])
 def test_the_same_flags_and_variables(command):
     knobs = cli.command_knobs(command)
-    assert {k.spec.flag for k in knobs} == set(BEFORE[command]["flags"])
+    assert {k.spec.flag for k in knobs} == set(BEFORE[command]["flags"]) | set(ADDED[command])
     for knob in knobs:
+        if knob.spec.flag in ADDED[command]:
+            assert knob.spec.env == ADDED[command][knob.spec.flag][0]
+            continue
         before = BEFORE[command]["flags"][knob.spec.flag]
         assert knob.spec.env == before["env"]
         assert knob.spec.repeatable == before["append"], knob.spec.flag
@@ -74,7 +84,18 @@ def test_the_same_flags_and_variables(command):
 @pytest.mark.parametrize("command", ["serve", "route"])
 def test_no_flag_gives_the_same_configs(command, keys_file):
     before = BEFORE[command]
-    assert _state(command, before["base_argv"], {}, keys_file) == before["defaults"]
+    added = {field: default for _, field, default, _ in ADDED[command].values()}
+    assert _state(command, before["base_argv"], {}, keys_file) == {**before["defaults"], **added}
+
+
+@pytest.mark.parametrize("command, flag", [(c, f) for c in ADDED for f in ADDED[c]])
+def test_each_added_flag_and_its_variable_set_their_field(command, flag, keys_file):
+    env_name, field, _, off = ADDED[command][flag]
+    base_argv = BEFORE[command]["base_argv"]
+    defaults = _state(command, base_argv, {}, keys_file)
+    for argv, env in (([*base_argv, flag, "off"], {}), (base_argv, {env_name: "off"})):
+        got = _state(command, argv, env, keys_file)
+        assert {k: v for k, v in got.items() if defaults.get(k) != v} == {field: off}
 
 
 @pytest.mark.parametrize("command, flag", [(c, f) for c in ("serve", "route")
