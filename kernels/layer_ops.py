@@ -57,7 +57,7 @@ from prefixgate.kernels.cpu.linear_quant import (
     quant_native_available,
 )
 from prefixgate.kernels.cpu.mxfp4 import Mxfp4Linear
-from prefixgate.kernels.cpu.ops import NativeRMSNorm, NativeRope, NativeSiluMul
+from prefixgate.kernels.cpu.ops import NativeHeadNorm, NativeRMSNorm, NativeRope, NativeSiluMul
 from prefixgate.kernels.quant import QuantizedTensor
 from prefixgate.kernels.torch_cpu.linear import (
     BF16Linear,
@@ -243,6 +243,18 @@ class LayerOps:
         callers pass 2-D rows with a unit column stride (see ``NativeRMSNorm``)."""
         fits = weight.dim() == 1 and weight.dtype == torch.float32 and weight.device.type == "cpu"
         return NativeRMSNorm(weight, eps) if self.native and fits else _TorchNorm(weight, eps)
+
+    def head_norm(self, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                  num_heads: int, num_kv_heads: int) -> Op:
+        """Per-head RMSNorm of ``qk [T, Hq + Hkv, D]``, q heads with ``q_weight``, k heads with
+        ``k_weight`` (``[D]`` each): natively in place (dense heads, rows at any stride), else
+        the torch form over one ``[Hq + Hkv, D]`` weight (a new tensor)."""
+        fits = all(w.dim() == 1 and w.dtype == torch.float32 and w.device.type == "cpu"
+                   for w in (q_weight, k_weight))
+        if self.native and fits:
+            return NativeHeadNorm(q_weight, k_weight, eps, num_heads, num_kv_heads)
+        weight = torch.cat([q_weight.expand(num_heads, -1), k_weight.expand(num_kv_heads, -1)])
+        return _TorchNorm(weight, eps)
 
     def gated_activation(self, activation: str) -> Op:
         """``gate_up [T, 2I] -> act(gate) * up`` for ``"silu"`` (native where it runs) or

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from prefixgate.engine.model_config import ModelConfig, check_weights
 from prefixgate.engine.models.forward_batch import ForwardBatch
 from prefixgate.engine.models.gpt_oss_moe import GptOssMoE, load_gpt_oss_moe
-from prefixgate.engine.models.layers import DenseMLP, activation_dtype, rms_norm
+from prefixgate.engine.models.layers import DenseMLP, activation_dtype
 from prefixgate.engine.models.linear import Linear
 from prefixgate.engine.models.moe import GroupedMoEMLP, MoEMLP
 from prefixgate.engine.models.rope import RotaryEmbedding
@@ -183,20 +183,20 @@ class DecoderModel:
         )
 
     def _bind_decode_step(self) -> DenseDecodeStep | None:
-        """The registry's whole-step decode for a plain pre-norm dense stack (no q/k or
-        sandwich norms, windows, sinks, residual scale or MoE; one RoPE table, or
+        """The registry's whole-step decode for a plain pre-norm dense stack (per-head q/k
+        norms or none; no sandwich norms, windows, sinks, residual scale or MoE; one RoPE table, or
         none per layer), or None: the layers then run op by op."""
         cfg = self.config
         ropes = {layer.rope for layer in self.layers}
         if (self.residual_scale is not None or not ropes <= {0, None} or any(
-                layer.input_norm is None or layer.mlp_norm is None or layer.qk_norm is not None
+                layer.input_norm is None or layer.mlp_norm is None
                 or layer.attn_out_norm is not None or layer.mlp_out_norm is not None
                 or layer.window is not None or layer.sinks is not None
                 or not isinstance(layer.mlp, DenseMLP) for layer in self.layers)):
             return None
         layers = [DenseLayerOps(layer.input_norm, layer.qkv.op, layer.o.op, layer.mlp_norm,
                                 layer.mlp.gate_up.op, layer.mlp.act, layer.mlp.down.op,
-                                rotate=layer.rope is not None)
+                                rotate=layer.rope is not None, qk_norm=layer.qk_norm)
                   for layer in self.layers]
         rope = self._rotate if 0 in ropes else None
         return self.ops.dense_decode_step(
@@ -215,10 +215,9 @@ class DecoderModel:
             return partial(_norm_q_and_k, q_norm=self.ops.rms_norm(q_norm, cfg.rms_norm_eps),
                            k_norm=self.ops.rms_norm(k_norm, cfg.rms_norm_eps),
                            q_size=q_norm.shape[0])
-        # one [Hq + Hkv, D] weight: q and k are normed (and rotated) together as one tensor; the
-        # torch form: the heads of a strided [T, Hq + Hkv, D] view are not rows of one stride
-        weight = torch.cat([q_norm.expand(cfg.num_heads, -1), k_norm.expand(cfg.num_kv_heads, -1)])
-        return partial(rms_norm, weight=weight, eps=cfg.rms_norm_eps)
+        # q and k heads are normed (and rotated) together, one op over the [T, Hq + Hkv, D] view
+        return self.ops.head_norm(q_norm, k_norm, cfg.rms_norm_eps, cfg.num_heads,
+                                  cfg.num_kv_heads)
 
     def _mlp(self, place: WeightPlacer, prefix: str) -> DenseMLP | MoEMLP | GptOssMoE:
         cfg = self.config

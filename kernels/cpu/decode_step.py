@@ -12,8 +12,9 @@ Not reentrant: one workspace per model, and the step's page size and K/V dtype a
 the model's descriptor per call; a model's forward runs on one thread at a time (the engine's).
 
 It takes what the per-op path would run natively and nothing else: fp32 activations, native
-RMSNorm, SiLU-and-multiply and full-width RoPE (one table; a layer may have none), each linear one of the native kinds
-(fp32, bf16, ggml blocks weight-only, q8), no q/k norms, no sandwich norms, no residual
+RMSNorm, per-head q/k norms or none, SiLU-and-multiply and full-width RoPE (one table; a layer
+may have none), each linear one of the native kinds
+(fp32, bf16, ggml blocks weight-only, q8), no sandwich norms, no residual
 scale, no sliding window or attention sinks, and a step of at most ``MAX_ROWS`` rows (decode
 rows, draft verifications, small prefill chunks) whose attention the native kernels take
 (:meth:`DenseDecodeStep.accepts`). Anything else stays on
@@ -38,7 +39,7 @@ from prefixgate.kernels.cpu.linear_quant import (
     NativeLinearQ8,
     NativeLinearQuant,
 )
-from prefixgate.kernels.cpu.ops import NativeRMSNorm, NativeRope, NativeSiluMul
+from prefixgate.kernels.cpu.ops import NativeHeadNorm, NativeRMSNorm, NativeRope, NativeSiluMul
 
 _P, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
@@ -55,8 +56,9 @@ class _LinearOp(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _P), ("mlp_norm", _P), ("rotate", _I32), ("qkv", _LinearOp),
-                ("o", _LinearOp), ("gate_up", _LinearOp), ("down", _LinearOp)]
+    _fields_ = [("input_norm", _P), ("mlp_norm", _P), ("rotate", _I32), ("q_norm", _P),
+                ("k_norm", _P), ("qkv", _LinearOp), ("o", _LinearOp), ("gate_up", _LinearOp),
+                ("down", _LinearOp)]
 
 
 class _Model(ctypes.Structure):
@@ -85,6 +87,7 @@ class DenseLayerOps:
     act: object
     down: object
     rotate: bool = True  # False: a layer without RoPE (SmolLM3's NoPE layers)
+    qk_norm: object | None = None  # per-head q/k norms (Qwen3), before the rotation
 
 
 def _linear_op(op: object) -> _LinearOp | None:
@@ -273,8 +276,15 @@ def bind_dense_decode_step(
         norms = (layer.input_norm, layer.mlp_norm)
         linears = [_linear_op(op) for op in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         if (not all(isinstance(norm, NativeRMSNorm) for norm in norms)
-                or not isinstance(layer.act, NativeSiluMul) or any(op is None for op in linears)):
+                or not isinstance(layer.act, NativeSiluMul) or any(op is None for op in linears)
+                or not (layer.qk_norm is None or isinstance(layer.qk_norm, NativeHeadNorm))):
             return None
+        qk_norm = (None, None)
+        if layer.qk_norm is not None:
+            head_norm = layer.qk_norm
+            if head_norm._heads != (num_heads, num_kv_heads, head_dim) or head_norm._eps != eps:
+                return None
+            qk_norm = head_norm._pointers
         qkv, o, gate_up, down = linears
         inter = down.k if inter is None else inter
         q, kv = num_heads * head_dim, num_kv_heads * head_dim
@@ -283,9 +293,9 @@ def bind_dense_decode_step(
                 or norms[0]._eps != eps or norms[1]._eps != eps):
             return None
         descriptors.append(_Layer(input_norm=norms[0]._weight_ptr, mlp_norm=norms[1]._weight_ptr,
-                                  rotate=int(layer.rotate), qkv=qkv, o=o, gate_up=gate_up,
-                                  down=down))
-        keep += [*norms, layer.qkv, layer.o, layer.gate_up, layer.down]
+                                  rotate=int(layer.rotate), q_norm=qk_norm[0],
+                                  k_norm=qk_norm[1], qkv=qkv, o=o, gate_up=gate_up, down=down))
+        keep += [*norms, layer.qkv, layer.o, layer.gate_up, layer.down, layer.qk_norm]
     array = (_Layer * len(descriptors))(*descriptors)
     model = _Model(num_layers=len(descriptors), hidden=hidden, num_heads=num_heads,
                    num_kv_heads=num_kv_heads, head_dim=head_dim, inter=inter, eps=eps,

@@ -249,6 +249,7 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     ], _i32),
     # cpu_ops.c
     "pg_rms_norm_f32": ([_p, _i64, _p, _p, _i64, _i64, _i32, _f32, _i32], None),
+    "pg_rms_norm_heads_f32": ([_p, _i64, _i32, _i32, _i32, _p, _p, _i64, _f32, _i32], None),
     "pg_silu_mul_f32": ([_p, _i64, _p, _i64, _i32, _i32], None),
     "pg_rope_f32": ([_p, _i64, _i32, _i32, _p, _p, _i64, _i32], None),
     "pg_write_kv_f32": ([_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64, _i64], _i32),

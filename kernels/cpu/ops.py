@@ -280,6 +280,26 @@ class NativeRMSNorm:
         return out
 
 
+class NativeHeadNorm:
+    """Per-head RMSNorm of q and k heads in place (Qwen3's q/k norms), bound at load to the
+    two ``[D]`` fp32 weights: ``qk [T, Hq + Hkv, D]`` (dense heads, rows at any stride: the q|k
+    view of a fused projection) -> ``qk``, normed; nothing is checked per call."""
+
+    __slots__ = ("_eps", "_heads", "_kernel", "_pointers", "_weights")
+
+    def __init__(self, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                 num_heads: int, num_kv_heads: int) -> None:
+        self._weights = (q_weight.contiguous(), k_weight.contiguous())
+        self._pointers = tuple(w.data_ptr() for w in self._weights)
+        self._heads, self._eps = (num_heads, num_kv_heads, q_weight.shape[0]), eps
+        self._kernel = library().pg_rms_norm_heads_f32
+
+    def __call__(self, qk: torch.Tensor) -> torch.Tensor:
+        self._kernel(qk.data_ptr(), qk.stride(0), *self._heads, *self._pointers, qk.shape[0],
+                     self._eps, torch.get_num_threads())
+        return qk
+
+
 class NativeSiluMul:
     """:func:`silu_mul_native` bound at load: ``gate_up [T, 2I]`` (a projection's fresh fp32
     output, dense rows) -> ``[T, I]``; nothing is checked per call."""
@@ -317,6 +337,7 @@ class NativeRope:
 
 __all__ = [
     "BF16_AMX_MIN_ROWS",
+    "NativeHeadNorm",
     "BF16_K_ALIGN",
     "LINEAR_COLS",
     "NativeKVWriter",

@@ -48,6 +48,22 @@ void pg_rms_norm_f32(const float *x, int64_t x_stride, const float *weight, floa
     PG_FOR_ROWS(par, num_threads, rows, r, { rms_norm_row(x + r * x_stride, weight, out + r * out_stride, dim, eps); })
 }
 
+/* Per-head RMSNorm in place (Qwen3's q/k norms over a fused q|k|v row): in each of `rows`
+ * rows (`row_stride` floats apart) the first `q_heads` heads of `head_dim` floats are normed
+ * with `q_weight`, the next `k_heads` with `k_weight`; v and whatever follows is untouched. */
+void pg_rms_norm_heads_f32(float *x, int64_t row_stride, int q_heads, int k_heads, int head_dim,
+                           const float *q_weight, const float *k_weight, int64_t rows, float eps,
+                           int num_threads) {
+    const int heads = q_heads + k_heads;
+    const int par = (int64_t)rows * heads * head_dim >= PARALLEL_MIN_ELEMS && num_threads > 1;
+    PG_FOR_ROWS(par, num_threads, rows, r, {
+        float *row = x + r * row_stride;
+        for (int h = 0; h < heads; ++h)
+            rms_norm_row(row + (int64_t)h * head_dim, h < q_heads ? q_weight : k_weight,
+                         row + (int64_t)h * head_dim, head_dim, eps);
+    })
+}
+
 static inline void silu_mul_row(const float *g, float *dst, int inter) {
     const float *u = g + inter;
 #pragma omp simd

@@ -9,7 +9,7 @@
 // What each layer runs was bound once, at load (kernels/cpu/decode_step.py): the descriptors
 // below carry the packed weights and which kernel reads them.
 //
-// Layer: x = norm(h); qkv = x W_qkv (+ b); rotate q|k; write k, v into the pages; attention of
+// Layer: x = norm(h); qkv = x W_qkv (+ b); per-head q/k norms (Qwen3); rotate q|k; write k, v into the pages; attention of
 // each row over its pages (plain groups, cascade groups sharing a run of pages, or one
 // sequence's consecutive rows, causal); h += attn
 // W_o; x = norm(h); h += silu(x W_gate) * (x W_up) W_down.
@@ -20,6 +20,9 @@
 // ---- the library's kernels this loop calls (their own files document them) -----------------
 void pg_rms_norm_f32(const float *x, int64_t x_stride, const float *weight, float *out,
                      int64_t out_stride, int64_t rows, int dim, float eps, int num_threads);
+void pg_rms_norm_heads_f32(float *x, int64_t row_stride, int q_heads, int k_heads, int head_dim,
+                           const float *q_weight, const float *k_weight, int64_t rows, float eps,
+                           int num_threads);
 void pg_silu_mul_f32(const float *gate_up, int64_t gu_stride, float *out, int64_t rows,
                      int inter, int num_threads);
 void pg_rope_f32(float *x, int64_t row_stride, int num_heads, int head_dim, const float *cos_t,
@@ -84,6 +87,8 @@ typedef struct {
     const float *input_norm;  // [H]
     const float *mlp_norm;    // [H]
     int32_t rotate;           // 0: a layer without RoPE (SmolLM3's NoPE layers)
+    const float *q_norm;      // [D] per-head q norm (Qwen3), NULL: none (k_norm likewise)
+    const float *k_norm;
     pg_linear_op qkv, o, gate_up, down;
 } pg_dense_layer;
 
@@ -234,6 +239,9 @@ int pg_dense_decode_step(const pg_dense_model *m, void *const *kv_caches, int64_
         pg_rms_norm_f32(hidden, h, layer->input_norm, x, h, rows, h, m->eps, num_threads);
         int rc = run_linear(&layer->qkv, x, h, NULL, 0, qkv, ld_qkv, t, num_threads);
         if (rc) return rc;
+        if (layer->q_norm != NULL)  // normed before they turn, as the per-op path does
+            pg_rms_norm_heads_f32(qkv, ld_qkv, m->num_heads, m->num_kv_heads, d, layer->q_norm,
+                                  layer->k_norm, rows, m->eps, num_threads);
         if (cos_t != NULL && layer->rotate)  // q and k heads turn together: adjacent in a row
             pg_rope_f32(qkv, ld_qkv, m->num_heads + m->num_kv_heads, d, cos_t, sin_t, rows,
                         num_threads);

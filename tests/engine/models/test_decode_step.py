@@ -158,8 +158,8 @@ def _three_apart(runner: ModelRunner, vocab: int) -> tuple[list[list[int]], list
 
 def test_fp32_weights_a_bias_and_no_rope_are_bit_identical():
     """Weights the default model does not have: fp32 matrices (linear.c, not blocks), q/k/v
-    biases (Qwen2's) and layers without RoPE, on a tiny Llama 3; and SmolLM3's mix of layers
-    with and without RoPE."""
+    biases (Qwen2's) and layers without RoPE, on a tiny Llama 3; SmolLM3's mix of layers with
+    and without RoPE; Qwen3's per-head q/k norms."""
     loaded = _family("llama3")
     config, layers = loaded.config, loaded.config.num_layers
     gen = torch.Generator().manual_seed(11)
@@ -174,9 +174,11 @@ def test_fp32_weights_a_bias_and_no_rope_are_bit_identical():
         "no rope": dataclasses.replace(loaded, config=dataclasses.replace(
             config, rope_layers=(False,) * layers)),
     }
-    # SmolLM3: every fourth layer without RoPE, the others with it
+    # SmolLM3: every fourth layer without RoPE, the others with it; Qwen3: per-head q/k norms
     variants["smollm3"] = _family("smollm3")
     assert set(variants["smollm3"].config.rope_layers) == {True, False}
+    variants["qwen3"] = _family("qwen3")
+    assert variants["qwen3"].config.qk_norm and not variants["qwen3"].config.qk_norm_full
     for name, variant in variants.items():
         config = variant.config
         runner = _runner(variant, "fp32", None, num_pages=64)
@@ -227,9 +229,10 @@ def test_bad_addressing_is_refused_before_anything_is_written(loaded_model, bad)
 
 
 def test_families_outside_the_dense_stack_keep_the_per_op_path(loaded_model):
-    """Per-head q/k norms (Qwen3) and sliding layers with sandwich norms (Gemma 3) do not
-    bind; ``--native-decode-step off`` turns it off for any model."""
-    for name in ("qwen3", "gemma3"):
+    """Sliding layers with sandwich norms (Gemma 3), q/k norms over whole projections with
+    post-norms (OLMo 2) and a residual scale (Granite) do not bind; ``--native-decode-step off``
+    turns it off for any model."""
+    for name in ("gemma3", "olmo2", "granite"):
         assert _runner(_family(name), "fp32", None, num_pages=8).model.decode_step is None, name
     off = ModelRunner.from_loaded(loaded_model, num_pages=8, page_size=PAGE, device="cpu",
                                   native_decode_step=False)

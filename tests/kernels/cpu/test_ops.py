@@ -45,6 +45,28 @@ def test_rms_norm_matches_torch_on_strided_rows(rows: int, dim: int) -> None:
     assert zeros is not None and torch.equal(zeros, torch.zeros(2, dim))
 
 
+# decode rows, and enough rows x heads x dims to take the OpenMP path
+@pytest.mark.parametrize("rows", [1, 3, 200])
+def test_head_norm_norms_q_and_k_heads_in_place_and_leaves_v(rows: int) -> None:
+    """Qwen3's per-head q/k norms on the q|k view of a fused q|k|v row (kernels/cpu/ops.py:
+    NativeHeadNorm, bound through the registry): q heads with one weight, k heads with the
+    other, v and the row's other columns untouched."""
+    from prefixgate.kernels.cpu.ops import NativeHeadNorm
+
+    torch.manual_seed(rows)
+    heads, kv_heads, dim = 6, 2, 64
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim) * 3
+    before = qkv.clone()
+    q_weight, k_weight = torch.rand(dim) + 0.5, torch.rand(dim) + 0.5
+    qk = qkv[:, : (heads + kv_heads) * dim].view(rows, heads + kv_heads, dim)
+    out = NativeHeadNorm(q_weight, k_weight, 1e-6, heads, kv_heads)(qk)
+    assert out.data_ptr() == qkv.data_ptr()  # in place
+    view = before[:, : (heads + kv_heads) * dim].view(rows, heads + kv_heads, dim)
+    weight = torch.cat([q_weight.expand(heads, -1), k_weight.expand(kv_heads, -1)])
+    torch.testing.assert_close(out, _torch_rms_norm(view, weight, 1e-6), **FP32)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim:], before[:, (heads + kv_heads) * dim:])
+
+
 @pytest.mark.parametrize("rows", [1, 3, 100])
 def test_silu_mul_matches_torch(rows: int) -> None:
     torch.manual_seed(rows)
