@@ -119,15 +119,16 @@ class DenseDecodeStep:
         self._model, self._layers = model, layers
         self._keep = keep  # the ops whose weights the descriptors point into
         self._hidden, self._q, self._kv, self._inter, self._heads, self._head_dim = sizes
-        self._function = library().pg_dense_decode_step
+        lib = library()
+        self._function = lib.pg_dense_decode_step
         self._workspace = torch.empty(0, dtype=torch.float32)
         self._caches: tuple[object, ...] = ()
         self._cache_ptrs: ctypes.Array | None = None
-        lib = library()
-        self._cascade_rows = lib.cascade_max_rows
+        # the kernels' limits, read once: sequences a cascade group may hold (-1: none), and
+        # whether the prefill kernel takes these heads
         group = self._heads // self._model.num_kv_heads
-        self._cascade_ok = (self._head_dim % 16 == 0
-                            and self._head_dim <= lib.cascade_max_head_dim)
+        cascade_ok = self._head_dim % 16 == 0 and self._head_dim <= lib.cascade_max_head_dim
+        self._cascade_seqs = lib.cascade_max_rows // group if cascade_ok else -1
         self._prefill_ok = (self._head_dim % 16 == 0 and self._head_dim
                             <= lib.prefill_max_head_dim and group <= lib.prefill_max_group)
 
@@ -140,9 +141,7 @@ class DenseDecodeStep:
             return False
         if plan.prefill and not self._prefill_ok:
             return False
-        group = self._heads // self._model.num_kv_heads
-        return all(self._cascade_ok and g.suffix.rows.shape[0] * group <= self._cascade_rows
-                   for g in plan.shared)
+        return all(g.suffix.rows.shape[0] <= self._cascade_seqs for g in plan.shared)
 
     def run(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
             slot_mapping: torch.Tensor, block_tables: torch.Tensor, plan: AttentionPlan,

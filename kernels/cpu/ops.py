@@ -337,9 +337,9 @@ class NativeRope:
 
 __all__ = [
     "BF16_AMX_MIN_ROWS",
-    "NativeHeadNorm",
     "BF16_K_ALIGN",
     "LINEAR_COLS",
+    "NativeHeadNorm",
     "NativeKVWriter",
     "NativeRMSNorm",
     "NativeRope",
